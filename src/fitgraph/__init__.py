@@ -1,0 +1,21 @@
+"""fitgraph: make PyTorch training fit in memory, fast.
+
+Capture a whole training step as a graph, plan it within a memory budget, prove the plan by
+simulation, and execute it with the same results as eager PyTorch.
+
+Example:
+    >>> import torch, fitgraph
+    >>> model = torch.nn.Linear(4, 1)
+    >>> g = fitgraph.capture(model, torch.randn(2, 4), lambda m, b: m(b).sum())
+    >>> g.summary()["nodes"] > 0
+    True
+"""
+
+from .capture.api import capture
+from .capture.errors import CaptureError
+from .graph.ir import Graph, Phase, Role
+from .plan.eager import eager_plan
+from .plan.instructions import Plan
+
+__all__ = ["CaptureError", "Graph", "Phase", "Plan", "Role", "capture", "eager_plan"]
+__version__ = "0.1.0"

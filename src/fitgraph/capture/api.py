@@ -1,0 +1,76 @@
+"""``fitgraph.capture``: one training step of any nn.Module as a torch-free Graph.
+
+Example:
+    >>> import torch, fitgraph
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    >>> batch = (torch.randn(4, 8), torch.randn(4, 1))
+    >>> loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> g = fitgraph.capture(model, batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> sorted({n.phase.value for n in g.nodes})
+    ['backward', 'forward', 'loss', 'optimizer']
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..graph.analysis import verify_graph
+from ..graph.ir import Graph, Role
+from .calling import LossFn
+from .convert import fx_to_builder
+from .optimizer import add_optimizer_nodes, describe_optimizer
+from .tracer import trace_step
+
+__all__ = ["capture"]
+
+
+def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
+            optimizer: torch.optim.Optimizer | None = None, *,
+            device: str | torch.device | None = None) -> Graph:
+    """Capture forward, loss, backward and (with ``optimizer``) the update of one step.
+
+    Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
+    is captured as if it lived on ``device`` (default cpu), so models bigger than this machine
+    can be planned. Raises ``fitgraph.CaptureError`` naming the module and op for what cannot be
+    captured.
+    """
+    t0 = time.perf_counter()
+    dev = torch.device(device) if device is not None else None
+    if optimizer is not None:
+        describe_optimizer(optimizer)  # NOTE: fail before tracing, not after
+    traced = trace_step(model, batch, loss_fn, dev)
+    input_names = [(f"param:{n}", Role.PARAMETER) for n in traced.param_names]
+    input_names += [(f"buffer:{n}", Role.BUFFER) for n in traced.buffer_names]
+    input_names += [(f"batch:{i}", Role.INPUT) for i in range(traced.n_batch)]
+    cs, outputs, no_grad = fx_to_builder(traced, input_names)
+    b = cs.b
+    param_values = {n: b.inputs[i] for i, n in enumerate(traced.param_names)}
+    grad_values = {k.removeprefix("grad:"): v for k, v in outputs.items() if k.startswith("grad:")}
+    kind = None
+    if optimizer is not None:
+        kind = describe_optimizer(optimizer)
+        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        devs = {str(p.device) for p in model.parameters()}
+        out_dev = str(dev) if dev is not None and devs == {"meta"} else next(iter(devs))
+        outputs.update(add_optimizer_nodes(b, optimizer, param_values=param_values,
+                                           grad_values=grad_values, param_names=names,
+                                           device=out_dev))
+    graph = b.finish(outputs, meta={
+        "model": type(model).__name__,
+        "param_names": traced.param_names,
+        "buffer_names": traced.buffer_names,
+        "batch_spec": traced.batch_spec,
+        "constants": cs.constants,
+        "optimizer": kind,
+        "params_without_grad": no_grad,
+        "capture_s": time.perf_counter() - t0,
+    })
+    for key, vid in outputs.items():
+        if key.startswith("state:"):
+            graph.values[vid].role = Role.OPTIMIZER_STATE
+            graph.storages[graph.values[vid].storage].role = Role.OPTIMIZER_STATE
+    verify_graph(graph)
+    return graph

@@ -1,0 +1,181 @@
+"""Convert a traced fx GraphModule into fitgraph's torch-free Graph IR.
+
+Storage identity comes from the FakeTensors' storages (views and in-place results share one);
+``getitem`` nodes on multi-output ops become plain output values; mutated arguments come from
+the op schema's alias annotations; random ops from the ``nondeterministic_seeded`` tag; FLOPs
+from torch's own flop formulas (for the roofline cost model).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from ..graph.ir import GraphBuilder, Node, Phase, Role, ValueRef
+from .errors import CaptureError
+from .tracer import TracedStep
+
+__all__ = ["ConvertState", "dtype_name", "fx_to_builder"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _device_name(t: torch.Tensor) -> str:
+    return str(t.device)
+
+
+class ConvertState:
+    """Maps fx nodes and fake storages to IR values and storages during conversion."""
+
+    def __init__(self) -> None:
+        self.b = GraphBuilder()
+        self.storage_ids: dict[StorageWeakRef, int] = {}
+        self.fx_value: dict[torch.fx.Node, int] = {}          # fx node -> value id
+        self.fx_multi: dict[torch.fx.Node, list[int | None]] = {}  # multi-output op -> outputs
+        self.keepalive: list[torch.Tensor] = []  # NOTE: weakrefs need their storages kept alive
+        self.constants: dict[str, torch.Tensor] = {}
+
+    def value_for(self, t: torch.Tensor, name: str, role: Role, phase: Phase, module: str,
+                  producer: int | None, as_input: bool) -> int:
+        self.keepalive.append(t)
+        ref = StorageWeakRef(t.untyped_storage())
+        st = self.storage_ids.get(ref)
+        if st is None:
+            st = self.b.new_storage(t.untyped_storage().nbytes(), _device_name(t), role, name)
+            self.storage_ids[ref] = st
+        kwargs = dict(storage=st, stride=t.stride(), offset=t.storage_offset())
+        if as_input:
+            return self.b.add_input(name, t.shape, dtype_name(t.dtype), role, **kwargs)
+        return self.b.new_value(name, t.shape, dtype_name(t.dtype), role=role, phase=phase,
+                                module=module, producer=producer, **kwargs)
+
+    def map_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            if a not in self.fx_value:
+                raise CaptureError(f"fx node {a.name} is used as a tensor but produced none",
+                                   op=str(a.target))
+            return ValueRef(self.fx_value[a])
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.map_arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self.map_arg(v) for k, v in a.items()}
+        return a
+
+
+def _mutated_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    out = []
+    for i, sarg in enumerate(op._schema.arguments):
+        if sarg.alias_info is not None and sarg.alias_info.is_write:
+            if i < len(args):
+                out.append(args[i])
+            elif sarg.name in kwargs:
+                out.append(kwargs[sarg.name])
+    return out
+
+
+def _flops(op: torch._ops.OpOverload, node: torch.fx.Node) -> float:
+    fn = flop_registry.get(op.overloadpacket)
+    if fn is None:
+        return 0.0
+    args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+    try:
+        return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # NOTE: a formula that rejects odd arguments only loses the FLOP estimate
+        return 0.0
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tuple[ConvertState, dict[str, int], list[str]]:
+    """Convert ``traced.gm``; return the state, the outputs map and names of params with no grad."""
+    cs = ConvertState()
+    gm = traced.gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(input_names):
+        raise CaptureError(f"traced graph has {len(placeholders)} inputs, expected "
+                           f"{len(input_names)}")
+    for ph, (name, role) in zip(placeholders, input_names):
+        cs.fx_value[ph] = cs.value_for(ph.meta["val"], name, role, Phase.INPUT, "", None, True)
+    constants: dict[str, torch.Tensor] = {}
+    outputs: dict[str, int] = {}
+    no_grad: list[str] = []
+    for index, node in enumerate(gm.graph.nodes):
+        phase, module = traced.tracker.at(index)
+        if node.op == "placeholder":
+            continue
+        if node.op == "get_attr":
+            t = getattr(gm, node.target)
+            constants[node.target] = t
+            cs.fx_value[node] = cs.value_for(t, f"const:{node.target}", Role.CONSTANT,
+                                             Phase.INPUT, "", None, True)
+            continue
+        if node.op == "output":
+            loss, *grads = node.args[0]  # NOTE: make_fx flattens (loss, [grads])
+            outputs["loss"] = cs.fx_value[loss]
+            for pname, g in zip(traced.param_names, grads):
+                if g is None:
+                    no_grad.append(pname)
+                else:
+                    outputs[f"grad:{pname}"] = cs.fx_value[g]
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            vid = cs.fx_multi[src][idx]
+            if vid is not None:
+                cs.fx_value[node] = vid
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise CaptureError(f"traced a call to {node.target!r}, which is not an ATen op; "
+                               "fitgraph executes ATen graphs only", module=module,
+                               op=str(node.target))
+        _convert_op(cs, node, phase, module)
+    cs.constants = constants
+    return cs, outputs, no_grad
+
+
+def _convert_op(cs: ConvertState, node: torch.fx.Node, phase: Phase, module: str) -> None:
+    op: torch._ops.OpOverload = node.target
+    val = node.meta.get("val")
+    nid = len(cs.b.nodes)
+    name = node.name
+    role = Role.ACTIVATION if phase in (Phase.FORWARD, Phase.LOSS) else Role.TEMPORARY
+    args = cs.map_arg(node.args)
+    kwargs = cs.map_arg(node.kwargs)
+    inputs = [cs.fx_value[n] for n in node.all_input_nodes]
+    mutates = [cs.fx_value[a] for a in _mutated_args(op, node.args, node.kwargs)
+               if isinstance(a, torch.fx.Node)]
+    is_tuple = isinstance(val, (tuple, list))
+    vals = list(val) if is_tuple else [val]
+    out_ids: list[int | None] = []
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor):
+            out_ids.append(cs.value_for(v, name if not is_tuple else f"{name}.{i}", role, phase,
+                                        module, nid, False))
+        else:
+            out_ids.append(None)
+    ins = tuple(dict.fromkeys(inputs))
+    in_bytes = sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes)
+    out_bytes = sum(_nbytes(v) for v in vals)
+    cs.b.nodes.append(Node(
+        id=nid, name=name, target=_op_name(op), args=tuple(args), kwargs=dict(kwargs),
+        inputs=ins, outputs=tuple(out_ids), mutates=tuple(dict.fromkeys(mutates)), phase=phase,
+        module=module, random=torch.Tag.nondeterministic_seeded in op.tags,
+        flops=_flops(op, node), bytes_moved=in_bytes + out_bytes, out_is_tuple=is_tuple))
+    if is_tuple:
+        cs.fx_multi[node] = out_ids
+    elif out_ids[0] is not None:
+        cs.fx_value[node] = out_ids[0]
+
+
+def _op_name(op: torch._ops.OpOverload) -> str:
+    ns = op.namespace
+    return f"{ns}.{op._schema.name.split('::')[-1]}.{op._overloadname}"

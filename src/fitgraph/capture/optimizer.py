@@ -1,0 +1,127 @@
+"""The optimizer update as graph nodes: one node per parameter, in ``optimizer.step()`` order.
+
+torch's single-tensor optimizers (the CPU default) update each parameter independently, in
+param-group order; a node per parameter is therefore exactly ``optimizer.step()``, and it is the
+granularity later planners need (update a parameter as soon as its gradient is complete). The
+executor runs each node through torch's own functional optimizer (``torch.optim.adam.adam`` with
+one parameter), so the arithmetic is torch's, bitwise. Step-dependent scalars (bias corrections)
+and the learning rate are read from the live optimizer when the node runs, so LR schedulers work.
+
+State that does not exist yet (the first step) is created by the node, as torch's lazy
+initialisation does, and becomes a graph output; a graph captured before the first step therefore
+differs from one captured after it, and the executor refuses to run a graph on an optimizer whose
+state no longer matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..graph.ir import GraphBuilder, Phase, Role, ValueRef
+from .convert import dtype_name
+from .errors import CaptureError
+
+__all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_optimizer"]
+
+# NOTE: hyperparameters a node reads from its param group; a snapshot goes into the graph so the
+# cost profiler can run the node without the optimizer object.
+_HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+             "decoupled_weight_decay"),
+}
+OPTIMIZER_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+# per-element FLOPs of one update, for the roofline model
+_FLOPS_PER_ELEMENT = {"sgd": 4, "adam": 12}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    kind: str
+    state_keys: dict[str, tuple[str, ...]]  # param name -> state keys this kind keeps
+
+
+def _state_keys(kind: str, group: dict) -> tuple[str, ...]:
+    if kind == "sgd":
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+    keys = ("step", "exp_avg", "exp_avg_sq")
+    return keys + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """The kind ("sgd" or "adam") of a supported optimizer, else a CaptureError."""
+    kind = OPTIMIZER_KINDS.get(type(optimizer))
+    if kind is None:
+        raise CaptureError(
+            f"optimizer {type(optimizer).__name__} is not supported yet (supported: SGD, Adam, "
+            "AdamW); capture without optimizer= and call optimizer.step() yourself",
+            op=f"{type(optimizer).__name__}.step")
+    for gi, group in enumerate(optimizer.param_groups):
+        for flag in ("foreach", "fused", "capturable", "differentiable"):
+            if group.get(flag):
+                raise CaptureError(
+                    f"param group {gi} has {flag}=True; fitgraph runs torch's single-tensor "
+                    f"update per parameter: construct the optimizer with {flag}=False (or None)",
+                    op=f"{type(optimizer).__name__}.step")
+    return kind
+
+
+def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
+                        param_values: dict[str, int], grad_values: dict[str, int],
+                        param_names: dict[int, str], device: str) -> dict[str, int]:
+    """Append state inputs and one update node per parameter; return new state outputs."""
+    kind = describe_optimizer(optimizer)
+    created: dict[str, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        keys = _state_keys(kind, group)
+        hyper = {k: group[k] for k in _HYPER[kind] if k in group}
+        for p in group["params"]:
+            pname = param_names.get(id(p))
+            if pname is None:
+                raise CaptureError("the optimizer holds a parameter that is not a trainable "
+                                   f"parameter of the model (shape {tuple(p.shape)}); pass the "
+                                   "model's own parameters to the optimizer",
+                                   op=f"{type(optimizer).__name__}.step")
+            if pname not in grad_values:
+                continue  # NOTE: torch skips parameters whose .grad is None
+            state = optimizer.state.get(p, {})
+            have = tuple(k for k in keys if k in state)
+            if have and have != keys:
+                raise CaptureError(f"optimizer state of {pname} has keys {sorted(state)}, "
+                                   f"expected {list(keys)}", op="optimizer.state")
+            pv, gv = param_values[pname], grad_values[pname]
+            state_refs = []
+            for k in have:
+                t = state[k]
+                state_refs.append(b.add_input(f"state:{pname}:{k}", tuple(t.shape),
+                                              dtype_name(t.dtype), Role.OPTIMIZER_STATE,
+                                              stride=t.stride(), device=str(t.device)))
+            pval = b.values[pv]
+            numel = pval.numel
+            nid = len(b.nodes)
+            outs = b.add_node(
+                f"fitgraph.optimizer.{kind}", [pv, gv, *state_refs],
+                [_created_shape(k, pval) for k in keys if k not in have],
+                phase=Phase.OPTIMIZER, module=pname.rpartition(".")[0],
+                mutates=(pv, *state_refs), flops=float(_FLOPS_PER_ELEMENT[kind] * numel),
+                name=f"{kind}_{pname}",
+                args=(ValueRef(pv), ValueRef(gv), [ValueRef(s) for s in state_refs]),
+                kwargs={"group": gi, "param": pname, "state_keys": keys, "have": have,
+                        "hyper": hyper})
+            node = b.nodes[nid]
+            node.out_is_tuple = True
+            node.bytes_moved = (2 + 2 * len(keys)) * numel * pval.itemsize
+            for k, vid in zip([k for k in keys if k not in have], outs):
+                b.values[vid].role = Role.OPTIMIZER_STATE
+                b.storages[b.values[vid].storage].role = Role.OPTIMIZER_STATE
+                b.storages[b.values[vid].storage].device = device if k != "step" else "cpu"
+                created[f"state:{pname}:{k}"] = vid
+    return created
+
+
+def _created_shape(key: str, pval) -> tuple:
+    if key == "step":
+        return ((), "float32")
+    return (pval.shape, pval.dtype)

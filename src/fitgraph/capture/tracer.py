@@ -1,0 +1,217 @@
+"""Trace one training step (forward, loss, backward) into an ATen fx graph on fake tensors.
+
+``make_fx`` records the ops eager PyTorch runs — composite ops decomposed as eager decomposes
+them, the backward in the order the autograd engine runs it — with a FakeTensor (shape, dtype,
+strides, storage identity) on every node. No real activation memory is used, so models bigger
+than this machine can be captured. make_fx records neither module paths nor phases, so a
+``PhaseTracker`` watches module hooks (forward) and autograd pre-hooks (backward) and notes at
+which node count each (phase, module) starts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..graph.ir import Phase
+from .calling import LossFn, compute_loss
+from .errors import CaptureError
+
+__all__ = ["PhaseTracker", "TracedStep", "trace_step"]
+
+
+@dataclass
+class PhaseTracker:
+    """Records (node count, phase, module path) transitions while make_fx traces."""
+
+    transitions: list[tuple[int, Phase, str]] = field(default_factory=list)
+    module_stack: list[str] = field(default_factory=list)
+    seq_marks: list[tuple[int, str]] = field(default_factory=list)  # autograd seq nr -> module
+    phase: Phase = Phase.FORWARD
+
+    @staticmethod
+    def _node_count() -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    @property
+    def module(self) -> str:
+        return self.module_stack[-1] if self.module_stack else ""
+
+    def mark(self, phase: Phase | None = None, module: str | None = None) -> None:
+        if phase is not None:
+            self.phase = phase
+        mod = self.module if module is None else module
+        self.transitions.append((self._node_count(), self.phase, mod))
+        if self.phase in (Phase.FORWARD, Phase.LOSS):
+            self.seq_marks.append((torch.autograd._get_sequence_nr(), mod))
+
+    def enter_module(self, name: str) -> None:
+        if not self.module_stack and self.phase is Phase.LOSS:
+            self.phase = Phase.FORWARD  # NOTE: loss_fn may call the model after some loss-side ops
+        self.module_stack.append(name)
+        self.mark()
+
+    def exit_module(self) -> None:
+        self.module_stack.pop()
+        if not self.module_stack:
+            self.phase = Phase.LOSS
+        self.mark()
+
+    def module_of_seq(self, seq: int) -> str:
+        """Module that was running when the autograd node with sequence number ``seq`` was made."""
+        keys = [s for s, _ in self.seq_marks]
+        i = bisect.bisect_right(keys, seq) - 1
+        return self.seq_marks[i][1] if i >= 0 else ""
+
+    def at(self, node_index: int) -> tuple[Phase, str]:
+        """(phase, module) in effect when the node_index-th fx node was created."""
+        keys = [t[0] for t in self.transitions]
+        i = bisect.bisect_right(keys, node_index) - 1
+        if i < 0:
+            return Phase.FORWARD, ""
+        return self.transitions[i][1], self.transitions[i][2]
+
+
+@contextlib.contextmanager
+def _module_hooks(model: torch.nn.Module, tracker: PhaseTracker):
+    handles = []
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, a, _n=name: tracker.enter_module(_n)))
+        handles.append(mod.register_forward_hook(
+            lambda m, a, o, _n=name: tracker.exit_module(), always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _hook_backward(loss: torch.Tensor, tracker: PhaseTracker) -> None:
+    """Pre-hooks on every autograd node so backward ops are attributed to their module."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        mod = tracker.module_of_seq(fn._sequence_nr())
+        fn.register_prehook(lambda grads, _m=mod: tracker.mark(Phase.BACKWARD, _m))
+        stack.extend(nf for nf, _ in fn.next_functions)
+
+
+@dataclass
+class TracedStep:
+    gm: torch.fx.GraphModule
+    tracker: PhaseTracker
+    param_names: list[str]
+    buffer_names: list[str]
+    batch_spec: Any
+    n_batch: int
+
+
+def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None):
+    if t.device.type == "meta":
+        dev = device or torch.device("cpu")
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev,
+                                       requires_grad=t.requires_grad)
+    return fake_mode.from_tensor(t)
+
+
+def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
+               device: torch.device | None = None) -> TracedStep:
+    """Trace forward + loss + backward of ``model`` on ``batch`` with fake tensors."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise CaptureError("the model has no parameter with requires_grad=True; nothing to "
+                           "train", module="")
+    buffers = dict(model.named_buffers())
+    buffers.update({n: p for n, p in model.named_parameters() if not p.requires_grad})
+    leaves, spec = tree_flatten(batch)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(f"batch leaf {i} is a {type(leaf).__name__}; the batch must be a "
+                               "pytree (tuple/list/dict) of tensors: move Python values into the "
+                               "model or loss_fn", module="", op="batch")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = _fakeify(fake_mode, t, device)
+        return memo[id(t)]
+
+    f_params = {n: fake(p) for n, p in params.items()}
+    f_buffers = {n: fake(b) for n, b in buffers.items()}
+    f_leaves = [fake(x) for x in leaves]
+    tracker = PhaseTracker()
+    names = list(params)
+
+    def step(p: dict, b: dict, batch_leaves: list):
+        from torch.utils._pytree import tree_unflatten
+
+        tracker.mark(Phase.FORWARD, "")
+        with _reparametrize_module(model, {**p, **b}, tie_weights=True):
+            loss = compute_loss(model, tree_unflatten(list(batch_leaves), spec), loss_fn)
+        _hook_backward(loss, tracker)
+        tracker.mark(Phase.BACKWARD, "")
+        grads = torch.autograd.grad(loss, [p[n] for n in names], allow_unused=True)
+        tracker.mark(Phase.OPTIMIZER, "")
+        return loss, list(grads)
+
+    try:
+        with fake_mode, _module_hooks(model, tracker):
+            gm = make_fx(step, tracing_mode="real", record_module_stack=False)(
+                f_params, f_buffers, f_leaves)
+    except CaptureError:
+        raise
+    except Exception as e:  # NOTE: translate torch's tracing errors into one actionable error
+        raise _translate(e, tracker) from e
+    return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves))
+
+
+_DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                   "DynamicOutputShapeException", "UnsupportedOperatorException")
+
+
+def _translate(e: Exception, tracker: PhaseTracker) -> CaptureError:
+    kind = type(e).__name__
+    op = getattr(e, "func", None)
+    op_name = str(op) if op is not None else None
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else kind
+    if kind in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                "DynamicOutputShapeException") or "data-dependent" in msg.lower() \
+            or "_local_scalar_dense" in msg:
+        return CaptureError(
+            f"data-dependent Python control flow or output shape ({kind}: {msg}). fitgraph "
+            "captures one static graph: replace `if tensor...`, `.item()`, `.tolist()`, "
+            "`nonzero()`/boolean-mask indexing with tensor ops (torch.where, masks), or move "
+            "that logic outside the model", module=tracker.module, op=op_name or "item()")
+    if kind == "UnsupportedOperatorException":
+        return CaptureError(
+            f"op {op_name} has no fake-tensor (meta) implementation, so it cannot be traced "
+            "without real memory; register a fake kernel with torch.library.register_fake or "
+            "rewrite it with supported ops", module=tracker.module, op=op_name)
+    return CaptureError(f"tracing failed with {kind}: {msg}", module=tracker.module, op=op_name)
+
+
+def unflatten_batch(spec: Any, leaves: list) -> Any:
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(list(leaves), spec)
+
+
+def as_fake_free(obj: Any) -> Any:
+    """Shapes-only view of a pytree (for error messages and reports)."""
+    return tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, obj)

@@ -1,0 +1,178 @@
+"""The executor: walks a Plan on real tensors and leaves the model exactly as eager would.
+
+It is the simulator's twin (DESIGN law 4): both dispatch on ``instr.op`` over the same Plan.
+Values live in ``env`` (a list indexed by value id); ``Free`` drops every value of a storage, so
+the allocator releases it at the same instruction the simulator does.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.execute import execute
+    >>> model = torch.nn.Linear(4, 1)
+    >>> batch = torch.randn(2, 4)
+    >>> loss_fn = lambda m, b: m(b).square().mean()
+    >>> g = fitgraph.capture(model, batch, loss_fn)
+    >>> loss = execute(g, fitgraph.eager_plan(g), model, batch)
+    >>> model.weight.grad.shape
+    torch.Size([1, 4])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..graph.ir import Graph, Node
+from ..plan.instructions import Compute, Free, Instruction, Plan, Recompute
+from .ops import ArgBinder, resolve_target
+from .optimizer_ops import run_optimizer_node
+
+__all__ = ["Executor", "bind_inputs", "execute"]
+
+
+def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
+                optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+    """The real tensors for ``graph.inputs``, in order; errors say what does not match."""
+    leaves, spec = tree_flatten(batch)
+    want = graph.meta.get("batch_spec")
+    if want is not None and spec != want:
+        raise ValueError(f"the batch's structure {spec} differs from the captured one {want}; "
+                         "capture the step with this batch structure")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    state_of = {}
+    if optimizer is not None:
+        state_of = {name: optimizer.state.get(p, {}) for name, p in params.items()}
+    out = []
+    for vid, name in zip(graph.inputs, graph.input_names):
+        kind, _, key = name.partition(":")
+        if kind == "param":
+            t = params[key]
+        elif kind == "buffer":
+            t = buffers[key] if key in buffers else params[key]
+        elif kind == "batch":
+            t = leaves[int(key)]
+        elif kind == "state":
+            pname, _, skey = key.rpartition(":")
+            if optimizer is None or skey not in state_of.get(pname, {}):
+                raise ValueError(f"graph input {name} needs optimizer state that is missing; pass "
+                                 "the optimizer the step was captured with")
+            t = state_of[pname][skey]
+        elif kind == "const":
+            t = graph.meta["constants"][key]
+        else:
+            raise ValueError(f"unknown graph input kind {name!r}")
+        v = graph.values[vid]
+        if tuple(t.shape) != v.shape or str(t.dtype).removeprefix("torch.") != v.dtype:
+            raise ValueError(f"input {name} has shape {tuple(t.shape)} {t.dtype}, the graph was "
+                             f"captured with {v.shape} {v.dtype}: capture again for this shape "
+                             "(fitgraph plans are per shape)")
+        out.append(t)
+    return out
+
+
+class Executor:
+    """Runs one Plan over one Graph for a model (and optimizer). Reusable across steps."""
+
+    def __init__(self, graph: Graph, plan: Plan, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.graph, self.plan, self.model, self.optimizer = graph, plan, model, optimizer
+        self.binders = [ArgBinder(n) for n in graph.nodes]
+        self.fns = [self._callable(n) for n in graph.nodes]
+        members: dict[int, list[int]] = {}
+        for v in graph.values:
+            members.setdefault(v.storage, []).append(v.id)
+        self.storage_members = members
+        self.steps = [getattr(self, "run_" + ins.op) for ins in plan]
+        self.env: list = []
+
+    def _callable(self, node: Node):
+        if node.target.startswith("fitgraph.optimizer."):
+            return None
+        return resolve_target(node.target)
+
+    # -- instructions -------------------------------------------------------------------------
+    def run_compute(self, ins: Compute | Recompute) -> None:
+        node = self.graph.nodes[ins.node]
+        env = self.env
+        fn = self.fns[ins.node]
+        args, kwargs = self.binders[ins.node](env)
+        if fn is None:
+            result = run_optimizer_node(node, args[0], args[1], list(args[2]), self.optimizer)
+        else:
+            result = fn(*args, **kwargs)
+        del args, kwargs  # NOTE: drop argument references now, or inputs outlive their Free
+        outs = node.outputs
+        if node.out_is_tuple:
+            for vid, r in zip(outs, result):
+                if vid is not None:
+                    env[vid] = r
+        elif outs and outs[0] is not None:
+            env[outs[0]] = result
+        del result
+
+    def run_recompute(self, ins: Recompute) -> None:
+        node = self.graph.nodes[ins.node]
+        if node.random:
+            raise NotImplementedError(
+                f"Recompute of random node {node.name} ({node.target}) needs RNG replay, which "
+                "this executor does not do yet; plan it without recomputing random ops")
+        self.run_compute(ins)
+
+    def run_free(self, ins: Free) -> None:
+        env = self.env
+        for st in ins.storages:
+            for vid in self.storage_members[st]:
+                env[vid] = None
+
+    def _unsupported(self, ins: Instruction) -> None:
+        raise NotImplementedError(f"instruction {ins.op} is not executable yet: plan without "
+                                  "offloading")
+
+    run_offload = run_prefetch = run_wait = _unsupported
+
+    # -- a whole step -------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> torch.Tensor:
+        g = self.graph
+        inputs = bind_inputs(g, self.model, batch, self.optimizer)
+        params = dict(self.model.named_parameters())
+        if self.optimizer is not None:
+            for key in g.outputs:
+                if key.startswith("grad:") and params[key[5:]].grad is not None:
+                    raise ValueError(
+                        f"parameter {key[5:]} already has a .grad; with an optimizer in the step "
+                        "gradients are not accumulated across steps: call "
+                        "optimizer.zero_grad(set_to_none=True) before the step")
+        self.env = env = [None] * len(g.values)
+        for vid, t in zip(g.inputs, inputs):
+            env[vid] = t
+        del inputs
+        with torch.no_grad():
+            for step, ins in zip(self.steps, self.plan.instructions):
+                step(ins)
+            self._write_back(params)
+        loss = env[g.outputs["loss"]]
+        self.env = []
+        return loss
+
+    def _write_back(self, params: dict[str, torch.Tensor]) -> None:
+        env, g = self.env, self.graph
+        for key, vid in g.outputs.items():
+            kind, _, name = key.partition(":")
+            if kind == "grad":
+                p, grad = params[name], env[vid]
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad  # NOTE: what autograd's AccumulateGrad does
+            elif kind == "state":
+                pname, _, skey = name.rpartition(":")
+                self.optimizer.state[params[pname]][skey] = env[vid]
+
+
+def execute(graph: Graph, plan: Plan, model: torch.nn.Module, batch: Any,
+            optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+    """Run ``plan`` once; return the loss. ``.grad`` / parameters / optimizer state are updated
+    as eager PyTorch (``loss.backward()`` then ``optimizer.step()``) would update them."""
+    return Executor(graph, plan, model, optimizer)(batch)
