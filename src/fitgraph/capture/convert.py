@@ -68,8 +68,17 @@ class ConvertState:
         return a
 
 
+# NOTE: ops that write their arguments in place without saying so in their schema (torch
+# quirk): batch norm updates running_mean/running_var (args 3 and 4) when training.
+_UNANNOTATED_MUTATIONS = {
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+    "aten.miopen_batch_norm.default": (3, 4),
+}
+
+
 def _mutated_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
-    out = []
+    out = [args[i] for i in _UNANNOTATED_MUTATIONS.get(_op_name(op), ()) if i < len(args)]
     for i, sarg in enumerate(op._schema.arguments):
         if sarg.alias_info is not None and sarg.alias_info.is_write:
             if i < len(args):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ class PhaseTracker:
     module_stack: list[str] = field(default_factory=list)
     seq_marks: list[tuple[int, str]] = field(default_factory=list)  # autograd seq nr -> module
     phase: Phase = Phase.FORWARD
+    error_module: str | None = None  # innermost module running when tracing raised
 
     @staticmethod
     def _node_count() -> int:
@@ -61,6 +64,9 @@ class PhaseTracker:
         self.mark()
 
     def exit_module(self) -> None:
+        if self.error_module is None and sys.exc_info()[1] is not None:
+            # NOTE: always_call hooks run while an exception unwinds: remember where it started
+            self.error_module = self.module
         self.module_stack.pop()
         if not self.module_stack:
             self.phase = Phase.LOSS
@@ -181,15 +187,15 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves))
 
 
-_DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
-                   "DynamicOutputShapeException", "UnsupportedOperatorException")
-
-
 def _translate(e: Exception, tracker: PhaseTracker) -> CaptureError:
     kind = type(e).__name__
     op = getattr(e, "func", None)
     op_name = str(op) if op is not None else None
     msg = str(e).strip().splitlines()[0] if str(e).strip() else kind
+    module = tracker.error_module if tracker.error_module is not None else tracker.module
+    custom = re.search(r"no fake impl registered for <CustomOpDef\((.*?)\)>", msg)
+    if custom:
+        kind, op_name = "UnsupportedOperatorException", custom.group(1).replace("::", ".")
     if kind in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
                 "DynamicOutputShapeException") or "data-dependent" in msg.lower() \
             or "_local_scalar_dense" in msg:
@@ -197,13 +203,13 @@ def _translate(e: Exception, tracker: PhaseTracker) -> CaptureError:
             f"data-dependent Python control flow or output shape ({kind}: {msg}). fitgraph "
             "captures one static graph: replace `if tensor...`, `.item()`, `.tolist()`, "
             "`nonzero()`/boolean-mask indexing with tensor ops (torch.where, masks), or move "
-            "that logic outside the model", module=tracker.module, op=op_name or "item()")
+            "that logic outside the model", module=module, op=op_name or "item()")
     if kind == "UnsupportedOperatorException":
         return CaptureError(
             f"op {op_name} has no fake-tensor (meta) implementation, so it cannot be traced "
             "without real memory; register a fake kernel with torch.library.register_fake or "
-            "rewrite it with supported ops", module=tracker.module, op=op_name)
-    return CaptureError(f"tracing failed with {kind}: {msg}", module=tracker.module, op=op_name)
+            "rewrite it with supported ops", module=module, op=op_name)
+    return CaptureError(f"tracing failed with {kind}: {msg}", module=module, op=op_name)
 
 
 def unflatten_batch(spec: Any, leaves: list) -> Any:

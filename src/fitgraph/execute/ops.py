@@ -19,7 +19,7 @@ from ..graph.ir import Node, ValueRef
 __all__ = ["ArgBinder", "resolve_target"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def resolve_target(target: str) -> Callable:
     """'aten.addmm.default' -> torch.ops.aten.addmm.default."""
     ns, name, overload = target.split(".")

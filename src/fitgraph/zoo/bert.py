@@ -18,8 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import BuildArgs, ZooCase, construct, count_params, fmt_params, generator, pick
-from .registry import rand_ints, rand_padding_mask, register
+from .registry import (
+    BuildArgs,
+    ZooCase,
+    construct,
+    count_params,
+    fmt_params,
+    generator,
+    pick,
+    rand_ints,
+    rand_padding_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)

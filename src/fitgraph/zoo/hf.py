@@ -19,8 +19,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .registry import BuildArgs, ZooCase, construct, count_params, fmt_params, generator, pick
-from .registry import rand_floats, rand_ints, register
+from .registry import (
+    BuildArgs,
+    ZooCase,
+    construct,
+    count_params,
+    fmt_params,
+    generator,
+    pick,
+    rand_floats,
+    rand_ints,
+    register,
+)
 
 _VOCAB = 8192
 

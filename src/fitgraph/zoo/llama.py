@@ -17,8 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import BuildArgs, ZooCase, construct, count_params, fmt_params, generator, pick
-from .registry import rand_ints, register, token_lm_loss
+from .registry import (
+    BuildArgs,
+    ZooCase,
+    construct,
+    count_params,
+    fmt_params,
+    generator,
+    pick,
+    rand_ints,
+    register,
+    token_lm_loss,
+)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,19 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .registry import BuildArgs, ZooCase, construct, count_params, fmt_params, generator, pick
-from .registry import image_classification_loss, rand_floats, rand_ints, register
+from .registry import (
+    BuildArgs,
+    ZooCase,
+    construct,
+    count_params,
+    fmt_params,
+    generator,
+    image_classification_loss,
+    pick,
+    rand_floats,
+    rand_ints,
+    register,
+)
 
 
 @dataclass(frozen=True)

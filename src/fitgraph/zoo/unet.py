@@ -19,8 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import BuildArgs, ZooCase, construct, count_params, fmt_params, generator, pick
-from .registry import rand_floats, rand_ints, register
+from .registry import (
+    BuildArgs,
+    ZooCase,
+    construct,
+    count_params,
+    fmt_params,
+    generator,
+    pick,
+    rand_floats,
+    rand_ints,
+    register,
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,39 @@
+"""The cost model interface the simulator and planners use (no torch).
+
+A cost model answers two questions: how long does a node take, and how many transient bytes
+does it allocate beyond its fresh outputs (its *workspace*: conv columns, SDPA buffers, the
+temporaries inside an optimizer update). The simulator counts both, so that a simulated peak can
+equal a measured one.
+
+Example:
+    >>> from fitgraph.cost.base import NodeCost
+    >>> NodeCost(seconds=1e-3, workspace_bytes=0).seconds
+    0.001
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..graph.ir import Graph, Node
+
+__all__ = ["CostModel", "NodeCost"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    seconds: float          # wall time of the node on the compute stream
+    workspace_bytes: int    # peak bytes the node allocates beyond its fresh outputs (>= 0)
+
+
+class CostModel(Protocol):
+    """What ``fitgraph.sim.simulate`` needs to know about a device."""
+
+    name: str
+
+    def node_cost(self, graph: Graph, node: Node) -> NodeCost: ...
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """Time to copy ``nbytes`` between device and host memory (either direction)."""
+        ...

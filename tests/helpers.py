@@ -1,0 +1,66 @@
+"""Shared test helpers: run a step eagerly and through fitgraph, compare bitwise."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fitgraph
+from fitgraph.capture.calling import compute_loss
+from fitgraph.execute import execute
+
+
+def eager_step(model, batch, loss_fn=None, optimizer=None, seed=0):
+    torch.manual_seed(seed)
+    loss = compute_loss(model, batch, loss_fn)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    return loss.detach()
+
+
+def fitgraph_step(model, batch, loss_fn=None, optimizer=None, seed=0, plan_fn=None):
+    graph = fitgraph.capture(model, batch, loss_fn, optimizer)
+    plan = (plan_fn or fitgraph.eager_plan)(graph)
+    torch.manual_seed(seed)
+    return execute(graph, plan, model, batch, optimizer), graph
+
+
+def twins(model, make_optimizer=None):
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    oa = make_optimizer(a.parameters()) if make_optimizer else None
+    ob = make_optimizer(b.parameters()) if make_optimizer else None
+    return a, b, oa, ob
+
+
+def assert_bitwise_equal_models(a, b, oa=None, ob=None):
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb
+        assert torch.equal(pa, pb), f"parameter {na} differs"
+        assert (pa.grad is None) == (pb.grad is None), f"grad presence of {na} differs"
+        if pa.grad is not None:
+            assert torch.equal(pa.grad, pb.grad), f"grad of {na} differs"
+    for (na, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
+        assert torch.equal(ba, bb), f"buffer {na} differs"
+    if oa is not None:
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            sa, sb = oa.state.get(pa, {}), ob.state.get(pb, {})
+            assert sorted(sa) == sorted(sb)
+            for k in sa:
+                assert torch.equal(sa[k], sb[k]), f"optimizer state {k} differs"
+
+
+def check_same_as_eager(model, batch, loss_fn=None, make_optimizer=None, steps=1):
+    """Run `steps` steps eagerly and through fitgraph's eager plan; assert bitwise equality."""
+    a, b, oa, ob = twins(model, make_optimizer)
+    graph = None
+    for step in range(steps):
+        la = eager_step(a, batch, loss_fn, oa, seed=step)
+        lb, graph = fitgraph_step(b, batch, loss_fn, ob, seed=step)
+        assert torch.equal(la, lb), f"step {step}: loss {la.item()} != {lb.item()}"
+        assert_bitwise_equal_models(a, b, oa, ob)
+        if oa is not None:
+            oa.zero_grad(set_to_none=True)
+            ob.zero_grad(set_to_none=True)
+    return graph
