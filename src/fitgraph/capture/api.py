@@ -54,7 +54,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         kind = describe_optimizer(optimizer)
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         devs = {str(p.device) for p in model.parameters()}
-        out_dev = str(dev) if dev is not None and devs == {"meta"} else next(iter(devs))
+        out_dev = str(dev or "cpu") if devs == {"meta"} else next(iter(devs))
         outputs.update(add_optimizer_nodes(b, optimizer, param_values=param_values,
                                            grad_values=grad_values, param_names=names,
                                            device=out_dev))

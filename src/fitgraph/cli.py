@@ -1,0 +1,149 @@
+"""The ``fitgraph`` command.
+
+    fitgraph inspect MODEL [--config small|paper] [--batch N] [--json] [--plot FILE]
+                           [--simulate-only] [--device-model NAME] [--optimizer adamw|adam|sgd|none]
+    fitgraph models
+
+Example:
+    >>> from fitgraph.cli import build_parser
+    >>> build_parser().parse_args(["inspect", "gpt2", "--json"]).json
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["build_parser", "main"]
+
+MIB = 2**20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fitgraph", description="Make PyTorch training fit in "
+                                "memory, fast: capture, simulate, plan and run a training step.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser("inspect", help="capture a built-in model's training step; simulated "
+                         "vs measured peak, breakdown, top tensors, predicted vs measured time")
+    ins.add_argument("model", help="a name from `fitgraph models`")
+    ins.add_argument("--config", default="small", choices=["small", "paper"])
+    ins.add_argument("--batch", type=int, default=None, help="batch size (default: config's)")
+    ins.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    ins.add_argument("--plot", metavar="FILE", help="write a PNG of memory over the step")
+    ins.add_argument("--simulate-only", action="store_true", default=None,
+                     help="do not run the step (automatic for configs that do not fit here)")
+    ins.add_argument("--device-model", metavar="NAME", default=None,
+                     help="plan for a roofline device model (rtx3090, a100-40gb, a100-80gb, "
+                          "h100, cpu-generic) instead of measuring ops here")
+    ins.add_argument("--repeats", type=int, default=3, help="timed steps (median reported)")
+    ins.add_argument("--threads", type=int, default=1,
+                     help="torch threads (1 gives stable timings on small machines)")
+    sub.add_parser("models", help="list the built-in models")
+    return p
+
+
+def _optimizer(kind: str, model):
+    import torch
+
+    if kind == "none":
+        return None
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=1e-4)
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MIB:,.1f} MiB"
+
+
+def _fmt_s(s) -> str:
+    return "-" if s is None else f"{s * 1e3:,.1f} ms"
+
+
+def format_inspect(r) -> str:
+    lines = [f"fitgraph inspect: {r.model}", ""]
+    phases = ", ".join(f"{k} {v}" for k, v in r.nodes_by_phase.items())
+    lines += [f"graph          {r.nodes} nodes ({phases}), {r.storages} storages, "
+              f"captured in {r.capture_s:.2f} s",
+              f"cost model     {r.cost_model}"]
+    if r.simulate_only:
+        lines.append(f"simulate-only  {r.simulate_only_reason}")
+    lines += ["", f"{'':22s}{'simulated':>14s}{'measured':>14s}{'eager PyTorch':>16s}",
+              f"{'peak memory':22s}{_mib(r.simulated_peak_bytes):>14s}"
+              f"{_mib(r.measured_peak_bytes):>14s}{_mib(r.eager_peak_bytes):>16s}",
+              f"{'step time':22s}{_fmt_s(r.predicted_step_s):>14s}"
+              f"{_fmt_s(r.measured_step_s):>14s}{_fmt_s(r.eager_step_s):>16s}"]
+    if r.sim_vs_measured is not None:
+        lines.append(f"{'simulated / measured':22s}{'peak ' + format(r.sim_vs_measured, '.4f'):>14s}"
+                     f"{'time ' + format(r.time_prediction_ratio, '.2f'):>14s}")
+    lines += ["", f"peak breakdown (resident before the step: {_mib(r.resident_bytes)})"]
+    for k, v in sorted(r.breakdown.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {k:18s}{_mib(v):>14s}  {100 * v / r.simulated_peak_bytes:5.1f}%")
+    lines += ["", "largest tensors alive at the peak"]
+    for t in r.top_tensors:
+        lines.append(f"  {_mib(t['nbytes']):>12s}  {t['role']:16s}{t['phase']:10s}"
+                     f"{t['module'] or '<top>':30s}{t['name']}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args) -> int:
+    import torch
+
+    from . import zoo
+    from .inspection import inspect_step
+    from .report.plot import plot_memory
+
+    torch.set_num_threads(args.threads)
+    paper = args.config == "paper"
+    case = zoo.build(args.model, args.config, batch_size=args.batch,
+                     device="meta" if paper else "cpu")
+    opt = _optimizer(args.optimizer, case.model)
+    name = f"{args.model} ({args.config}: {case.description})"
+    r = inspect_step(case.model, case.batch, case.loss_fn, opt, cost_model=args.device_model,
+                     simulate_only=args.simulate_only, repeats=args.repeats, name=name,
+                     progress=not args.json)
+    if args.plot:
+        plot_memory({"eager plan (simulated)": r.timeline}, args.plot, title=name,
+                    phase_starts=r.phase_starts, resident_bytes=r.resident_bytes)
+    if args.json:
+        out = r.to_json()
+        if args.plot:
+            out["plot"] = args.plot
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_inspect(r))
+        if args.plot:
+            print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from . import zoo
+
+    for n in zoo.names():
+        print(n)
+    try:
+        for n in zoo.hf_names():
+            print(n, "(Hugging Face, needs the hf extra)")
+    except ImportError:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .capture.errors import CaptureError
+
+    try:
+        return {"inspect": cmd_inspect, "models": cmd_models}[args.command](args)
+    except (CaptureError, ValueError) as e:
+        print(f"fitgraph: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

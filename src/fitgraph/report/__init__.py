@@ -1,0 +1,1 @@
+"""Human-readable reports: tables and plots."""

@@ -1,0 +1,44 @@
+"""DESIGN: graph/, plan/, sim/ and the roofline cost model are plain Python — no torch import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+TORCH_FREE = [
+    "fitgraph.graph.ir", "fitgraph.graph.analysis", "fitgraph.plan.instructions",
+    "fitgraph.plan.eager", "fitgraph.plan.verify", "fitgraph.sim.simulate", "fitgraph.sim",
+    "fitgraph.cost.base", "fitgraph.cost.devices", "fitgraph.cost.roofline",
+]
+
+def _import_without_torch(module: str) -> subprocess.CompletedProcess:
+    code = f"""
+import importlib.abc, sys, types, pathlib
+MOD = {module!r}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch imported while importing " + MOD)
+        return None
+sys.meta_path.insert(0, Block())
+import importlib.util
+spec = importlib.util.find_spec("fitgraph")
+pkg = types.ModuleType("fitgraph"); pkg.__path__ = list(spec.submodule_search_locations)
+sys.modules["fitgraph"] = pkg  # NOTE: skip fitgraph/__init__, which imports torch on purpose
+importlib.import_module(MOD)
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_planning_core_never_imports_torch():
+    failures = {}
+    for mod in TORCH_FREE:
+        r = _import_without_torch(mod)
+        if r.returncode != 0:
+            failures[mod] = r.stderr.strip().splitlines()[-1]
+    assert not failures, failures
+
+
+def test_probe_detects_torch():
+    r = _import_without_torch("fitgraph.capture.tracer")
+    assert r.returncode != 0 and "torch imported" in r.stderr
