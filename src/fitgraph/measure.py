@@ -114,7 +114,7 @@ def measure_eager(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = N
     step()  # NOTE: the first step creates optimizer state; resident bytes include it afterwards
     res = resident_bytes(model, batch, optimizer)
     peak, times = _run(step, zero, repeats, device)
-    return StepMeasurement(res + peak, res, statistics.median(times), times)
+    return StepMeasurement(res + peak, res, _median(times), times)
 
 
 def measure_plan(graph: Graph, plan: Plan, model: torch.nn.Module, batch: Any,
@@ -126,4 +126,8 @@ def measure_plan(graph: Graph, plan: Plan, model: torch.nn.Module, batch: Any,
     zero = _zeroer(model, optimizer)
     res = resident_bytes(model, batch, optimizer)
     peak, times = _run(lambda: ex(batch), zero, repeats, device)
-    return StepMeasurement(res + peak, res, statistics.median(times), times)
+    return StepMeasurement(res + peak, res, _median(times), times)
+
+
+def _median(times: tuple[float, ...]) -> float:
+    return statistics.median(times) if times else float("nan")

@@ -1,0 +1,75 @@
+"""Op latency and workspace: measured on this machine, or a roofline on a device datasheet.
+
+Two ``CostModel`` implementations answer the simulator's questions (how long does a node take,
+how many transient bytes does it allocate, how long does a host copy take):
+
+* ``ProfiledCostModel`` runs every distinct node on this machine's CPU or GPU and caches the
+  measurements in SQLite (imports torch; loaded lazily).
+* ``RooflineCostModel`` computes them from a ``DeviceSpec`` (no torch): plan for an H100 from a
+  laptop.
+
+Example:
+    >>> from fitgraph.cost import cost_model_for, get_device
+    >>> cost_model_for("h100").name
+    'h100 (roofline)'
+    >>> get_device("rtx3090").memory_bytes // 2**30
+    24
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import CostModel, NodeCost
+from .cache import CostCache
+from .devices import DEVICES, DeviceSpec, get_device
+from .roofline import RooflineCostModel
+
+if TYPE_CHECKING:
+    from .profiler import ProfiledCostModel
+
+__all__ = [
+    "DEVICES",
+    "CostCache",
+    "CostModel",
+    "DeviceSpec",
+    "NodeCost",
+    "ProfiledCostModel",
+    "RooflineCostModel",
+    "cost_model_for",
+    "get_device",
+]
+
+
+def __getattr__(name: str):
+    # NOTE: the profiler imports torch; load it only when asked, so that planning with a
+    # roofline model stays torch-free
+    if name == "ProfiledCostModel":
+        from .profiler import ProfiledCostModel
+
+        return ProfiledCostModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def cost_model_for(spec: str) -> CostModel:
+    """A cost model from a short spec.
+
+    * ``"measured"``: ``ProfiledCostModel`` on the current CUDA device if there is one, else
+      the CPU; ``"measured:cpu"`` / ``"measured:cuda:1"`` pick the device.
+    * a registered device name (``"a100-80gb"``, ``"h100"``, ``"cpu-generic"``, ...):
+      ``RooflineCostModel`` on it.
+    """
+    s = spec.strip()
+    kind, _, device = s.partition(":")
+    if kind.lower() == "measured":
+        from .profiler import ProfiledCostModel
+
+        if not device:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return ProfiledCostModel(device)
+    if s.lower() not in DEVICES:
+        raise ValueError(f"unknown cost model {spec!r}: use 'measured' (this machine) or a "
+                         f"device name: {', '.join(sorted(DEVICES))}")
+    return RooflineCostModel(get_device(s))

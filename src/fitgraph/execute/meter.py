@@ -38,18 +38,21 @@ What is and is not counted on the CPU (read this before trusting a number):
   by PyTorch when the allocator knows the block's size, i.e. when the block was
   itself allocated while a memory profiler (for instance an earlier
   ``MemoryMeter``) was active: c10's ``ProfiledCPUMemoryReporter`` only records
-  sizes while memory profiling is on and silently drops the free of any other
-  block (printing once "Memory block of unknown size was allocated before the
+  sizes while memory profiling is on and drops the free of any other block
+  (it only logs "Memory block of unknown size was allocated before the
   profiling started"). Such frees are then missing, which makes ``peak_bytes``
   and ``end_bytes`` upper bounds. To get exact numbers for frees of
   pre-existing state, allocate that state inside a ``MemoryMeter`` region too
-  (e.g. measure a warm-up step). Rarely, when the block was allocated under a
-  profiler, freed outside one, and its address reused by a block allocated
-  outside one, PyTorch reports the free with the old block's size.
-* Allocations that bypass the default CPU allocator (e.g. pinned host memory,
-  memory oneDNN obtains with its own ``malloc``) and allocations made on
-  intra-op worker threads inside ``at::parallel_for`` bodies (the profiler's
-  state is thread-local and is not propagated there) are not seen.
+  (e.g. measure a warm-up step). Beware a stale size: when a block allocated
+  under a profiler is freed outside one, its size stays in c10's table, and if
+  a block allocated outside a profiler later reuses that address and is freed
+  inside a meter, PyTorch reports the free with the *old* block's size.
+* Not seen: memory that bypasses the default CPU allocator (e.g. whatever a
+  library mallocs itself; pinned host memory on CUDA builds was not checked),
+  and allocations made on intra-op worker threads inside ``at::parallel_for``
+  bodies (the profiler's state is thread-local and ATen does not propagate it
+  there; none of the kernels tried, conv2d, SDPA, sort, unique, cdist, ...,
+  allocate there).
 
 On CUDA the numbers come from ``torch.cuda.memory_allocated`` and
 ``torch.cuda.max_memory_allocated`` and are therefore in the caching
@@ -374,13 +377,15 @@ def _memory_records(events: Any) -> list[tuple[int, int]]:
         nbytes = ev.nbytes()
         if nbytes and ev.name() == _MEMORY_EVENT_NAME and ev.device_type() in host:
             records.append((ev.start_ns(), nbytes))
-    # NOTE: ordering. The profiler hands events out grouped by recording thread
-    # (each thread's allocator events in the order they happened), not globally
-    # by time. Sort by timestamp with a *stable* sort: events of one thread that
-    # share a nanosecond keep their recording order (an alloc is never moved
-    # after its own free), and only same-nanosecond events of different threads
-    # - whose true order the profiler does not know either - keep an arbitrary
-    # (thread-grouped) order.
+    # NOTE: ordering. The running sum is only exact if events are replayed in
+    # the order they happened. Each event carries the time it was recorded; the
+    # profiler collects them per thread (in recording order) and, in torch 2.13,
+    # already hands them out stable-sorted by timestamp. Sort again anyway, with
+    # a *stable* sort (Timsort: O(n) on sorted input) so as not to depend on
+    # that: events of one thread sharing a nanosecond keep their recording
+    # order (an alloc is never moved after its own free); only same-nanosecond
+    # events of two different threads, whose true order nobody knows, keep the
+    # profiler's order.
     records.sort(key=_timestamp)
     return records
 

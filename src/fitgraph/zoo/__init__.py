@@ -11,6 +11,14 @@ from the literature; build it with ``device="meta"`` to avoid allocating)::
 
 Built-in models are plain PyTorch (``zoo.names()``); ``zoo.hf_names()`` are
 Hugging Face ``transformers`` models, built only when asked for.
+
+Example:
+    >>> from fitgraph import zoo
+    >>> case = zoo.build("gpt2-xl", "paper", device="meta")
+    >>> sum(p.numel() for p in case.model.parameters()) // 10**6
+    1557
+    >>> tuple(case.batch["input_ids"].shape), case.batch["input_ids"].device.type
+    ((8, 1024), 'meta')
 """
 
 from __future__ import annotations

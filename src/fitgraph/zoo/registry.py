@@ -16,13 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "ZooCase",
-    "build",
-    "hf_names",
-    "names",
-    "register",
-]
+__all__ = ["BuildArgs", "ZooCase", "build", "configs", "hf_names", "names", "register"]
 
 
 @dataclass
@@ -41,12 +35,14 @@ class ZooCase:
     block_types: tuple[type, ...]
     description: str
 
-    def loss(self, model: nn.Module | None = None) -> torch.Tensor:
-        """Compute the loss of ``model`` (default: ``self.model``) on ``self.batch``."""
+    def loss(self, model: nn.Module | None = None, batch: Any = None) -> torch.Tensor:
+        """The loss of ``model`` (default ``self.model``) on ``batch`` (default ``self.batch``),
+        following the ``loss_fn`` / ``model(**batch).loss`` convention."""
         m = self.model if model is None else model
+        b = self.batch if batch is None else batch
         if self.loss_fn is None:
-            return m(**self.batch).loss
-        return self.loss_fn(m, self.batch)
+            return m(**b).loss
+        return self.loss_fn(m, b)
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,11 @@ class BuildArgs:
     @property
     def is_meta(self) -> bool:
         return self.device.type == "meta"
+
+    @property
+    def label(self) -> str:
+        """How descriptions name the config: "small-proportions" or "paper-size"."""
+        return {"small": "small-proportions", "paper": "paper-size"}.get(self.config, self.config)
 
 
 @dataclass(frozen=True)

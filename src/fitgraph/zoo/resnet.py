@@ -41,8 +41,10 @@ class ResNetConfig:
 # NOTE: small keeps all 16 bottlenecks but at 1/4 of the width (16 instead of
 # 64), at 128x128: the parameter count shrinks 16x while the activations per
 # image shrink only ~13x (width/4 times resolution 0.33x), so they dominate.
+# Measured (fp32, 1 CPU thread, forward+backward, batch 16): 2.0M params,
+# ~0.37 s, peak 120 MB, weights+grads 15 MB: activations 85%.
 _CONFIGS = {
-    "small": ResNetConfig((3, 4, 6, 3), 16, 1000, image_size=128, batch_size=8),
+    "small": ResNetConfig((3, 4, 6, 3), 16, 1000, image_size=128, batch_size=16),
     "paper": ResNetConfig((3, 4, 6, 3), 64, 1000, image_size=224, batch_size=64),
 }
 
@@ -127,7 +129,7 @@ def build(args: BuildArgs) -> ZooCase:
         "labels": rand_ints((B,), cfg.num_classes, gen, args),
     }
     desc = (
-        f"ResNet-50 {args.config}: bottlenecks {'-'.join(map(str, cfg.layers))}, "
+        f"ResNet-50 {args.label}: bottlenecks {'-'.join(map(str, cfg.layers))}, "
         f"base width {cfg.width}, {S}x{S} images, batch {B}, "
         f"{fmt_params(count_params(model))} params"
     )

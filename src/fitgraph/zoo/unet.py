@@ -46,6 +46,8 @@ class UNetConfig:
 
 # NOTE: small keeps the 4-level topology at 1/8 of the channels, at 128x128:
 # weights shrink 64x, activations per image ~32x, so activations dominate.
+# Measured (fp32, 1 CPU thread, forward+backward): 0.49M params, ~0.37 s,
+# peak 106 MB, weights+grads 4 MB: activations 94%.
 _CONFIGS = {
     "small": UNetConfig(8, 3, 2, image_size=128, batch_size=8),
     "paper": UNetConfig(64, 3, 2, image_size=256, batch_size=32),
@@ -150,7 +152,7 @@ def build(args: BuildArgs) -> ZooCase:
         "labels": rand_ints((B, S, S), cfg.num_classes, gen, args),
     }
     desc = (
-        f"U-Net {args.config}: {cfg.depth} levels, channels {cfg.base}..{cfg.base * 2**cfg.depth}, "
+        f"U-Net {args.label}: {cfg.depth} levels, channels {cfg.base}..{cfg.base * 2**cfg.depth}, "
         f"GroupNorm, {S}x{S}x{cfg.in_chans} images, {cfg.num_classes} classes, batch {B}, "
         f"{fmt_params(count_params(model))} params"
     )

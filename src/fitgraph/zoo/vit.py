@@ -49,6 +49,8 @@ class ViTConfig:
 
 # NOTE: small keeps 224x224 inputs with 16x16 patches (197 tokens, the paper's
 # sequence), d_head=64 and MLP = 4*d, with 4 thin layers and a batch of 8.
+# Measured (fp32, 1 CPU thread, forward+backward): 2.2M params, ~0.5 s, peak
+# 165 MB, weights+grads 17 MB: activations 87%.
 _CONFIGS = {
     "small": ViTConfig(4, 192, 3, 768, 1000, image_size=224, batch_size=8),
     "paper": ViTConfig(12, 768, 12, 3072, 1000, image_size=224, batch_size=64),
@@ -149,7 +151,7 @@ def build(args: BuildArgs) -> ZooCase:
     }
     tokens = (S // cfg.patch_size) ** 2 + 1
     desc = (
-        f"ViT-B/16 {args.config}: {cfg.n_layer} layers, d={cfg.dim}, {cfg.n_head} heads, "
+        f"ViT-B/16 {args.label}: {cfg.n_layer} layers, d={cfg.dim}, {cfg.n_head} heads, "
         f"{S}x{S} images ({tokens} tokens), batch {B}, {fmt_params(count_params(model))} params"
     )
     return ZooCase(args.name, args.config, model, batch, image_classification_loss, (ViTBlock,), desc)

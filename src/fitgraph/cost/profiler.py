@@ -1,0 +1,488 @@
+"""``ProfiledCostModel``: node latency and workspace measured on this machine, cached in SQLite.
+
+Every distinct node (op + input layouts + constant arguments) is run standalone on synthetic
+inputs: warm-up runs, then the median of timed runs, then one run under ``MemoryMeter`` for its
+workspace. Results go to the ``CostCache`` keyed by a hash that also holds the device, torch
+version and thread count, so profiling a graph twice (or a graph that shares ops with an
+earlier one, in any process) measures nothing new.
+
+Example:
+    >>> import torch, fitgraph, tempfile
+    >>> from fitgraph.cost import ProfiledCostModel
+    >>> model = torch.nn.Linear(8, 4)
+    >>> g = fitgraph.capture(model, torch.randn(2, 8), lambda m, b: m(b).sum())
+    >>> cm = ProfiledCostModel(cache=tempfile.mkdtemp(), repeats=2, warmup=1, progress=False)
+    >>> cm.profile(g) > 0, cm.profile(g)
+    (True, 0)
+    >>> cm.node_cost(g, g.nodes[0]).seconds > 0
+    True
+
+Synthetic inputs: floating tensors are ``torch.rand`` (uniform in [0, 1), so sqrt/log/
+multinomial stay valid), integers are zeros (valid indices and labels), bools are ones. Inputs
+that share a storage in the graph share one here, with the graph's strides and offsets. Nodes
+that write their inputs in place get freshly made inputs before every run, so repeated runs
+never drift (to denormals, overflow) and every run does the same work. All of this happens
+under ``torch.random.fork_rng``: profiling never shifts the caller's random stream.
+
+Workspace: ``peak - fresh``, where peak is the meter's peak over the node's run (inputs already
+allocated, outputs still alive at exit) and fresh is the bytes of the storages the IR says the
+node allocates (``new_storages``). The meter's ``end_bytes`` — what the node really left
+allocated — is stored too; where it differs from fresh, the IR's alias model disagrees with
+the real op (see ``alias_mismatches``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..execute.meter import MemoryMeter
+from ..execute.ops import ArgBinder, resolve_target
+from ..execute.optimizer_ops import run_optimizer_node
+from ..graph.analysis import new_storages
+from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, ValueRef, storage_bytes
+from .base import NodeCost
+from .cache import CacheEntry, CostCache
+
+__all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "node_signature"]
+
+log = logging.getLogger(__name__)
+
+# NOTE: bump when what is measured or how changes, so old cache entries are not reused
+_KEY_VERSION = 1
+_OPTIMIZER_PREFIX = "fitgraph.optimizer."
+_OPTIMIZER_KWARGS = ("hyper", "state_keys", "have")  # not "group"/"param": they don't change cost
+# NOTE: copy bandwidth is fitted from two sizes: a small one (fixed latency dominates) and a
+# large one (bandwidth dominates; 64 MiB is far beyond any cache level)
+_COPY_SMALL = 4096
+_COPY_LARGE = 64 * 2**20
+_COPY_REPEATS = 5
+
+
+class NotProfiledError(KeyError):
+    """``node_cost`` was asked for a node that was never measured."""
+
+    def __str__(self) -> str:  # NOTE: KeyError's str() would quote the whole message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Everything measured for one node (cached entries included)."""
+
+    key: str
+    seconds: float
+    workspace_bytes: int
+    end_bytes: int      # allocator bytes the node left allocated (its real fresh outputs)
+    fresh_bytes: int    # bytes of the storages the IR says the node allocates
+
+    @property
+    def alias_mismatch(self) -> bool:
+        """True when the real op allocated a different amount than the IR's alias model says."""
+        return self.end_bytes != self.fresh_bytes
+
+
+def _canon(obj, pos: dict[int, int]) -> str:
+    """Deterministic text of a constant argument; ValueRefs become input positions (%i)."""
+    if isinstance(obj, ValueRef):
+        return f"%{pos[obj.id]}"
+    if isinstance(obj, tuple):
+        return "(" + ",".join(_canon(o, pos) for o in obj) + ")"
+    if isinstance(obj, list):
+        return "[" + ",".join(_canon(o, pos) for o in obj) + "]"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k!r}:{_canon(obj[k], pos)}" for k in sorted(obj, key=str)) + "}"
+    text = repr(obj)
+    if " at 0x" in text:  # NOTE: an address would make the key differ in every process
+        raise TypeError(f"constant argument {text} has no deterministic repr; fitgraph cannot "
+                        "key its measurement (report this op)")
+    return text
+
+
+def node_signature(graph: Graph, node: Node) -> str:
+    """The device-independent part of a node's cache key: op, input layouts, constants.
+
+    Two nodes with equal signatures run the same kernel on the same layouts, so one
+    measurement serves both (the many ``aten.t`` / ``detach`` nodes of a graph, the layers of
+    a deep stack).
+    """
+    pos = {vid: i for i, vid in enumerate(node.inputs)}
+    first_of_storage: dict[int, int] = {}
+    ins = []
+    for i, vid in enumerate(node.inputs):
+        v = graph.values[vid]
+        share = first_of_storage.setdefault(v.storage, i)  # NOTE: aliasing between inputs
+        ins.append(f"{v.dtype}{list(v.shape)}/{list(v.stride)}+{v.storage_offset}@{share}")
+    if node.target.startswith(_OPTIMIZER_PREFIX):
+        consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
+    else:
+        consts = _canon(node.args, pos) + _canon(node.kwargs, pos)
+    return f"{node.target}|{';'.join(ins)}|{consts}"
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _fill(buf: torch.Tensor, dtype: torch.dtype) -> None:
+    """Fill a byte buffer with valid data for ``dtype`` (see module docstring)."""
+    if dtype == torch.bool:
+        buf.fill_(1)
+        return
+    if not (dtype.is_floating_point or dtype.is_complex):
+        buf.zero_()
+        return
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = buf.numel() // itemsize
+    flat = buf[: n * itemsize].view(dtype)
+    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        flat.uniform_()
+    else:  # NOTE: float8 / complex have no uniform_ kernel everywhere: go through float32
+        flat.copy_(torch.rand(n, device=buf.device))
+
+
+class ProfiledCostModel:
+    """Costs measured on ``device`` ("cpu", "cuda", "cuda:1"), cached across processes.
+
+    Args:
+        device: where nodes are run.
+        cache: a ``CostCache``, a directory or ``.sqlite`` file; None = the default cache
+            (``$FITGRAPH_CACHE_DIR`` or the user cache dir).
+        repeats: timed runs per node (the median is kept).
+        warmup: untimed runs first (lazy kernel initialisation, caches, cuDNN autotuning).
+        progress: show a tqdm bar over the nodes being measured.
+
+    Measurements are valid for this device, torch version and ``torch.get_num_threads()`` (all
+    part of the key): change the thread count and the graph must be profiled again. Nodes and
+    values are treated as immutable once keyed.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu",
+                 cache: CostCache | str | os.PathLike | None = None, repeats: int = 5,
+                 warmup: int = 2, progress: bool = True) -> None:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"ProfiledCostModel(device={str(device)!r}): CUDA is not "
+                                   "available; profile on 'cpu' or use a RooflineCostModel")
+            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None
+                               else dev.index)
+        elif dev.type != "cpu":
+            raise ValueError(f"ProfiledCostModel supports 'cpu' and 'cuda' devices, got {dev}")
+        if repeats < 1 or warmup < 0:
+            raise ValueError("ProfiledCostModel needs repeats >= 1 and warmup >= 0")
+        self.device = dev
+        self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
+        self.repeats, self.warmup, self.progress = repeats, warmup, progress
+        self.label, self.hardware = _describe(dev)
+        self._entries: dict[str, CacheEntry] = {}
+        # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
+        self._keys: dict[int, tuple[Node, str, str, str]] = {}
+        self._copy: dict[str, tuple[float, float]] = {}     # env -> (latency s, s per byte)
+
+    # -- keys -----------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        n = torch.get_num_threads()
+        version = torch.__version__.split("+")[0]
+        return f"{self.label} (measured, torch {version}, {n} thread{'s' if n != 1 else ''})"
+
+    def _env(self) -> str:
+        return (f"v{_KEY_VERSION}|{self.hardware}|torch {torch.__version__}|"
+                f"threads {torch.get_num_threads()}")
+
+    def key(self, graph: Graph, node: Node) -> str:
+        """The cache key of ``node`` here and now (a sha256 hex digest)."""
+        env = self._env()
+        memo = self._keys.get(id(node))
+        if memo is not None and memo[0] is node and memo[2] == env:
+            return memo[3]
+        sig = memo[1] if memo is not None and memo[0] is node else node_signature(graph, node)
+        key = hashlib.sha256(f"{sig}||{env}".encode()).hexdigest()
+        self._keys[id(node)] = (node, sig, env, key)
+        return key
+
+    # -- the CostModel protocol -----------------------------------------------------------------
+    def node_cost(self, graph: Graph, node: Node) -> NodeCost:
+        e = self._entry(self.key(graph, node), node)
+        return NodeCost(e.seconds, e.workspace_bytes)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        latency, per_byte = self._copy_params()
+        return latency + nbytes * per_byte
+
+    # -- profiling ------------------------------------------------------------------------------
+    def profile(self, graph: Graph) -> int:
+        """Measure every distinct node of ``graph`` not in the cache; return how many were."""
+        todo: dict[str, Node] = {}
+        for node in graph.nodes:
+            todo.setdefault(self.key(graph, node), node)
+        missing = [k for k in todo if k not in self._entries]
+        self._entries.update(self.cache.get_many(missing))
+        todo = {k: n for k, n in todo.items() if k not in self._entries}
+        self._copy_params()
+        if not todo:
+            return 0
+        fresh = new_storages(graph)
+        runner = _Runner(graph, self.device)
+        from tqdm import tqdm
+
+        bar = tqdm(todo.items(), desc=f"profiling on {self.label}", unit="op",
+                   disable=None if self.progress else True)
+        mismatched = []
+        rng_devices = [self.device.index] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
+            torch.manual_seed(0)  # NOTE: synthetic inputs are the same in every process
+            for key, node in bar:
+                fresh_bytes = sum(graph.storages[s].nbytes for s in fresh[node.id])
+                seconds, peak, end = self._measure(runner, node)
+                entry = CacheEntry(seconds, max(0, peak - fresh_bytes), end)
+                self.cache.put(key, entry, device=self.hardware,
+                               torch_version=torch.__version__, target=node.target)
+                self._entries[key] = entry
+                if end != fresh_bytes:
+                    mismatched.append(node)
+                    log.debug("node %s (%s): allocator kept %d bytes, the IR says it allocates "
+                              "%d", node.name, node.target, end, fresh_bytes)
+        if mismatched:
+            log.info("%d profiled nodes left a different number of bytes allocated than the "
+                     "IR's alias model predicts: %s (see ProfiledCostModel.alias_mismatches)",
+                     len(mismatched), sorted({n.target for n in mismatched}))
+        return len(todo)
+
+    def measurement(self, graph: Graph, node: Node) -> Measurement:
+        """What was measured for ``node``, with the IR's fresh bytes to compare."""
+        key = self.key(graph, node)
+        e = self._entry(key, node)
+        fresh = sum(graph.storages[s].nbytes for s in new_storages(graph)[node.id])
+        return Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh)
+
+    def measurements(self, graph: Graph) -> list[Measurement]:
+        """``measurement`` of every node, in node order."""
+        table = new_storages(graph)
+        out = []
+        for node in graph.nodes:
+            key = self.key(graph, node)
+            e = self._entry(key, node)
+            fresh = sum(graph.storages[s].nbytes for s in table[node.id])
+            out.append(Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh))
+        return out
+
+    def alias_mismatches(self, graph: Graph) -> list[tuple[Node, Measurement]]:
+        """Nodes whose real allocation differs from the IR's (``end_bytes != fresh_bytes``)."""
+        return [(n, m) for n, m in zip(graph.nodes, self.measurements(graph))
+                if m.alias_mismatch]
+
+    # -- internals ------------------------------------------------------------------------------
+    def _entry(self, key: str, node: Node) -> CacheEntry:
+        e = self._entries.get(key)
+        if e is None:
+            e = self.cache.get(key)  # NOTE: maybe profiled meanwhile by another process
+            if e is None:
+                raise NotProfiledError(
+                    f"node {node.name} ({node.target}) has not been profiled on {self.name}; "
+                    "call .profile(graph) first (a different thread count or torch version "
+                    "also needs a new profile)")
+            self._entries[key] = e
+        return e
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _time(self, run, env: list) -> float:
+        if self.device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._sync()
+            start.record()
+            out = run(env)
+            stop.record()
+            stop.synchronize()
+            del out
+            return start.elapsed_time(stop) / 1e3
+        t0 = time.perf_counter()
+        out = run(env)
+        t1 = time.perf_counter()
+        del out
+        return t1 - t0
+
+    def _measure(self, runner: _Runner, node: Node) -> tuple[float, int, int]:
+        """(median seconds, meter peak bytes, meter end bytes) of one node."""
+        run = runner.callable(node)
+        mutating = bool(node.mutates)
+        env = runner.inputs(node)
+        try:
+            for _ in range(self.warmup):
+                if mutating:
+                    env = runner.inputs(node)
+                out = run(env)
+                del out
+            times = []
+            for _ in range(self.repeats):
+                if mutating:
+                    env = runner.inputs(node)
+                times.append(self._time(run, env))
+            env = runner.inputs(node)  # NOTE: fresh inputs, allocated before the meter opens
+            self._sync()
+            with MemoryMeter(self.device) as meter:
+                out = run(env)
+            del out  # NOTE: after the meter closed: its end_bytes are the live outputs
+        except Exception as e:
+            raise RuntimeError(f"profiling node {node.name} ({node.target}) failed on synthetic "
+                               f"inputs: {type(e).__name__}: {e}") from e
+        return statistics.median(times), meter.peak_bytes, meter.end_bytes
+
+    def _copy_params(self) -> tuple[float, float]:
+        env = self._env()
+        if env in self._copy:
+            return self._copy[env]
+        lat_key = hashlib.sha256(f"copy-latency||{env}".encode()).hexdigest()
+        bw_key = hashlib.sha256(f"copy-seconds-per-byte||{env}".encode()).hexdigest()
+        got = self.cache.get_many([lat_key, bw_key])
+        if lat_key in got and bw_key in got:
+            params = (got[lat_key].seconds, got[bw_key].seconds)
+        else:
+            params = self._measure_copy()
+            for k, v, what in ((lat_key, params[0], "copy latency"),
+                               (bw_key, params[1], "copy seconds per byte")):
+                self.cache.put(k, CacheEntry(v, 0, 0), device=self.hardware,
+                               torch_version=torch.__version__, target=what)
+        self._copy[env] = params
+        return params
+
+    def _measure_copy(self) -> tuple[float, float]:
+        """(latency, seconds per byte) of a host<->device copy (a memcpy on CPU)."""
+        t_small = self._copy_time(_COPY_SMALL)
+        t_large = self._copy_time(_COPY_LARGE)
+        per_byte = (t_large - t_small) / (_COPY_LARGE - _COPY_SMALL)
+        if per_byte <= 0:  # NOTE: timer noise on a tiny machine; bandwidth from the large copy
+            per_byte = t_large / _COPY_LARGE
+        return max(0.0, t_small - _COPY_SMALL * per_byte), per_byte
+
+    def _copy_time(self, nbytes: int) -> float:
+        """Median seconds of one copy of ``nbytes`` (on CUDA: the slower direction)."""
+        if self.device.type == "cpu":
+            src = torch.ones(nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            pairs = [(dst, src)]
+        else:
+            host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            pairs = [(dev, host), (host, dev)]
+        worst = 0.0
+        for dst, src in pairs:
+
+            def run(_env, dst=dst, src=src):
+                return dst.copy_(src, non_blocking=True)
+
+            for _ in range(2):
+                run(None)
+            worst = max(worst, statistics.median(self._time(run, []) for _ in
+                                                 range(_COPY_REPEATS)))
+        return worst
+
+    def __repr__(self) -> str:
+        return f"ProfiledCostModel({str(self.device)!r}, cache={self.cache.path})"
+
+
+class _Runner:
+    """Makes synthetic inputs for a graph's nodes and the callables that run them."""
+
+    def __init__(self, graph: Graph, device: torch.device) -> None:
+        self.graph, self.device = graph, device
+        first = graph.storages[graph.values[graph.inputs[0]].storage] if graph.inputs else None
+        self.graph_device = first.device if first is not None else "cpu"
+        self.remap = torch.device(self.graph_device) != device
+
+    def _device_for(self, st: Storage) -> torch.device:
+        # NOTE: host-side scalars of a GPU graph (Adam's step) stay on the host; everything
+        # else runs on the profiling device
+        if st.device == "cpu" and self.graph_device != "cpu":
+            return torch.device("cpu")
+        return self.device
+
+    def inputs(self, node: Node) -> list:
+        """An env (indexed by value id) holding fresh synthetic tensors for ``node.inputs``."""
+        g = self.graph
+        env: list = [None] * len(g.values)
+        need: dict[int, int] = {}
+        for vid in node.inputs:
+            v = g.values[vid]
+            extent = storage_bytes(v.shape, v.stride, v.storage_offset, DTYPE_BYTES[v.dtype])
+            need[v.storage] = max(need.get(v.storage, g.storages[v.storage].nbytes), extent)
+        bufs: dict[int, torch.Tensor] = {}
+        for vid in node.inputs:
+            v = g.values[vid]
+            dtype = _torch_dtype(v.dtype)
+            buf = bufs.get(v.storage)
+            if buf is None:
+                buf = torch.empty(need[v.storage], dtype=torch.uint8,
+                                  device=self._device_for(g.storages[v.storage]))
+                _fill(buf, dtype)
+                bufs[v.storage] = buf
+            t = torch.empty(0, dtype=dtype, device=buf.device)
+            t.set_(buf.untyped_storage(), v.storage_offset, v.shape, v.stride)
+            env[vid] = t
+        return env
+
+    def callable(self, node: Node):
+        """``run(env) -> result`` for ``node``, arguments bound from ``env``."""
+        if self.remap:
+            node = dataclasses.replace(node, args=self._remap(node.args),
+                                       kwargs=self._remap(node.kwargs))
+        binder = ArgBinder(node)
+        if node.target.startswith(_OPTIMIZER_PREFIX):
+
+            def run_optimizer(env: list):
+                args, _ = binder(env)
+                return run_optimizer_node(node, args[0], args[1], list(args[2]), None)
+
+            return run_optimizer
+        fn = resolve_target(node.target)
+
+        def run(env: list):
+            args, kwargs = binder(env)
+            return fn(*args, **kwargs)
+
+        return run
+
+    def _remap(self, obj):
+        """Constant ``torch.device`` arguments of the graph's device -> the profiling device."""
+        if isinstance(obj, torch.device):
+            return self.device if obj == torch.device(self.graph_device) else obj
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._remap(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._remap(v) for k, v in obj.items()}
+        return obj
+
+
+def _describe(dev: torch.device) -> tuple[str, str]:
+    """(short label for names, full hardware description for cache keys)."""
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        major, minor = torch.cuda.get_device_capability(dev)
+        return name, f"cuda {name} sm_{major}{minor}"
+    return "cpu", f"cpu {_cpu_model()}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
