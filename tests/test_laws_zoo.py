@@ -60,16 +60,8 @@ def _simulator_tells_truth(case, model, opt):
         f"{case.name}: eager plan {measured.peak_bytes} vs eager PyTorch {eager.peak_bytes}")
 
 
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name", FAST + [pytest.param(n, marks=pytest.mark.slow) for n in OTHERS])
 def test_zoo_laws(name):
-    case = zoo.build(name, "small")
-    model, opt = _same_as_eager(case)
-    _simulator_tells_truth(case, model, opt)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", OTHERS)
-def test_zoo_laws_other_sizes(name):
     case = zoo.build(name, "small")
     model, opt = _same_as_eager(case)
     _simulator_tells_truth(case, model, opt)
