@@ -193,3 +193,34 @@ def test_second_capture_after_state_exists_differs_and_mismatch_is_caught():
         execute(g1, fitgraph.eager_plan(g1), model, batch, opt)
     g2 = fitgraph.capture(model, batch, None, opt)
     assert any(k.startswith("state:") for k in g2.input_names)
+
+
+class TransposedUse(nn.Module):
+    """w used permuted: autograd's gradient for w arrives as a permuted (non-contiguous) view,
+    which AccumulateGrad copies to w's layout; channels_last conv weights keep theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.w = nn.Parameter(torch.randn(2, 3, 4))
+
+    def forward(self, x):
+        h = self.conv(x).mean((2, 3))                       # (2, 4)
+        return (h[:, :, None, None] * self.w.permute(2, 0, 1)).square().mean()
+
+
+def test_gradient_layout_follows_parameter_like_autograd():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    a, b = TransposedUse(), TransposedUse()
+    b.load_state_dict(a.state_dict())
+    a(x).backward()
+    import fitgraph
+    from fitgraph.execute import execute
+
+    g = fitgraph.capture(b, x)
+    assert any(n.target == "aten.empty_strided.default" for n in g.nodes)
+    execute(g, fitgraph.eager_plan(g), b, x)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert pa.grad.stride() == pb.grad.stride(), n
+        assert torch.equal(pa.grad, pb.grad), n

@@ -116,6 +116,21 @@ def _hook_backward(loss: torch.Tensor, tracker: PhaseTracker) -> None:
         stack.extend(nf for nf, _ in fn.next_functions)
 
 
+def _obey_layout(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    """What autograd's AccumulateGrad stores as a fresh ``.grad``: the gradient itself when its
+    strides match the parameter's, else a copy laid out like the parameter. Done in the graph so
+    that the copy's memory is planned and measured like every other allocation."""
+    if grad is None or grad.numel() <= 1:
+        return grad
+    dense = param.is_contiguous() or param.is_contiguous(memory_format=torch.channels_last)
+    if dense and grad.stride() != param.stride():
+        return torch.empty_strided(param.shape, param.stride(), dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+    if not dense and not grad.is_contiguous():
+        return grad.contiguous()
+    return grad
+
+
 @dataclass
 class TracedStep:
     gm: torch.fx.GraphModule
@@ -173,8 +188,9 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         _hook_backward(loss, tracker)
         tracker.mark(Phase.BACKWARD, "")
         grads = torch.autograd.grad(loss, [p[n] for n in names], allow_unused=True)
+        grads = [_obey_layout(g, p[n]) for g, n in zip(grads, names)]
         tracker.mark(Phase.OPTIMIZER, "")
-        return loss, list(grads)
+        return loss, grads
 
     try:
         with fake_mode, _module_hooks(model, tracker):

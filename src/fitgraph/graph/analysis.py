@@ -22,6 +22,7 @@ __all__ = [
     "output_storages",
     "storage_last_use",
     "storage_producer",
+    "topological_index",
     "users",
     "verify_graph",
 ]
@@ -53,6 +54,20 @@ def users(graph: Graph) -> dict[int, list[int]]:
         for v in n.inputs:
             table[v].append(n.id)
     return table
+
+
+def topological_index(graph: Graph, order: list[int] | None = None) -> dict[int, int]:
+    """node id -> position in ``order`` (default: captured order); checks the order is
+    topological and raises GraphError naming the first node that reads a value too early."""
+    order = [n.id for n in graph.nodes] if order is None else order
+    pos = {nid: i for i, nid in enumerate(order)}
+    for nid in order:
+        for v in graph.nodes[nid].inputs:
+            p = graph.values[v].producer
+            if p is not None and pos.get(p, len(order)) >= pos[nid]:
+                raise GraphError(f"order is not topological: node {graph.nodes[nid].name} reads "
+                                 f"{graph.values[v].name} before its producer runs")
+    return pos
 
 
 def node_storages_read(graph: Graph, node: Node) -> list[int]:

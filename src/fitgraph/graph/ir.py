@@ -113,6 +113,11 @@ class Value:
     def itemsize(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this tensor's elements (its storage may be larger: see Storage.nbytes)."""
+        return self.numel * self.itemsize
+
 
 @dataclass(slots=True)
 class Node:
