@@ -318,3 +318,18 @@ def test_alias_mismatch_is_recorded(tmp_path):
         ("aten.relu.default", 1024, 0)]
     assert cm.node_cost(g, g.nodes[0]).workspace_bytes == 1024
     assert cm.measurement(g, g.nodes[1]).workspace_bytes == 0
+
+
+def test_refresh_measures_again_and_overwrites(tmp_path):
+    import torch
+
+    import fitgraph
+    from fitgraph.cost import ProfiledCostModel
+
+    m = torch.nn.Linear(8, 8)
+    g = fitgraph.capture(m, torch.randn(4, 8), lambda m, b: m(b).sum())
+    assert ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False).profile(g) > 0
+    assert ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False).profile(g) == 0
+    fresh = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False, refresh=True)
+    n = fresh.profile(g)
+    assert n > 0 and fresh.profile(g) == 0

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan for a roofline device model (rtx3090, a100-40gb, a100-80gb, "
                           "h100, cpu-generic) instead of measuring ops here")
     ins.add_argument("--repeats", type=int, default=3, help="timed steps (median reported)")
+    ins.add_argument("--reprofile", action="store_true",
+                     help="measure every op again, replacing the cached costs")
     ins.add_argument("--threads", type=int, default=1,
                      help="torch threads (1 gives stable timings on small machines)")
     sub.add_parser("models", help="list the built-in models")
@@ -105,7 +107,7 @@ def cmd_inspect(args) -> int:
     name = f"{args.model} ({args.config}: {case.description})"
     r = inspect_step(case.model, case.batch, case.loss_fn, opt, cost_model=args.device_model,
                      simulate_only=args.simulate_only, repeats=args.repeats, name=name,
-                     progress=not args.json)
+                     progress=not args.json, reprofile=args.reprofile)
     if args.plot:
         plot_memory({"eager plan (simulated)": r.timeline}, args.plot, title=name,
                     phase_starts=r.phase_starts, resident_bytes=r.resident_bytes)

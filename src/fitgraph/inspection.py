@@ -94,7 +94,7 @@ def _is_meta(model: torch.nn.Module) -> bool:
 def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, cost_model=None,
                  simulate_only: bool | None = None, repeats: int = 3, name: str | None = None,
-                 progress: bool = False) -> InspectResult:
+                 progress: bool = False, reprofile: bool = False) -> InspectResult:
     """Capture, simulate and (when it fits in this machine's memory) measure one step.
 
     ``cost_model``: None for the measured cost model of this device (ops profiled and cached),
@@ -132,7 +132,7 @@ def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = No
     elif cost_model is not None:
         cm = cost_model
     else:
-        cm = ProfiledCostModel(progress=progress)
+        cm = ProfiledCostModel(progress=progress, refresh=reprofile)
         t0 = time.perf_counter()
         cm.profile(g)
         profile_s = time.perf_counter() - t0

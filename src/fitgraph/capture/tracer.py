@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..graph.ir import Phase
 from .calling import LossFn, compute_loss
@@ -180,8 +180,6 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     names = list(params)
 
     def step(p: dict, b: dict, batch_leaves: list):
-        from torch.utils._pytree import tree_unflatten
-
         tracker.mark(Phase.FORWARD, "")
         with _reparametrize_module(model, {**p, **b}, tie_weights=True):
             loss = compute_loss(model, tree_unflatten(list(batch_leaves), spec), loss_fn)
@@ -226,14 +224,3 @@ def _translate(e: Exception, tracker: PhaseTracker) -> CaptureError:
             "without real memory; register a fake kernel with torch.library.register_fake or "
             "rewrite it with supported ops", module=module, op=op_name)
     return CaptureError(f"tracing failed with {kind}: {msg}", module=module, op=op_name)
-
-
-def unflatten_batch(spec: Any, leaves: list) -> Any:
-    from torch.utils._pytree import tree_unflatten
-
-    return tree_unflatten(list(leaves), spec)
-
-
-def as_fake_free(obj: Any) -> Any:
-    """Shapes-only view of a pytree (for error messages and reports)."""
-    return tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, obj)

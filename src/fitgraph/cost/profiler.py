@@ -158,6 +158,8 @@ class ProfiledCostModel:
         repeats: timed runs per node (the median is kept).
         warmup: untimed runs first (lazy kernel initialisation, caches, cuDNN autotuning).
         progress: show a tqdm bar over the nodes being measured.
+        refresh: measure again even what the cache holds, and overwrite it (a profile taken
+            while other work shared the machine stays in the cache until refreshed).
 
     Measurements are valid for this device, torch version and ``torch.get_num_threads()`` (all
     part of the key): change the thread count and the graph must be profiled again. Nodes and
@@ -166,7 +168,7 @@ class ProfiledCostModel:
 
     def __init__(self, device: str | torch.device = "cpu",
                  cache: CostCache | str | os.PathLike | None = None, repeats: int = 5,
-                 warmup: int = 2, progress: bool = True) -> None:
+                 warmup: int = 2, progress: bool = True, refresh: bool = False) -> None:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -181,6 +183,7 @@ class ProfiledCostModel:
         self.device = dev
         self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
         self.repeats, self.warmup, self.progress = repeats, warmup, progress
+        self.refresh = refresh
         self.label, self.hardware = _describe(dev)
         self._entries: dict[str, CacheEntry] = {}
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
@@ -227,7 +230,8 @@ class ProfiledCostModel:
         for node in graph.nodes:
             todo.setdefault(self.key(graph, node), node)
         missing = [k for k in todo if k not in self._entries]
-        self._entries.update(self.cache.get_many(missing))
+        if not self.refresh:
+            self._entries.update(self.cache.get_many(missing))
         todo = {k: n for k, n in todo.items() if k not in self._entries}
         self._copy_params()
         if not todo:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Phase, Role
-from ..plan.instructions import Compute, Free, Instruction, Offload, Plan, Prefetch, Recompute, Wait
+from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
 
 __all__ = ["BREAKDOWN_GROUPS", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
 
@@ -105,7 +105,7 @@ class Simulator:
             high = max(self.transient, self.live_bytes)
             if high > peak:
                 peak, peak_pc, peak_ws = high, pc, self.workspace
-                peak_set = set(self.live) | set(self.in_flight_outputs)
+                peak_set = set(self.live)
             host_bytes = sum(self.nbytes[s] for s in self.host)
             host_peak = max(host_peak, host_bytes)
             live_after.append(self.live_bytes)
@@ -120,8 +120,6 @@ class Simulator:
             breakdown=breakdown, top_tensors=top, phase_starts=phase_starts)
 
     # -- instructions -------------------------------------------------------------------------
-    in_flight_outputs: tuple[int, ...] = ()
-
     def run_compute(self, ins: Compute | Recompute) -> None:
         node = self.graph.nodes[ins.node]
         cost = self.cost.node_cost(self.graph, node)
@@ -129,7 +127,6 @@ class Simulator:
         added = sum(self.nbytes[s] for s in fresh)
         self.transient = self.live_bytes + added + cost.workspace_bytes
         self.workspace, self.node = cost.workspace_bytes, ins.node
-        self.in_flight_outputs = tuple(fresh)
         self.live.update(fresh)
         self.live_bytes += added
         self.t_compute += cost.seconds
@@ -138,7 +135,6 @@ class Simulator:
     run_recompute = run_compute
 
     def run_free(self, ins: Free) -> None:
-        self.in_flight_outputs = ()
         for st in ins.storages:
             self.live.discard(st)
             self.live_bytes -= self.nbytes[st]
@@ -151,20 +147,17 @@ class Simulator:
         self.copy_done[storage] = self.t_copy
 
     def run_offload(self, ins: Offload) -> None:
-        self.in_flight_outputs = ()
         self._copy(ins.storage)
         self.host.add(ins.storage)
         self.pending_release.add(ins.storage)
 
     def run_prefetch(self, ins: Prefetch) -> None:
-        self.in_flight_outputs = ()
         self._copy(ins.storage)
         if ins.storage not in self.live:  # NOTE: device memory from the moment the copy starts
             self.live.add(ins.storage)
             self.live_bytes += self.nbytes[ins.storage]
 
     def run_wait(self, ins: Wait) -> None:
-        self.in_flight_outputs = ()
         self.t_compute = max(self.t_compute, self.copy_done.get(ins.storage, 0.0))
         if ins.storage in self.pending_release:
             self.pending_release.discard(ins.storage)
@@ -173,9 +166,6 @@ class Simulator:
                 self.live_bytes -= self.nbytes[ins.storage]
         else:
             self.host.discard(ins.storage)
-
-    def run_instruction(self, ins: Instruction) -> None:
-        raise TypeError(f"the simulator does not know instruction {ins!r}")
 
     # -- reports ------------------------------------------------------------------------------
     def _breakdown(self, storages: set[int], workspace: int):
