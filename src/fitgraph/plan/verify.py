@@ -30,6 +30,12 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
     in_flight: set[int] = set()
     produced: set[int] = set(live)
     computed: set[int] = set()
+    # NOTE: values, not only storages: after a storage is recomputed, a view of it made by
+    # another node is stale until that view node runs again
+    avail: set[int] = set(graph.inputs)
+    members: dict[int, list[int]] = {}
+    for v in graph.values:
+        members.setdefault(v.storage, []).append(v.id)
 
     def name(nid: int) -> str:
         n = graph.nodes[nid]
@@ -51,12 +57,16 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
                     why = "offloaded and not prefetched" if st in on_host else "not live"
                     raise PlanError(f"instruction {pc}: {name(ins.node)} reads "
                                     f"{graph.values[vid].name} whose storage is {why}")
+                if vid not in avail:
+                    raise PlanError(f"instruction {pc}: {name(ins.node)} reads "
+                                    f"{graph.values[vid].name}, freed and not recomputed since")
             if isinstance(ins, Recompute):
                 for st in fresh[ins.node]:
                     if st in live:
                         raise PlanError(f"instruction {pc}: Recompute of {name(ins.node)} "
                                         f"but its output storage {st} is still live")
             computed.add(ins.node)
+            avail.update(o for o in n.outputs if o is not None)
             live.update(fresh[ins.node])
             produced.update(fresh[ins.node])
         elif isinstance(ins, Free):
@@ -65,6 +75,7 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
                     raise PlanError(f"instruction {pc}: Free of storage {st} "
                                     f"({graph.storages[st].name}) that is not live")
                 live.discard(st)
+                avail.difference_update(members[st])
         elif isinstance(ins, Offload):
             if ins.storage not in live:
                 raise PlanError(f"instruction {pc}: Offload of storage {ins.storage} not live")

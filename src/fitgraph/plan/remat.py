@@ -1,0 +1,149 @@
+"""Turn a rematerialization decision into a Plan: which nodes' outputs are dropped after the
+forward pass and recomputed when the backward needs them.
+
+Every remat solver (ILP, the production solver, the baselines) decides a set of nodes; this one
+function turns that set into instructions, so correctness lives in one place and the verifier
+checks it. A dropped value is recomputed on first use after the drop, recursively (its inputs
+are recomputed first if they were dropped too; views of a dropped storage are re-created), and
+each storage is freed after its last use in the final instruction order.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+    >>> from fitgraph.plan.remat import remat_plan
+    >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    >>> a = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]
+    >>> y = b.add_node("aten.neg.default", [a], [((4,), "float32")])[0]
+    >>> gy = b.add_node("aten.mul.Tensor", [y, a], [((4,), "float32")], phase=Phase.BACKWARD)[0]
+    >>> g = b.finish({"loss": gy})
+    >>> [f"{i.op} {getattr(i, 'node', '')}" for i in remat_plan(g, {0})][:4]
+    ['compute 0', 'compute 1', 'free ', 'recompute 0']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..graph.analysis import new_storages, output_storages
+from ..graph.ir import Graph, Phase
+from .instructions import Compute, Free, Instruction, Plan, Recompute
+
+__all__ = ["RematError", "recomputable", "remat_plan"]
+
+
+class RematError(ValueError):
+    """A node was asked to be recomputed that must not be (random, in-place, optimizer...)."""
+
+
+def recomputable(graph: Graph) -> dict[int, str]:
+    """node id -> "" if its outputs may be dropped and recomputed, else the reason why not.
+
+    Never recomputed: random ops (a recompute would re-draw: law 1), ops that write in place
+    (a recompute would apply the write twice, e.g. BatchNorm's running stats), ops whose output
+    storage is written in place later (the recompute would miss the write), ops reading a storage
+    that a later node writes in place (the recompute would see the new contents), optimizer
+    updates, and ops whose outputs are step outputs or views of resident storage.
+    """
+    mutated_at: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        for v in n.mutates:
+            mutated_at.setdefault(graph.values[v].storage, []).append(n.id)
+    keep = output_storages(graph)
+    fresh = new_storages(graph)
+    out: dict[int, str] = {}
+    for n in graph.nodes:
+        why = ""
+        if n.random:
+            why = "random op: a recompute would draw new random numbers"
+        elif n.mutates:
+            why = "writes in place"
+        elif n.phase is Phase.OPTIMIZER:
+            why = "optimizer update"
+        elif any(s in keep for s in fresh[n.id]) or not fresh[n.id] and any(
+                graph.values[o].storage in keep for o in n.outputs if o is not None):
+            why = "produces a step output or a view of resident memory"
+        else:
+            touched = {graph.values[v].storage for v in n.inputs}
+            touched |= {graph.values[o].storage for o in n.outputs if o is not None}
+            if any(m > n.id for s in touched for m in mutated_at.get(s, ())):
+                why = "reads or produces a storage that a later node writes in place"
+        out[n.id] = why
+    return out
+
+
+def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None) -> Plan:
+    """The plan that computes ``order`` (default: captured order) and drops the outputs of the
+    nodes in ``drop`` at the end of the forward+loss phases, recomputing them on demand."""
+    order = [n.id for n in graph.nodes] if order is None else list(order)
+    drop = set(drop)
+    allowed = recomputable(graph)
+    for nid in sorted(drop):
+        if allowed[nid]:
+            n = graph.nodes[nid]
+            raise RematError(f"node {n.name} ({n.target}, module {n.module or '<top>'}) cannot "
+                             f"be recomputed: {allowed[nid]}")
+    fresh = new_storages(graph)
+    members: dict[int, list[int]] = {}
+    for v in graph.values:
+        members.setdefault(v.storage, []).append(v.id)
+    avail: set[int] = set(graph.inputs)
+    events: list[Instruction] = []
+
+    def ensure(vid: int) -> None:
+        if vid in avail:
+            return
+        p = graph.values[vid].producer
+        if p is None or p not in drop and not _is_view_of_dropped(graph, p, fresh):
+            n = graph.nodes[p] if p is not None else None
+            raise RematError(f"value {graph.values[vid].name} is needed again but its producer "
+                             f"{n.name if n else '<input>'} is not recomputable")
+        for u in graph.nodes[p].inputs:
+            ensure(u)
+        events.append(Recompute(p))
+        avail.update(o for o in graph.nodes[p].outputs if o is not None)
+
+    boundary = next((i for i, nid in enumerate(order)
+                     if graph.nodes[nid].phase in (Phase.BACKWARD, Phase.OPTIMIZER)), len(order))
+    dropped_storages = {s for nid in drop for s in fresh[nid]}
+    for pos, nid in enumerate(order):
+        if pos == boundary:
+            for s in dropped_storages:
+                avail.difference_update(members[s])
+        for u in graph.nodes[nid].inputs:
+            ensure(u)
+        events.append(Compute(nid))
+        avail.update(o for o in graph.nodes[nid].outputs if o is not None)
+    return Plan(tuple(_with_frees(graph, events, fresh)), meta={"dropped": sorted(drop)})
+
+
+def _is_view_of_dropped(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
+    """A view node (no fresh storage) is re-run whenever its base storage is recomputed."""
+    n = graph.nodes[nid]
+    return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
+
+
+def _with_frees(graph: Graph, events: list[Instruction],
+                fresh: dict[int, list[int]]) -> list[Instruction]:
+    """Insert a Free after the last use of each storage lifetime (a lifetime ends when the
+    storage is produced again by a Recompute, or at its last use)."""
+    keep = output_storages(graph)
+    last_use: dict[int, int] = {}
+    produced_at: dict[int, int] = {}
+    ends: dict[int, list[int]] = {}
+    for i, ins in enumerate(events):
+        n = graph.nodes[ins.node]
+        for s in fresh[ins.node]:
+            if s in produced_at and s not in keep:  # NOTE: a new lifetime: close the old one
+                ends.setdefault(last_use[s], []).append(s)
+            produced_at[s] = i
+            last_use[s] = i
+        for v in [*n.inputs, *[o for o in n.outputs if o is not None]]:
+            last_use[graph.values[v].storage] = i
+    for s, i in last_use.items():
+        if s not in keep and s in produced_at:
+            ends.setdefault(i, []).append(s)
+    out: list[Instruction] = []
+    for i, ins in enumerate(events):
+        out.append(ins)
+        if i in ends:
+            out.append(Free(tuple(sorted(set(ends[i])))))
+    return out
