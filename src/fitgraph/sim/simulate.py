@@ -68,6 +68,7 @@ class SimResult:
     breakdown: dict[str, int]          # bytes at the peak by group (+ "workspace")
     top_tensors: tuple[TensorAtPeak, ...]
     phase_starts: dict[str, int] = field(default_factory=dict)  # phase -> first instruction
+    peak_live: frozenset[int] = frozenset()  # storages live at the peak (planners target these)
 
     @property
     def activation_bytes_at_peak(self) -> int:
@@ -117,7 +118,8 @@ class Simulator:
             live_after=tuple(live_after), peak_during=tuple(peak_during),
             time_after=tuple(time_after), latency_s=max(self.t_compute, self.t_copy),
             compute_s=self.compute_s, copy_s=self.copy_s, host_peak_bytes=host_peak,
-            breakdown=breakdown, top_tensors=top, phase_starts=phase_starts)
+            breakdown=breakdown, top_tensors=top, phase_starts=phase_starts,
+            peak_live=frozenset(peak_set))
 
     # -- instructions -------------------------------------------------------------------------
     def run_compute(self, ins: Compute | Recompute) -> None:

@@ -1,0 +1,92 @@
+"""The solver interface: every strategy is ``solve_x(problem) -> Solution``, in one registry.
+
+Example:
+    >>> from fitgraph.solvers.base import SOLVERS
+    >>> "eager" in SOLVERS and "hotspot" in SOLVERS
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..cost.base import CostModel
+from ..graph.ir import Graph
+from ..plan.instructions import Plan
+from ..sim.simulate import SimResult
+
+__all__ = ["SOLVERS", "BudgetInfeasible", "Problem", "Solution", "register", "solve"]
+
+
+class BudgetInfeasible(RuntimeError):
+    """No plan this solver can make peaks within the budget. ``smallest_peak_bytes`` is the
+    lowest peak it reached; ``dominated_by`` names what fills that peak."""
+
+    def __init__(self, budget_bytes: int, smallest_peak_bytes: int, dominated_by: str,
+                 solver: str):
+        mib = 2**20
+        super().__init__(f"budget {budget_bytes / mib:,.1f} MiB is infeasible for solver "
+                         f"{solver!r}: the smallest peak it reaches is "
+                         f"{smallest_peak_bytes / mib:,.1f} MiB, dominated by {dominated_by}")
+        self.budget_bytes = budget_bytes
+        self.smallest_peak_bytes = smallest_peak_bytes
+        self.dominated_by = dominated_by
+        self.solver = solver
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Plan ``graph`` within ``budget_bytes`` (peak, resident included) at least latency, or —
+    with ``latency_limit`` (a factor of the eager step's simulated latency) — at least peak."""
+
+    graph: Graph
+    cost_model: CostModel
+    budget_bytes: int | None = None
+    latency_limit: float | None = None
+    time_budget_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if (self.budget_bytes is None) == (self.latency_limit is None):
+            raise ValueError("give exactly one of budget_bytes and latency_limit")
+        if self.latency_limit is not None and self.latency_limit < 1.0:
+            raise ValueError(f"latency_limit {self.latency_limit} is below 1.0: the limit is a "
+                             "factor of the eager step time (1.10 = 10% slower)")
+
+
+@dataclass(frozen=True)
+class Solution:
+    plan: Plan
+    sim: SimResult
+    solver: str
+    solve_s: float
+    optimal: bool | None = None      # proven optimal (exact solvers), None when unknown
+    gap: float | None = None         # relative optimality gap reported by exact solvers
+    notes: dict = field(default_factory=dict)
+
+
+SOLVERS: dict[str, Callable[[Problem], Solution]] = {}
+
+
+def register(name: str):
+    def deco(fn: Callable[[Problem], Solution]) -> Callable[[Problem], Solution]:
+        SOLVERS[name] = fn
+        return fn
+    return deco
+
+
+def solve(problem: Problem, solver: str = "hotspot") -> Solution:
+    """Run a registered solver; an unknown name is an error listing the known ones."""
+    if solver not in SOLVERS:
+        raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
+    return SOLVERS[solver](problem)
+
+
+def dominated_by(sim: SimResult) -> str:
+    """'activations 120.0 MiB (top: _log_softmax in <top>)' — what fills a simulated peak."""
+    if not sim.breakdown:
+        return "nothing"
+    group, nbytes = max(sim.breakdown.items(), key=lambda kv: (kv[1], kv[0]))
+    top = sim.top_tensors[0] if sim.top_tensors else None
+    where = f" (largest: {top.name} in {top.module or '<top>'})" if top else ""
+    return f"{group} {nbytes / 2**20:,.1f} MiB{where}"

@@ -1,0 +1,83 @@
+"""Solvers: property tests on random graphs, and the budget holding when executed (law 3)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal_models, eager_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_graph_plan_sim import random_graphs
+
+import fitgraph
+from fitgraph import zoo
+from fitgraph.cost import ProfiledCostModel
+from fitgraph.execute import execute
+from fitgraph.measure import measure_plan
+from fitgraph.plan.verify import verify_plan
+from fitgraph.solvers import SOLVERS, BudgetInfeasible, Problem, solve
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_graphs(), st.floats(0.3, 1.1), st.sampled_from(sorted(SOLVERS)))
+def test_every_solver_fits_or_says_infeasible(case, frac, solver):
+    g, cost = case
+    eager = solve(Problem(g, cost, latency_limit=1e9), "eager")
+    budget = int(frac * eager.sim.peak_bytes)
+    try:
+        s = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=5), solver)
+    except BudgetInfeasible as e:
+        assert e.smallest_peak_bytes > budget and e.solver == solver
+        assert solver != "eager" or budget < eager.sim.peak_bytes
+        return
+    verify_plan(g, s.plan)
+    assert s.sim.peak_bytes <= budget
+    again = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=5), solver)
+    assert again.plan == s.plan, "deterministic: same inputs, same plan"
+
+
+def test_latency_limit_mode_keeps_the_limit():
+    case = zoo.build("gpt2", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    s = solve(Problem(g, cm, latency_limit=1.05, time_budget_s=20), "hotspot")
+    assert s.sim.latency_s <= 1.05 * eager.sim.latency_s
+    assert s.sim.peak_bytes < eager.sim.peak_bytes
+
+
+def test_problem_needs_one_target():
+    from test_graph_plan_sim import TableCost, _tiny
+
+    g, _ = _tiny()
+    cost = TableCost([1.0] * len(g.nodes), [0] * len(g.nodes))
+    with pytest.raises(ValueError, match="exactly one"):
+        Problem(g, cost)
+    with pytest.raises(ValueError, match="below 1.0"):
+        Problem(g, cost, latency_limit=0.9)
+    with pytest.raises(KeyError, match="unknown solver"):
+        solve(Problem(g, cost, latency_limit=1.1), "nope")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit-b16"])
+def test_hotspot_budget_holds_when_executed(name):
+    case = zoo.build(name, "small")
+    a, b = case.model, copy.deepcopy(case.model)
+    g = fitgraph.capture(b, case.batch, case.loss_fn)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    budget = int(0.85 * eager.sim.peak_bytes)
+    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=20), "hotspot")
+    la = eager_step(a, case.batch, case.loss_fn, seed=0)
+    torch.manual_seed(0)
+    lb = execute(g, s.plan, b, case.batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b)
+    for p in b.parameters():
+        p.grad = None
+    measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
+    assert measured.peak_bytes == s.sim.peak_bytes <= budget
