@@ -11,11 +11,14 @@ Example:
     True
 """
 
+from .api import OptimizeReport, TrainStep, load, optimize
 from .capture.api import capture
 from .capture.errors import CaptureError
 from .graph.ir import Graph, Phase, Role
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
+from .solvers import BudgetInfeasible
 
-__all__ = ["CaptureError", "Graph", "Phase", "Plan", "Role", "capture", "eager_plan"]
+__all__ = ["BudgetInfeasible", "CaptureError", "Graph", "OptimizeReport", "Phase", "Plan", "Role",
+           "TrainStep", "capture", "eager_plan", "load", "optimize"]
 __version__ = "0.1.0"

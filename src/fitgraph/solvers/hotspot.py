@@ -2,7 +2,9 @@
 
 MAGIS's insight, without its GPU-in-the-loop ranking: simulate, look at the storages live at the
 peak, drop (and recompute in the backward) the one that frees the most bytes per second of
-recompute, simulate again; keep a drop only if the peak went down. Deterministic (ties broken by
+recompute, simulate again; keep a drop only if the peak went down. A candidate comes with its forward-only chain: the recomputable producers of
+its inputs whose outputs no backward node reads (dropping ``mul(gelu(x), mask)`` alone would keep
+``gelu(x)`` alive for the recompute and save nothing; dropping both saves the bytes). Deterministic (ties broken by
 node id), anytime (stops at ``time_budget_s`` with the best plan so far), and every candidate is
 judged by the simulator, so a drop that would raise the peak (a recompute keeps its inputs alive
 into the backward) is rejected rather than trusted.
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import time
 
-from ..graph.analysis import new_storages
-from ..graph.ir import Phase
+from ..graph.analysis import new_storages, users
+from ..graph.ir import Graph, Phase
 from ..plan.remat import recomputable, remat_plan
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
@@ -38,6 +40,7 @@ def solve_hotspot(problem: Problem) -> Solution:
                   if not ok[n.id] and fresh[n.id] and n.phase in (Phase.FORWARD, Phase.LOSS)}
     seconds = {nid: max(cm.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
                for nid in candidates}
+    chain = _forward_chains(g, candidates)
     drop: set[int] = set()
     banned: set[int] = set()
     plan = remat_plan(g, drop)
@@ -56,10 +59,10 @@ def solve_hotspot(problem: Problem) -> Solution:
             break
         nid = ranked[0]
         iterations += 1
-        trial = remat_plan(g, drop | {nid})
+        trial = remat_plan(g, drop | chain[nid])
         tsim = simulate(g, trial, cm)
         if tsim.peak_bytes < sim.peak_bytes and tsim.latency_s <= limit:
-            drop.add(nid)
+            drop |= chain[nid]
             plan, sim = trial, tsim
         else:
             banned.add(nid)
@@ -69,3 +72,29 @@ def solve_hotspot(problem: Problem) -> Solution:
     return Solution(plan, sim, "hotspot", solve_s,
                     notes={"dropped": len(drop), "iterations": iterations,
                            "eager_latency_s": eager_latency})
+
+
+def _forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
+    """node -> itself plus, transitively, the candidate producers of its inputs whose outputs
+    are read by no backward node (kept alive only to recompute it)."""
+    readers = users(g)
+    members: dict[int, list[int]] = {}
+    for v in g.values:
+        members.setdefault(v.storage, []).append(v.id)
+    backward = {n.id for n in g.nodes if n.phase in (Phase.BACKWARD, Phase.OPTIMIZER)}
+
+    def forward_only(nid: int) -> bool:
+        return not any(r in backward for o in g.nodes[nid].outputs if o is not None
+                       for v in members[g.values[o].storage] for r in readers[v])
+
+    out: dict[int, set[int]] = {}
+    for nid in sorted(candidates):
+        group, stack = {nid}, [nid]
+        while stack:
+            for v in g.nodes[stack.pop()].inputs:
+                p = g.values[v].producer
+                if p is not None and p in candidates and p not in group and forward_only(p):
+                    group.add(p)
+                    stack.append(p)
+        out[nid] = group
+    return out

@@ -1,0 +1,318 @@
+"""``fitgraph.optimize``: plan a training step within a memory budget; get a drop-in step.
+
+Example:
+    >>> import torch, fitgraph
+    >>> layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
+    >>> model, batch = torch.nn.Sequential(*layers), torch.randn(512, 256)
+    >>> step = fitgraph.optimize(model, batch, lambda m, b: m(b).square().mean(), budget=0.8)
+    >>> loss = step(batch)                       # .grad written exactly as loss.backward() would
+    >>> r = step.report()
+    >>> r.planned_peak_bytes <= r.budget_bytes and r.measured_peak_bytes == r.planned_peak_bytes
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .capture.api import capture
+from .capture.calling import LossFn
+from .execute.executor import Executor
+from .execute.meter import MemoryMeter
+from .graph.ir import Graph
+from .plan.instructions import Plan
+from .plan.verify import verify_plan
+from .sim.simulate import SimResult, simulate
+from .solvers import Problem, Solution, solve
+from .units import format_bytes, parse_budget
+
+__all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
+
+SAVE_FORMAT = 1
+
+
+@dataclass
+class OptimizeReport:
+    """What fitgraph did for one batch shape. Simulated numbers use the same cost model."""
+
+    solver: str
+    budget_bytes: int | None
+    latency_limit: float | None
+    eager_peak_bytes: int          # simulated eager plan (= measured eager PyTorch, law 2)
+    planned_peak_bytes: int        # simulated plan
+    eager_step_s: float            # simulated eager plan
+    planned_step_s: float          # simulated plan
+    solve_s: float
+    cost_model: str
+    nodes: int
+    recomputes: int
+    measured_peak_bytes: int | None = None   # filled after the plan's first step ran
+    measured_step_s: float | None = None     # median of the steps run after the first
+    notes: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        def ratio(a, b):
+            return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+        def ms(s):
+            return "-" if s is None else f"{s * 1e3:,.1f} ms"
+
+        target = (f"budget {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None
+                  else f"latency limit {self.latency_limit:.2f}x eager")
+        lines = [f"fitgraph plan ({self.solver}, {target}; {self.nodes} nodes, "
+                 f"{self.recomputes} recomputes, solved in {self.solve_s:.2f} s; costs: "
+                 f"{self.cost_model})",
+                 f"{'':14s}{'eager':>14s}{'planned':>14s}{'measured':>14s}{'planned/eager':>15s}",
+                 f"{'peak memory':14s}{format_bytes(self.eager_peak_bytes):>14s}"
+                 f"{format_bytes(self.planned_peak_bytes):>14s}"
+                 f"{format_bytes(self.measured_peak_bytes):>14s}"
+                 f"{ratio(self.planned_peak_bytes, self.eager_peak_bytes):>15s}",
+                 f"{'step time':14s}{ms(self.eager_step_s):>14s}{ms(self.planned_step_s):>14s}"
+                 f"{ms(self.measured_step_s):>14s}"
+                 f"{ratio(self.planned_step_s, self.eager_step_s):>15s}"]
+        return "\n".join(lines)
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    """A hash of what a plan depends on: ops, their constant arguments, shapes, dtypes, inputs."""
+    h = hashlib.sha256()
+    h.update(repr(graph.input_names).encode())
+    for v in graph.values:
+        h.update(f"{v.shape}{v.stride}{v.dtype}{v.storage}".encode())
+    for n in graph.nodes:
+        h.update(f"{n.target}{n.args!r}{sorted(n.kwargs.items())!r}{n.inputs}{n.outputs}".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _Planned:
+    graph: Graph
+    solution: Solution
+    eager: SimResult
+    executor: Executor | None = None
+    measured_peak_bytes: int | None = None
+    step_times: list[float] = field(default_factory=list)
+
+
+class TrainStep:
+    """A planned training step: ``step(batch) -> loss`` leaves ``.grad`` / weights / optimizer
+    state exactly as eager PyTorch would. Made by ``fitgraph.optimize`` or ``fitgraph.load``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
+                 optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
+                 time_budget: float, solver: str, cost_model, on_new_shape: str) -> None:
+        if on_new_shape not in ("replan", "error"):
+            raise ValueError("on_new_shape must be 'replan' or 'error'")
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.budget, self.latency_limit = budget, latency_limit
+        self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
+        self.cost_model = cost_model
+        self._plans: dict[tuple, _Planned] = {}
+        self._last: tuple | None = None
+
+    # -- planning -------------------------------------------------------------------------------
+    def _cost(self):
+        from .cost import ProfiledCostModel, RooflineCostModel, get_device
+
+        if self.cost_model is None:
+            self.cost_model = ProfiledCostModel(progress=False)
+        elif isinstance(self.cost_model, str):
+            self.cost_model = RooflineCostModel(get_device(self.cost_model))
+        return self.cost_model
+
+    def _state_key(self) -> tuple:
+        if self.optimizer is None:
+            return ()
+        return tuple(tuple(sorted(self.optimizer.state.get(p, {})))
+                     for g in self.optimizer.param_groups for p in g["params"])
+
+    def _key(self, batch: Any) -> tuple:
+        """(batch structure and shapes, optimizer state keys): a plan is valid for one of each."""
+        leaves, spec = tree_flatten(batch)
+        shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves)
+        return (str(spec), shapes), self._state_key()
+
+    def _graph_key(self, graph: Graph) -> tuple:
+        shapes = tuple((graph.values[v].shape, graph.values[v].dtype)
+                       for v, name in zip(graph.inputs, graph.input_names)
+                       if name.startswith("batch:"))
+        return (str(graph.meta["batch_spec"]), shapes), self._state_key()
+
+    def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
+              solver: str = "loaded") -> _Planned:
+        graph = graph if graph is not None else capture(self.model, batch, self.loss_fn,
+                                                        self.optimizer)
+        cm = self._cost()
+        if hasattr(cm, "profile"):
+            cm.profile(graph)
+        eager = solve(Problem(graph, cm, latency_limit=1.0), "eager")
+        if plan is not None:
+            verify_plan(graph, plan)
+            sol = Solution(plan, simulate(graph, plan, cm), solver, 0.0)
+        else:
+            budget = (None if self.budget is None
+                      else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
+            sol = solve(Problem(graph, cm, budget_bytes=budget, latency_limit=self.latency_limit,
+                                time_budget_s=self.time_budget), self.solver)
+        return _Planned(graph, sol, eager.sim)
+
+    def plan_for(self, batch: Any) -> _Planned:
+        key = self._key(batch)
+        if key not in self._plans:
+            shapes_seen = {k[0] for k in self._plans}
+            if shapes_seen and key[0] not in shapes_seen and self.on_new_shape == "error":
+                raise ValueError(f"batch shapes {key[0][1]} differ from the planned ones "
+                                 f"{sorted(s[1] for s in shapes_seen)}; optimize(..., "
+                                 "on_new_shape='replan') plans each new shape (cached)")
+            self._plans[key] = self._plan(batch)
+        return self._plans[key]
+
+    # -- running --------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> torch.Tensor:
+        planned = self.plan_for(batch)
+        self._last = self._key(batch)
+        if planned.executor is None:
+            from .measure import resident_bytes
+
+            planned.executor = Executor(planned.graph, planned.solution.plan, self.model,
+                                        self.optimizer)
+            # NOTE: what exists before the step (weights, batch, state, earlier .grad) plus the
+            # meter's peak above it; the first run of each plan is measured
+            before = resident_bytes(self.model, batch, self.optimizer) + self._grad_bytes()
+            with MemoryMeter() as meter:
+                loss = planned.executor(batch)
+            planned.measured_peak_bytes = before + meter.peak_bytes
+            return loss
+        t0 = time.perf_counter()
+        loss = planned.executor(batch)
+        planned.step_times.append(time.perf_counter() - t0)
+        return loss
+
+    step = __call__
+
+    def _grad_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.grad is not None and p.grad.untyped_storage().data_ptr() not in seen:
+                seen.add(p.grad.untyped_storage().data_ptr())
+                total += p.grad.untyped_storage().nbytes()
+        return total
+
+    # -- reporting ------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        return self._current().solution.plan
+
+    @property
+    def graph(self) -> Graph:
+        return self._current().graph
+
+    def _current(self) -> _Planned:
+        if not self._plans:
+            raise RuntimeError("nothing planned yet: call the step or plan_for(batch) first")
+        return self._plans[self._last] if self._last in self._plans else next(
+            iter(self._plans.values()))
+
+    def report(self) -> OptimizeReport:
+        p = self._current()
+        s = p.solution
+        return OptimizeReport(
+            solver=s.solver, budget_bytes=None if self.budget is None else parse_budget(
+                self.budget, eager_peak_bytes=p.eager.peak_bytes),
+            latency_limit=self.latency_limit, eager_peak_bytes=p.eager.peak_bytes,
+            planned_peak_bytes=s.sim.peak_bytes, eager_step_s=p.eager.latency_s,
+            planned_step_s=s.sim.latency_s, solve_s=s.solve_s, cost_model=self._cost().name,
+            nodes=len(p.graph.nodes), recomputes=s.plan.counts().get("recompute", 0),
+            measured_peak_bytes=p.measured_peak_bytes,
+            measured_step_s=statistics.median(p.step_times) if p.step_times else None,
+            notes=dict(s.notes))
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Save the current plan with its graph; ``fitgraph.load`` refuses it for another graph."""
+        from torch.utils._pytree import treespec_dumps
+
+        p = self._current()
+        # NOTE: the batch's TreeSpec goes through torch's own serializer (pickling it is
+        # deprecated); the graph is stored without it and gets it back on load
+        meta = {k: v for k, v in p.graph.meta.items() if k != "batch_spec"}
+        graph = Graph(p.graph.nodes, p.graph.values, p.graph.storages, p.graph.inputs,
+                      p.graph.input_names, p.graph.outputs, meta)
+        blob = {"format": SAVE_FORMAT, "fingerprint": graph_fingerprint(p.graph),
+                "graph": graph, "batch_spec": treespec_dumps(p.graph.meta["batch_spec"]), "plan": p.solution.plan, "solver": p.solution.solver,
+                "budget": self.budget, "latency_limit": self.latency_limit,
+                "torch": torch.__version__}
+        with open(path, "wb") as f:
+            pickle.dump(blob, f)
+
+
+def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
+             optimizer: torch.optim.Optimizer | None = None, budget=None,
+             latency_limit: float | None = None, time_budget: float = 30.0, *,
+             solver: str = "hotspot", cost_model=None, on_new_shape: str = "replan") -> TrainStep:
+    """Plan one training step of ``model`` on batches shaped like ``batch``.
+
+    ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
+    or ``latency_limit``: a factor of the eager step time (1.10), then the peak is minimised
+    within it. ``cost_model``: None measures ops on this machine (cached); a device name
+    ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
+    peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
+    or, with ``on_new_shape="error"``, refused.
+    """
+    if (budget is None) == (latency_limit is None):
+        raise ValueError("give exactly one of budget= and latency_limit=")
+    step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
+                     time_budget=time_budget, solver=solver, cost_model=cost_model,
+                     on_new_shape=on_new_shape)
+    step.plan_for(batch)
+    return step
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         loss_fn: LossFn | None = None, batch: Any = None, **kwargs) -> TrainStep:
+    """Load a saved plan for ``model``. Its parameters and buffers must match the saved graph's;
+    with ``batch`` (and ``loss_fn``) the step is captured again and must fingerprint the same."""
+    with open(path, "rb") as f:
+        try:
+            blob = pickle.load(f)
+        except Exception as e:  # NOTE: any unreadable file gets the same clear error
+            raise ValueError(f"{path}: not a fitgraph plan ({type(e).__name__})") from e
+    if not isinstance(blob, dict) or blob.get("format") != SAVE_FORMAT:
+        raise ValueError(f"{path}: not a fitgraph plan (saved by TrainStep.save, format "
+                         f"{SAVE_FORMAT})")
+    from torch.utils._pytree import treespec_loads
+
+    graph: Graph = blob["graph"]
+    graph.meta["batch_spec"] = treespec_loads(blob["batch_spec"])
+    have = {f"param:{n}": (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for n, p in model.named_parameters() if p.requires_grad}
+    have.update({f"buffer:{n}": (tuple(b.shape), str(b.dtype).removeprefix("torch."))
+                 for n, b in model.named_buffers()})
+    want = {name: (graph.values[v].shape, graph.values[v].dtype)
+            for v, name in zip(graph.inputs, graph.input_names)
+            if name.startswith(("param:", "buffer:"))}
+    if {k: v for k, v in have.items() if k in want} != want or not set(want) <= set(have):
+        missing = sorted(set(want) - set(have))[:3]
+        raise ValueError(f"{path}: the plan was made for another model (parameters/buffers "
+                         f"differ, e.g. {missing or 'shapes'}); optimize this model instead")
+    step = TrainStep(model, loss_fn, optimizer, budget=blob["budget"],
+                     latency_limit=blob["latency_limit"], time_budget=kwargs.get("time_budget", 30.0),
+                     solver=blob["solver"], cost_model=kwargs.get("cost_model"),
+                     on_new_shape=kwargs.get("on_new_shape", "replan"))
+    if batch is not None:
+        fresh = capture(model, batch, loss_fn, optimizer)
+        if graph_fingerprint(fresh) != blob["fingerprint"]:
+            raise ValueError(f"{path}: the plan was made for another graph (the step captured "
+                             "from this model and batch differs); optimize it again")
+    planned = step._plan(None, graph=graph, plan=blob["plan"], solver=blob["solver"])
+    step._last = step._graph_key(graph)
+    step._plans[step._last] = planned
+    return step
