@@ -46,3 +46,32 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_models_lists_zoo(argv, capsys):
     assert main(argv) == 0
     assert "gpt2" in capsys.readouterr().out
+
+
+def test_optimize_json_csv_plot(tmp_path, capsys):
+    import csv
+
+    from fitgraph.report.magis_csv import MAGIS_COLUMNS
+
+    out_csv, plot = tmp_path / "r.csv", tmp_path / "p.png"
+    assert main(["optimize", "unet", "--budget", "0.9", "--repeats", "1", "--json",
+                 "--csv", str(out_csv), "--plot", str(plot), "--time-budget", "10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    f, e = out["fitgraph"], out["eager"]
+    assert f["measured_peak_bytes"] == f["simulated_peak_bytes"] <= out["budget_bytes"]
+    assert e["measured_peak_bytes"] > out["budget_bytes"]
+    rows = list(csv.DictReader(out_csv.open()))
+    assert list(rows[0])[:len(MAGIS_COLUMNS)] == MAGIS_COLUMNS
+    assert rows[0]["opt-is-prof-result"] == "True"
+    assert plot.stat().st_size > 10_000
+
+
+def test_optimize_infeasible_is_a_clear_error(capsys):
+    assert main(["optimize", "unet", "--budget", "10%", "--time-budget", "5"]) == 2
+    assert "smallest peak it reaches" in capsys.readouterr().err
+
+
+def test_optimize_paper_simulated(capsys):
+    assert main(["optimize", "bert-base", "--config", "paper", "--latency-limit", "1.1",
+                 "--device-model", "a100-80gb", "--time-budget", "10"]) == 0
+    assert "simulate-only" in capsys.readouterr().out
