@@ -81,3 +81,18 @@ def test_hotspot_budget_holds_when_executed(name):
         p.grad = None
     measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
     assert measured.peak_bytes == s.sim.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-base", "unet"])
+def test_hotspot_matches_checkpoint_blocks_at_its_peak(name):
+    """Simulated: at the peak per-block checkpointing reaches, hotspot is no slower."""
+    case = zoo.build(name, "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    ckpt = solve(Problem(g, cm, latency_limit=100.0), "checkpoint_blocks")
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    assert ckpt.sim.peak_bytes < 0.7 * eager.sim.peak_bytes
+    hot = solve(Problem(g, cm, budget_bytes=ckpt.sim.peak_bytes, time_budget_s=20), "hotspot")
+    assert hot.sim.peak_bytes <= ckpt.sim.peak_bytes
+    assert hot.sim.latency_s <= ckpt.sim.latency_s * (1 + 1e-9)

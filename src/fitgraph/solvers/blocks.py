@@ -1,0 +1,44 @@
+"""Repeated blocks of a model, from module paths: ``h.3``, ``encoder.layer.11``, ``layer2.1``.
+
+Example:
+    >>> from fitgraph.solvers.blocks import block_of
+    >>> block_of("encoder.layer.3.attention.self"), block_of("lm_head")
+    ('encoder.layer.3', None)
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..graph.analysis import new_storages, users
+from ..graph.ir import Graph, Phase
+from ..plan.remat import recomputable
+
+__all__ = ["block_drop_sets", "block_of"]
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def block_of(module: str) -> str | None:
+    """The block (path up to its first numeric component) a module belongs to, if any."""
+    m = _BLOCK.match(module)
+    return m.group(1) if m else None
+
+
+def block_drop_sets(g: Graph) -> dict[str, set[int]]:
+    """block -> its recomputable forward nodes whose outputs stay inside the block: what
+    ``torch.utils.checkpoint`` around that block drops after the forward (random ops excluded)."""
+    ok = recomputable(g)
+    fresh = new_storages(g)
+    readers = users(g)
+    out: dict[str, set[int]] = {}
+    for n in g.nodes:
+        blk = block_of(n.module)
+        if blk is None or n.phase is not Phase.FORWARD or ok[n.id] or not fresh[n.id]:
+            continue
+        # NOTE: outputs read by the forward outside the block are the block's outputs: kept
+        leaves = any(g.nodes[r].phase is Phase.FORWARD and block_of(g.nodes[r].module) != blk
+                     for o in n.outputs if o is not None for r in readers[o])
+        if not leaves:
+            out.setdefault(blk, set()).add(n.id)
+    return dict(sorted(out.items()))
