@@ -9,7 +9,7 @@ TORCH_FREE = [
     "fitgraph.graph.ir", "fitgraph.graph.analysis", "fitgraph.plan.instructions",
     "fitgraph.plan.eager", "fitgraph.plan.verify", "fitgraph.sim.simulate", "fitgraph.sim",
     "fitgraph.cost.base", "fitgraph.cost.devices", "fitgraph.cost.roofline",
-    "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.units",
+    "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.solvers.candidates", "fitgraph.units",
 ]
 
 def _import_without_torch(module: str) -> subprocess.CompletedProcess:

@@ -97,18 +97,23 @@ def format_inspect(r) -> str:
     return "\n".join(lines)
 
 
-def cmd_inspect(args) -> int:
+def build_case(args):
+    """The zoo case and optimizer a command asks for (paper configs on the meta device)."""
     import torch
 
     from . import zoo
+
+    torch.set_num_threads(args.threads)
+    case = zoo.build(args.model, args.config, batch_size=args.batch,
+                     device="meta" if args.config == "paper" else "cpu")
+    return case, _optimizer(args.optimizer, case.model)
+
+
+def cmd_inspect(args) -> int:
     from .inspection import inspect_step
     from .report.plot import plot_memory
 
-    torch.set_num_threads(args.threads)
-    paper = args.config == "paper"
-    case = zoo.build(args.model, args.config, batch_size=args.batch,
-                     device="meta" if paper else "cpu")
-    opt = _optimizer(args.optimizer, case.model)
+    case, opt = build_case(args)
     name = f"{args.model} ({args.config}: {case.description})"
     r = inspect_step(case.model, case.batch, case.loss_fn, opt, cost_model=args.device_model,
                      simulate_only=args.simulate_only, repeats=args.repeats, name=name,

@@ -42,18 +42,12 @@ def _budget(value: str | None):
 
 
 def cmd_optimize(args) -> int:
-    import torch
-
-    from . import zoo
     from .api import optimize
-    from .cli import _optimizer
+    from .cli import build_case
     from .measure import measure_eager, measure_plan
 
-    torch.set_num_threads(args.threads)
+    case, opt = build_case(args)
     paper = args.config == "paper"
-    case = zoo.build(args.model, args.config, batch_size=args.batch,
-                     device="meta" if paper else "cpu")
-    opt = _optimizer(args.optimizer, case.model)
     measured = not paper
     eager_m = None
     if measured:

@@ -19,31 +19,25 @@ from __future__ import annotations
 
 import time
 
-from ..graph.analysis import new_storages, users
-from ..graph.ir import Graph, Phase
-from ..plan.remat import recomputable, remat_plan
+from ..graph.analysis import new_storages
+from ..plan.remat import remat_plan
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .blocks import block_drop_sets
+from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 
 __all__ = ["solve_hotspot"]
-
-# NOTE: recompute cost floor, so that free-looking ops (views) do not divide by zero
-MIN_RECOMPUTE_S = 1e-7
-
 
 @register("hotspot")
 def solve_hotspot(problem: Problem) -> Solution:
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
-    ok = recomputable(g)
     fresh = new_storages(g)
     producer = {s: nid for nid, ss in fresh.items() for s in ss}
-    candidates = {n.id for n in g.nodes
-                  if not ok[n.id] and fresh[n.id] and n.phase in (Phase.FORWARD, Phase.LOSS)}
+    candidates = remat_candidates(g)
     seconds = {nid: max(cm.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
                for nid in candidates}
-    chain = _forward_chains(g, candidates)
+    chain = forward_chains(g, candidates)
     # NOTE: a move is a set of nodes to drop together: one node with its forward-only chain,
     # or one block's insides; keys sort nodes before blocks for determinism
     moves: dict[tuple, frozenset[int]] = {(0, str(nid)): frozenset(chain[nid])
@@ -121,29 +115,3 @@ def solve_hotspot(problem: Problem) -> Solution:
     return Solution(plan, sim, "hotspot", solve_s,
                     notes={"dropped": len(drop), "iterations": iterations, "starts": starts,
                            "eager_latency_s": eager_sim.latency_s})
-
-
-def _forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
-    """node -> itself plus, transitively, the candidate producers of its inputs whose outputs
-    are read by no backward node (kept alive only to recompute it)."""
-    readers = users(g)
-    members: dict[int, list[int]] = {}
-    for v in g.values:
-        members.setdefault(v.storage, []).append(v.id)
-    backward = {n.id for n in g.nodes if n.phase in (Phase.BACKWARD, Phase.OPTIMIZER)}
-
-    def forward_only(nid: int) -> bool:
-        return not any(r in backward for o in g.nodes[nid].outputs if o is not None
-                       for v in members[g.values[o].storage] for r in readers[v])
-
-    out: dict[int, set[int]] = {}
-    for nid in sorted(candidates):
-        group, stack = {nid}, [nid]
-        while stack:
-            for v in g.nodes[stack.pop()].inputs:
-                p = g.values[v].producer
-                if p is not None and p in candidates and p not in group and forward_only(p):
-                    group.add(p)
-                    stack.append(p)
-        out[nid] = group
-    return out

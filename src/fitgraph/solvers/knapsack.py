@@ -16,10 +16,10 @@ import numpy as np
 
 from ..graph.analysis import new_storages, users
 from ..graph.ir import Phase
-from ..plan.remat import recomputable, remat_plan
+from ..plan.remat import remat_plan
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .hotspot import MIN_RECOMPUTE_S, _forward_chains
+from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 
 __all__ = ["knapsack_keep", "solve_knapsack"]
 
@@ -56,12 +56,10 @@ def knapsack_keep(sizes: list[int], values: list[float], capacity: int) -> list[
 def solve_knapsack(problem: Problem) -> Solution:
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
-    ok = recomputable(g)
     fresh = new_storages(g)
     readers = users(g)
-    candidates = {n.id for n in g.nodes if not ok[n.id] and fresh[n.id]
-                  and n.phase in (Phase.FORWARD, Phase.LOSS)}
-    chains = _forward_chains(g, candidates)
+    candidates = remat_candidates(g)
+    chains = forward_chains(g, candidates)
     saved = sorted(nid for nid in candidates
                    if any(g.nodes[r].phase is Phase.BACKWARD for o in g.nodes[nid].outputs
                           if o is not None for r in readers[o]))

@@ -1,0 +1,52 @@
+"""What a remat solver may drop: recomputable forward nodes, and the chains that go with them.
+
+Example:
+    >>> from fitgraph.solvers.candidates import MIN_RECOMPUTE_S
+    >>> MIN_RECOMPUTE_S > 0
+    True
+"""
+
+from __future__ import annotations
+
+from ..graph.analysis import new_storages, users
+from ..graph.ir import Graph, Phase
+from ..plan.remat import recomputable
+
+__all__ = ["MIN_RECOMPUTE_S", "forward_chains", "remat_candidates"]
+
+# NOTE: recompute cost floor, so that free-looking ops (views) do not divide by zero
+MIN_RECOMPUTE_S = 1e-7
+
+
+def remat_candidates(g: Graph) -> set[int]:
+    """Forward/loss nodes that allocate and may be dropped and recomputed."""
+    ok = recomputable(g)
+    fresh = new_storages(g)
+    return {n.id for n in g.nodes
+            if not ok[n.id] and fresh[n.id] and n.phase in (Phase.FORWARD, Phase.LOSS)}
+
+
+def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
+    """node -> itself plus, transitively, the candidate producers of its inputs whose outputs
+    are read by no backward node (kept alive only to recompute it)."""
+    readers = users(g)
+    members: dict[int, list[int]] = {}
+    for v in g.values:
+        members.setdefault(v.storage, []).append(v.id)
+    backward = {n.id for n in g.nodes if n.phase in (Phase.BACKWARD, Phase.OPTIMIZER)}
+
+    def forward_only(nid: int) -> bool:
+        return not any(r in backward for o in g.nodes[nid].outputs if o is not None
+                       for v in members[g.values[o].storage] for r in readers[v])
+
+    out: dict[int, set[int]] = {}
+    for nid in sorted(candidates):
+        group, stack = {nid}, [nid]
+        while stack:
+            for v in g.nodes[stack.pop()].inputs:
+                p = g.values[v].producer
+                if p is not None and p in candidates and p not in group and forward_only(p):
+                    group.add(p)
+                    stack.append(p)
+        out[nid] = group
+    return out
