@@ -10,6 +10,7 @@ TORCH_FREE = [
     "fitgraph.plan.eager", "fitgraph.plan.verify", "fitgraph.sim.simulate", "fitgraph.sim",
     "fitgraph.cost.base", "fitgraph.cost.devices", "fitgraph.cost.roofline",
     "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.solvers.candidates", "fitgraph.units",
+    "fitgraph.graph.deps", "fitgraph.plan.reorder",
 ]
 
 def _import_without_torch(module: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,81 @@
+"""Reordering: any order respecting graph.deps computes bitwise the same step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal_models, eager_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_graph_plan_sim import random_graphs
+
+import fitgraph
+from fitgraph import zoo
+from fitgraph.cost import ProfiledCostModel
+from fitgraph.execute import execute
+from fitgraph.graph.analysis import GraphError
+from fitgraph.graph.deps import dependencies, respects_dependencies
+from fitgraph.measure import measure_plan
+from fitgraph.plan.eager import plan_in_order
+from fitgraph.plan.reorder import STRATEGIES, memory_aware_order
+from fitgraph.plan.verify import verify_plan
+from fitgraph.sim import simulate
+
+
+@settings(max_examples=80, deadline=None)
+@given(random_graphs(), st.sampled_from(STRATEGIES))
+def test_orders_respect_dependencies_and_verify(case, strategy):
+    g, cost = case
+    order = memory_aware_order(g, strategy)
+    respects_dependencies(g, order)
+    verify_plan(g, plan_in_order(g, order))
+
+
+def test_dependencies_order_inplace_writes_and_random_ops():
+    case = zoo.build("resnet50", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn,
+                         torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=0.9))
+    deps = dependencies(g)
+    # every optimizer update waits for every earlier reader of its weight
+    for n in g.nodes:
+        if n.phase.value == "optimizer":
+            st = g.values[n.mutates[0]].storage
+            readers = {m.id for m in g.nodes[:n.id] if any(g.values[v].storage == st
+                                                           for v in m.inputs)}
+            assert readers <= deps[n.id]
+    case = zoo.build("gpt2", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    deps = dependencies(g)
+    rnd = [n.id for n in g.nodes if n.random]
+    assert all(a in deps[b] for a, b in zip(rnd, rnd[1:]))
+    with pytest.raises(GraphError, match="depends on"):
+        order = list(range(len(g.nodes)))
+        i, j = rnd[0], rnd[1]
+        order[i], order[j] = order[j], order[i]
+        respects_dependencies(g, order, deps)
+
+
+@pytest.mark.parametrize("name,strategy", [("llama", "strict"), ("resnet50", "strict")])
+def test_reordered_step_is_bitwise_eager_and_simulated_exactly(name, strategy):
+    case = zoo.build(name, "small")
+    a, b = case.model, copy.deepcopy(case.model)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    for step in range(2):
+        la = eager_step(a, case.batch, case.loss_fn, oa, seed=step)
+        g = fitgraph.capture(b, case.batch, case.loss_fn, ob)
+        order = memory_aware_order(g, strategy)
+        assert order != sorted(order), "the strategy changes the order"
+        plan = plan_in_order(g, order)
+        torch.manual_seed(step)
+        lb = execute(g, plan, b, case.batch, ob)
+        assert torch.equal(la, lb)
+        assert_bitwise_equal_models(a, b, oa, ob)
+        oa.zero_grad(set_to_none=True)
+        ob.zero_grad(set_to_none=True)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    assert simulate(g, plan, cm).peak_bytes == measure_plan(g, plan, b, case.batch, ob,
+                                                            repeats=0).peak_bytes
