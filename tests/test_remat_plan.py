@@ -114,3 +114,12 @@ def test_any_drop_set_gives_a_valid_plan(case, rnd):
     verify_plan(g, plan)
     eager = simulate(g, fitgraph.eager_plan(g), cost)
     assert simulate(g, plan, cost).latency_s >= eager.latency_s - 1e-12
+
+
+def test_optimizer_updates_do_not_forbid_recomputing_weight_readers():
+    case = zoo.build("unet", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn,
+                         torch.optim.AdamW(case.model.parameters()))
+    ok = recomputable(g)
+    convs = [n for n in g.nodes if n.target == "aten.convolution.default"]
+    assert convs and all(ok[n.id] == "" for n in convs)

@@ -4,6 +4,7 @@
                            [--simulate-only] [--device-model NAME] [--optimizer adamw|adam|sgd|none]
     fitgraph optimize MODEL --budget 50% | --latency-limit 1.1 [--config small|paper] [--json]
                             [--plot FILE] [--csv FILE]
+    fitgraph bench [--models gpt2,unet] [--budgets 0.9,0.7,0.5] [--out DIR]
     fitgraph models
 
 Example:
@@ -45,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="measure every op again, replacing the cached costs")
     ins.add_argument("--threads", type=int, default=1,
                      help="torch threads (1 gives stable timings on small machines)")
+    from .cli_bench import add_parser as add_bench
     from .cli_optimize import add_parser
 
     add_parser(sub)
+    add_bench(sub)
     sub.add_parser("models", help="list the built-in models")
     return p
 
@@ -149,12 +152,13 @@ def cmd_models(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .capture.errors import CaptureError
+    from .cli_bench import cmd_bench
     from .cli_optimize import cmd_optimize
     from .solvers import BudgetInfeasible
 
     try:
         return {"inspect": cmd_inspect, "models": cmd_models,
-                "optimize": cmd_optimize}[args.command](args)
+                "optimize": cmd_optimize, "bench": cmd_bench}[args.command](args)
     except (CaptureError, ValueError, BudgetInfeasible) as e:
         print(f"fitgraph: error: {e}", file=sys.stderr)
         return 2

@@ -45,6 +45,10 @@ def recomputable(graph: Graph) -> dict[int, str]:
     """
     mutated_at: dict[int, list[int]] = {}
     for n in graph.nodes:
+        if n.phase is Phase.OPTIMIZER:
+            # NOTE: updates run after the whole backward, where every recompute happens, so
+            # they never change what a recompute reads (revisit with optimizer-in-backward)
+            continue
         for v in n.mutates:
             mutated_at.setdefault(graph.values[v].storage, []).append(n.id)
     keep = output_storages(graph)
