@@ -17,7 +17,7 @@ from fitgraph.cost import ProfiledCostModel
 from fitgraph.execute import execute
 from fitgraph.graph.ir import Phase
 from fitgraph.measure import measure_plan
-from fitgraph.plan.remat import RematError, recomputable, remat_plan
+from fitgraph.plan.remat import RematError, inplace_chains, recomputable, remat_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.sim import simulate
 
@@ -88,7 +88,7 @@ def test_dropping_gelu_outputs_lowers_the_measured_peak():
     assert measured.peak_bytes < eager_measured.peak_bytes
 
 
-def test_random_and_inplace_nodes_are_never_recomputed():
+def test_inplace_nodes_are_never_recomputed_but_dropout_chains_are_whole():
     case = zoo.build("resnet50", "small")
     g = fitgraph.capture(case.model, case.batch, case.loss_fn)
     ok = recomputable(g)
@@ -98,9 +98,43 @@ def test_random_and_inplace_nodes_are_never_recomputed():
         remat_plan(g, {bn.id})
     case = zoo.build("gpt2", "small")
     g = fitgraph.capture(case.model, case.batch, case.loss_fn)
-    ok = recomputable(g)
-    rnd = [n for n in g.nodes if n.random]
-    assert rnd and all("random" in ok[n.id] for n in rnd)
+    chains = inplace_chains(g)
+    assert chains and all([g.nodes[n].target for n in c] == [
+        "aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar"]
+        for c in chains.values())
+    creator = next(iter(chains.values()))[0]
+    plan = remat_plan(g, {creator})  # the whole chain comes along, random op included
+    recomputed = {ins.node for ins in plan if ins.op == "recompute"}
+    assert set(next(iter(chains.values()))) <= recomputed
+
+
+def test_recomputed_dropout_replays_the_same_mask():
+    """Law 1: a recomputed random op draws the same numbers (RNG replay), bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128),
+                                                      torch.nn.Dropout(0.5)) for _ in range(3)])
+    a, b = model, copy.deepcopy(model)
+    batch = torch.randn(64, 128)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    g = fitgraph.capture(b, batch, loss_fn)
+    chains = inplace_chains(g)
+    plan = remat_plan(g, {c[0] for c in chains.values()})
+    assert any(ins.op == "recompute" and g.nodes[ins.node].random for ins in plan)
+    la = eager_step(a, batch, loss_fn, seed=7)
+    torch.manual_seed(7)
+    lb = execute(g, plan, b, batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b)
+    after_eager = torch.rand(4)  # the RNG stream continues exactly as after eager
+    torch.manual_seed(7)
+    eager_step(copy.deepcopy(model), batch, loss_fn, seed=7)
+    assert torch.equal(torch.rand(4), after_eager)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    for p in b.parameters():
+        p.grad = None
+    assert simulate(g, plan, cm).peak_bytes == measure_plan(g, plan, b, batch,
+                                                            repeats=0).peak_bytes
 
 
 @settings(max_examples=100, deadline=None)

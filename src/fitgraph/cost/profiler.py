@@ -184,6 +184,9 @@ class ProfiledCostModel:
         self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
         self.repeats, self.warmup, self.progress = repeats, warmup, progress
         self.refresh = refresh
+        # NOTE: bytes of one generator-state tensor: the transient of an RNG replay
+        self.rng_state_bytes = (torch.default_generator.get_state().numel() if dev.type == "cpu"
+                                else torch.cuda.default_generators[dev.index].get_state().numel())
         self.label, self.hardware = _describe(dev)
         self._entries: dict[str, CacheEntry] = {}
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call

@@ -86,6 +86,10 @@ class Executor:
         self.storage_members = members
         self.steps = [getattr(self, "run_" + ins.op) for ins in plan]
         self.env: list = []
+        # NOTE: random nodes recomputed later replay the RNG state they first drew from (law 1)
+        self.replayed = {ins.node for ins in plan if isinstance(ins, Recompute)
+                         and graph.nodes[ins.node].random}
+        self.rng_saved: dict[int, torch.Generator] = {}
 
     def _callable(self, node: Node):
         if node.target.startswith("fitgraph.optimizer."):
@@ -94,6 +98,8 @@ class Executor:
 
     # -- instructions -------------------------------------------------------------------------
     def run_compute(self, ins: Compute | Recompute) -> None:
+        if ins.node in self.replayed and isinstance(ins, Compute):
+            self.rng_saved[ins.node] = self._generator(ins.node).clone_state()
         node = self.graph.nodes[ins.node]
         env = self.env
         fn = self.fns[ins.node]
@@ -113,12 +119,24 @@ class Executor:
         del result
 
     def run_recompute(self, ins: Recompute) -> None:
-        node = self.graph.nodes[ins.node]
-        if node.random:
-            raise NotImplementedError(
-                f"Recompute of random node {node.name} ({node.target}) needs RNG replay, which "
-                "this executor does not do yet; plan it without recomputing random ops")
+        if ins.node not in self.replayed:
+            self.run_compute(ins)
+            return
+        # NOTE: clone_state costs no allocator bytes; set_state(get_state()) makes a transient
+        # tensor of the generator's state size, which the simulator counts (rng_state_bytes)
+        gen = self._generator(ins.node)
+        current = gen.clone_state()
+        gen.set_state(self.rng_saved[ins.node].get_state())
         self.run_compute(ins)
+        gen.set_state(current.get_state())
+
+    def _generator(self, nid: int) -> torch.Generator:
+        node = self.graph.nodes[nid]
+        outs = [o for o in node.outputs if o is not None] or list(node.inputs)
+        dev = torch.device(self.graph.storages[self.graph.values[outs[0]].storage].device)
+        if dev.type == "cuda":
+            return torch.cuda.default_generators[dev.index or 0]
+        return torch.default_generator
 
     def run_free(self, ins: Free) -> None:
         env = self.env
@@ -154,6 +172,7 @@ class Executor:
             self._write_back(params)
         loss = env[g.outputs["loss"]]
         self.env = []
+        self.rng_saved = {}
         return loss
 
     def _write_back(self, params: dict[str, torch.Tensor]) -> None:

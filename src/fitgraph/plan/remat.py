@@ -27,21 +27,51 @@ from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
-__all__ = ["RematError", "recomputable", "remat_plan"]
+__all__ = ["RematError", "inplace_chains", "recomputable", "remat_plan"]
 
 
 class RematError(ValueError):
     """A node was asked to be recomputed that must not be (random, in-place, optimizer...)."""
 
 
+def inplace_chains(graph: Graph) -> dict[int, tuple[int, ...]]:
+    """storage -> (creator, in-place writers...) for storages built in place in the forward and
+    only read after (dropout's mask: ``empty_like → bernoulli_ → div_``). Such a chain is
+    recomputed as a unit, so its in-place writes are re-applied in order, once each."""
+    fresh = new_storages(graph)
+    creator = {s: nid for nid, ss in fresh.items() for s in ss}
+    accesses: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        touched = {graph.values[v].storage for v in n.inputs}
+        touched |= {graph.values[o].storage for o in n.outputs if o is not None}
+        for st in touched:
+            accesses.setdefault(st, []).append(n.id)
+    out: dict[int, tuple[int, ...]] = {}
+    for st, nodes in accesses.items():
+        c = creator.get(st)
+        if c is None or len(nodes) < 2 or nodes[0] != c:
+            continue
+        writers = [nid for nid in nodes if st in {graph.values[v].storage
+                                                   for v in graph.nodes[nid].mutates}]
+        k = len(writers)
+        if not writers or nodes[1:k + 1] != writers:
+            continue  # NOTE: someone reads an intermediate version: not a clean chain
+        if any(graph.nodes[w].phase is not Phase.FORWARD or len(graph.nodes[w].mutates) != 1
+               for w in writers) or graph.nodes[c].phase is not Phase.FORWARD:
+            continue
+        out[st] = (c, *writers)
+    return out
+
+
 def recomputable(graph: Graph) -> dict[int, str]:
     """node id -> "" if its outputs may be dropped and recomputed, else the reason why not.
 
-    Never recomputed: random ops (a recompute would re-draw: law 1), ops that write in place
-    (a recompute would apply the write twice, e.g. BatchNorm's running stats), ops whose output
-    storage is written in place later (the recompute would miss the write), ops reading a storage
-    that a later node writes in place (the recompute would see the new contents), optimizer
-    updates, and ops whose outputs are step outputs or views of resident storage.
+    Random ops are recomputable: the executor replays the RNG state they drew from (law 1).
+    Never recomputed: ops that write in place (a recompute would apply the write twice, e.g.
+    BatchNorm's running stats) unless they belong to an in-place chain (``inplace_chains``,
+    recomputed as a unit), ops whose output storage is written in place later or that read a
+    storage written in place later (outside such a chain), optimizer updates, and ops whose
+    outputs are step outputs or views of resident storage.
     """
     mutated_at: dict[int, list[int]] = {}
     for n in graph.nodes:
@@ -53,12 +83,12 @@ def recomputable(graph: Graph) -> dict[int, str]:
             mutated_at.setdefault(graph.values[v].storage, []).append(n.id)
     keep = output_storages(graph)
     fresh = new_storages(graph)
+    chains = inplace_chains(graph)
+    in_chain = {nid for ch in chains.values() for nid in ch}
     out: dict[int, str] = {}
     for n in graph.nodes:
         why = ""
-        if n.random:
-            why = "random op: a recompute would draw new random numbers"
-        elif n.mutates:
+        if n.mutates and n.id not in in_chain:
             why = "writes in place"
         elif n.phase is Phase.OPTIMIZER:
             why = "optimizer update"
@@ -68,7 +98,8 @@ def recomputable(graph: Graph) -> dict[int, str]:
         else:
             touched = {graph.values[v].storage for v in n.inputs}
             touched |= {graph.values[o].storage for o in n.outputs if o is not None}
-            if any(m > n.id for s in touched for m in mutated_at.get(s, ())):
+            if any(m > n.id and not (s in chains and n.id in chains[s])
+                   for s in touched for m in mutated_at.get(s, ())):
                 why = "reads or produces a storage that a later node writes in place"
         out[n.id] = why
     return out
@@ -79,6 +110,9 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
     nodes in ``drop`` at the end of the forward+loss phases, recomputing them on demand."""
     order = [n.id for n in graph.nodes] if order is None else list(order)
     drop = set(drop)
+    for chain in inplace_chains(graph).values():  # NOTE: an in-place chain goes as a unit
+        if drop & set(chain):
+            drop |= set(chain)
     allowed = recomputable(graph)
     for nid in sorted(drop):
         if allowed[nid]:

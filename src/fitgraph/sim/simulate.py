@@ -127,8 +127,13 @@ class Simulator:
         cost = self.cost.node_cost(self.graph, node)
         fresh = self.fresh[ins.node]
         added = sum(self.nbytes[s] for s in fresh)
-        self.transient = self.live_bytes + added + cost.workspace_bytes
-        self.workspace, self.node = cost.workspace_bytes, ins.node
+        workspace = cost.workspace_bytes
+        if node.random and isinstance(ins, Recompute):
+            # NOTE: replaying the RNG: restoring the main stream after the op makes a transient
+            # copy of the generator state while the outputs are live (see the executor)
+            workspace = max(workspace, getattr(self.cost, "rng_state_bytes", 0))
+        self.transient = self.live_bytes + added + workspace
+        self.workspace, self.node = workspace, ins.node
         self.live.update(fresh)
         self.live_bytes += added
         self.t_compute += cost.seconds
