@@ -14,11 +14,13 @@ Example:
 from .api import OptimizeReport, TrainStep, load, optimize
 from .capture.api import capture
 from .capture.errors import CaptureError
+from .compile_backend import BackendReport, FitgraphBackend, backend
 from .graph.ir import Graph, Phase, Role
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
 from .solvers import BudgetInfeasible
 
-__all__ = ["BudgetInfeasible", "CaptureError", "Graph", "OptimizeReport", "Phase", "Plan", "Role",
-           "TrainStep", "capture", "eager_plan", "load", "optimize"]
+__all__ = ["BackendReport", "BudgetInfeasible", "CaptureError", "FitgraphBackend", "Graph",
+           "OptimizeReport", "Phase", "Plan", "Role", "TrainStep", "backend", "capture",
+           "eager_plan", "load", "optimize"]
 __version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""``fitgraph.backend``: a torch.compile backend that plans forward and backward together.
+
+For users who keep their own training loop. AOTAutograd hands the backend's partition function
+the joint forward+backward ATen graph; fitgraph converts it to its IR, costs it (measured on
+this machine and cached, like ``fitgraph.optimize``), runs a solver within the budget, and
+splits the joint graph so that the forward saves only what the plan keeps: the backward
+recomputes the rest. Both halves then run as they are (like torch's ``aot_eager``).
+
+Example:
+    >>> import torch, fitgraph
+    >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64),
+    ...                                                   torch.nn.GELU()) for _ in range(4)])
+    >>> be = fitgraph.backend(budget=0.8)                # or "800MB", bytes, latency_limit=1.2
+    >>> compiled = torch.compile(model, backend=be)
+    >>> compiled(torch.randn(256, 64)).square().mean().backward()   # .grad as in eager
+    >>> r = be.last_report                               # what it planned; print(r) for a table
+    >>> r.planned_peak_bytes <= r.budget_bytes and r.planned_saved_bytes < r.eager_saved_bytes
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import torch
+
+from ..capture.errors import CaptureError
+from ..graph.ir import Graph
+from ..plan.instructions import Compute, Free, Plan, Recompute
+from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve
+from ..units import parse_budget
+from .report import BackendReport
+
+# NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
+# with ``import fitgraph``
+
+__all__ = ["FitgraphBackend", "backend"]
+
+
+@functools.cache
+def _passthrough_infeasible() -> type:
+    from torch._dynamo.exc import ShortenTraceback
+
+    class BudgetInfeasibleInCompile(BudgetInfeasible, ShortenTraceback):
+        """BudgetInfeasible that Dynamo lets through unwrapped.
+
+        NOTE: Dynamo wraps every backend exception in BackendCompilerFailed except its
+        ShortenTraceback family, so a user's ``except fitgraph.BudgetInfeasible`` would never
+        match; this subclass of both reaches the user with the solver's message."""
+
+        def __init__(self, e: BudgetInfeasible) -> None:
+            RuntimeError.__init__(self, str(e))
+            self.__dict__.update(e.__dict__)
+            self.first_useful_frame = None
+
+    return BudgetInfeasibleInCompile
+
+
+class FitgraphBackend:
+    """A torch.compile backend (``torch.compile(model, backend=this)``) that plans each
+    compiled forward+backward graph within a memory budget. ``reports`` holds one
+    ``BackendReport`` per planned graph (Dynamo compiles one per graph break and per new
+    shape); ``last_report`` is the latest."""
+
+    def __init__(self, budget=None, latency_limit: float | None = None, solver: str = "hotspot",
+                 time_budget: float = 30.0, cost_model=None) -> None:
+        if budget is not None and latency_limit is not None:
+            raise ValueError("give at most one of budget= and latency_limit=")
+        if solver not in SOLVERS:
+            raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
+        if budget is not None:
+            parse_budget(budget, eager_peak_bytes=1)  # NOTE: a malformed budget fails now
+        self.budget, self.latency_limit = budget, latency_limit
+        self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
+        self.reports: list[BackendReport] = []
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        self._compiler = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                      partition_fn=self._partition,
+                                      keep_inference_input_mutations=True)
+        self.__name__ = "fitgraph"  # NOTE: Dynamo names the backend in its messages
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
+        return self._compiler(gm, example_inputs, **kwargs)
+
+    @property
+    def last_report(self) -> BackendReport:
+        if not self.reports:
+            raise RuntimeError("nothing planned yet: run the compiled model forward and "
+                               "backward once (graphs run without grad are not planned)")
+        return self.reports[-1]
+
+    # -- planning -------------------------------------------------------------------------------
+    def _cost(self, graph: Graph):
+        from ..cost import DeviceSpec, RooflineCostModel, cost_model_for
+
+        if self.cost_model is None:
+            from ..cost import ProfiledCostModel
+
+            device = graph.storages[graph.values[graph.inputs[0]].storage].device
+            self.cost_model = ProfiledCostModel(device, progress=False)
+        elif isinstance(self.cost_model, str):
+            self.cost_model = cost_model_for(self.cost_model)
+        elif isinstance(self.cost_model, DeviceSpec):
+            self.cost_model = RooflineCostModel(self.cost_model)
+        if hasattr(self.cost_model, "profile"):
+            self.cost_model.profile(graph)
+        return self.cost_model
+
+    def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution) -> Solution:
+        budget = (None if self.budget is None
+                  else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
+        problem = Problem(_banning(graph, banned), cm, budget_bytes=budget,
+                          latency_limit=self.latency_limit, time_budget_s=self.time_budget)
+        try:
+            return solve(problem, self.solver)
+        except BudgetInfeasible as e:
+            raise _passthrough_infeasible()(e) from None
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
+                   num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
+                   **kwargs) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        from torch._functorch import partitioners as P
+
+        from ..capture.joint import joint_to_graph
+        from .partition import must_save, split_joint
+
+        t0 = time.perf_counter()
+        if P.has_recomputable_ops(joint):
+            raise CaptureError("the compiled code uses activation checkpointing "
+                               "(torch.utils.checkpoint); fitgraph.backend plans the "
+                               "recomputation itself: remove the checkpoint calls from the "
+                               "compiled region", op="torch.utils.checkpoint")
+        keep = must_save(joint)
+        jg = joint_to_graph(joint, num_fwd_outputs, static_lifetime_input_indices)
+        ids = {n: i for i, n in enumerate(jg.fx_nodes)}
+        banned = {ids[n] for n in keep if n in ids}
+        cm = self._cost(jg.graph)
+        eager = solve(Problem(jg.graph, cm, latency_limit=1.0), "eager")
+        planned = self.budget is not None or self.latency_limit is not None
+        sol = self._solve(jg.graph, banned, cm, eager) if planned else eager
+        drop = _recomputed_nodes(jg, sol.plan, self.solver if planned else "eager")
+        if drop & banned:
+            names = sorted(jg.fx_nodes[i].name for i in drop & banned)
+            raise AssertionError(f"solver {self.solver!r} recomputes nodes that must be saved "
+                                 f"(random or impure): {names}; this is a fitgraph bug")
+        split = split_joint(joint, jg, drop)
+        eager_split = split_joint(joint, jg, set()) if drop else split
+        self.reports.append(BackendReport(
+            solver=sol.solver if planned else "none",
+            budget_bytes=(None if self.budget is None else
+                          parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes)),
+            latency_limit=self.latency_limit, nodes=len(jg.graph.nodes),
+            forward_nodes=sum(n.op == "call_function" for n in jg.forward),
+            eager_peak_bytes=eager.sim.peak_bytes, planned_peak_bytes=sol.sim.peak_bytes,
+            eager_step_s=eager.sim.latency_s, planned_step_s=sol.sim.latency_s,
+            eager_saved_bytes=eager_split.saved_bytes,
+            planned_saved_bytes=split.saved_bytes, saved_tensors=len(split.saved),
+            recomputed_nodes=len(split.recomputed), recomputed=split.recomputed,
+            solve_s=sol.solve_s if planned else 0.0, plan_s=time.perf_counter() - t0,
+            cost_model=getattr(cm, "name", type(cm).__name__), notes=dict(sol.notes)))
+        return split.fw, split.bw
+
+
+def _banning(graph: Graph, banned: set[int]) -> Graph:
+    """The graph the solver sees: ``banned`` nodes marked as writing their own outputs.
+
+    NOTE: fitgraph's plans may recompute random ops because its executor replays their RNG
+    state; these fw/bw modules cannot, so random and impure ops must never be recomputed.
+    ``recomputable`` refuses nodes that write in place, and marking a node as writing its own
+    fresh outputs changes nothing else (no one reads them earlier; the simulator's memory
+    accounting does not look at ``mutates``). Costs are unchanged: cache keys ignore it."""
+    if not banned:
+        return graph
+    nodes = [dataclasses.replace(n, mutates=tuple(dict.fromkeys(
+        (*n.mutates, *(o for o in n.outputs if o is not None))))) if n.id in banned else n
+        for n in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def _recomputed_nodes(jg, plan: Plan, solver: str) -> set[int]:
+    """The IR nodes ``plan`` runs again in the backward. Only remat plans (the captured order,
+    with recomputes) can be turned into forward/backward modules; anything else is refused."""
+    order = [ins.node for ins in plan if isinstance(ins, Compute)]
+    other = sorted({ins.op for ins in plan if not isinstance(ins, (Compute, Free, Recompute))})
+    if other or order != list(range(len(jg.graph.nodes))):
+        what = f"{', '.join(other)} instructions" if other else "a reordered schedule"
+        raise NotImplementedError(f"solver {solver!r} planned {what}; fitgraph.backend can "
+                                  "only realise recomputation in the captured order: use "
+                                  "solver='hotspot', 'knapsack' or 'checkpoint_blocks'")
+    return {ins.node for ins in plan if isinstance(ins, Recompute)}
+
+
+def backend(budget=None, latency_limit: float | None = None, solver: str = "hotspot",
+            time_budget: float = 30.0, cost_model=None) -> FitgraphBackend:
+    """A torch.compile backend that fits each compiled training graph in a memory budget.
+
+    ``budget``: bytes, a size string ("800MB", "12GiB"), or a fraction of the simulated eager
+    peak of the compiled forward+backward graph (0.6, "60%"); or ``latency_limit``: a factor of
+    the eager step time (1.2), then the peak is minimised within it; neither saves every value
+    the backward reads (torch's default partition). ``solver``: a registered remat solver.
+    ``time_budget``: seconds the solver may spend per graph. ``cost_model``: None measures ops
+    on this machine (cached), a device name ("a100-80gb") or ``DeviceSpec`` plans with a
+    roofline model, or any CostModel. Random ops (dropout) are never recomputed, so gradients
+    equal eager PyTorch's. An impossible budget raises ``fitgraph.BudgetInfeasible`` at the
+    first call. See ``FitgraphBackend`` for the reports.
+    """
+    return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model)
