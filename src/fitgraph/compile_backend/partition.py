@@ -31,7 +31,7 @@ class Split:
     fw: fx.GraphModule
     bw: fx.GraphModule
     saved: tuple[str, ...]         # fx names of the saved tensors, in the forward's output order
-    recomputed: tuple[str, ...]    # fx names of forward nodes the backward runs again
+    recomputed: tuple[str, ...]    # fx names of forward ATen nodes the backward runs again
     saved_bytes: int               # bytes of the saved activations (resident storages excluded)
 
 
@@ -123,8 +123,8 @@ def split_joint(joint: fx.GraphModule, jg: JointGraph, dropped: set[int]) -> Spl
     fw.recompile()
     bw.recompile()
     forward_names = {n.name: n for n in jg.forward if n.op == "call_function"}
-    recomputed = tuple(n.name for n in bw.graph.nodes
-                       if n.op == "call_function" and n.name in forward_names)
+    recomputed = tuple(n.name for n in bw.graph.nodes if n.op == "call_function"
+                       and n.name in forward_names and n.target is not operator.getitem)
     if recomputed:
         bw = P.reordering_to_mimic_autograd_engine(bw)
     random = [n for n in recomputed if forward_names[n].is_impure(impure_random=True)]
