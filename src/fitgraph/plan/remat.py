@@ -22,12 +22,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
-__all__ = ["RematError", "inplace_chains", "recomputable", "remat_plan"]
+__all__ = ["RematError", "RematTables", "complete_drop", "inplace_chains", "recomputable",
+           "remat_plan", "remat_tables"]
 
 
 class RematError(ValueError):
@@ -105,52 +107,109 @@ def recomputable(graph: Graph) -> dict[int, str]:
     return out
 
 
-def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None) -> Plan:
-    """The plan that computes ``order`` (default: captured order) and drops the outputs of the
-    nodes in ``drop`` at the end of the forward+loss phases, recomputing them on demand."""
-    order = [n.id for n in graph.nodes] if order is None else list(order)
-    drop = set(drop)
-    for chain in inplace_chains(graph).values():  # NOTE: an in-place chain goes as a unit
-        if drop & set(chain):
-            drop |= set(chain)
-    allowed = recomputable(graph)
-    for nid in sorted(drop):
-        if allowed[nid]:
-            n = graph.nodes[nid]
-            raise RematError(f"node {n.name} ({n.target}, module {n.module or '<top>'}) cannot "
-                             f"be recomputed: {allowed[nid]}")
+@dataclass(frozen=True)
+class RematTables:
+    """What ``remat_plan`` needs to know about a graph, independent of the drop set and the
+    order: computed once by ``remat_tables`` and shared by the many calls a solver makes."""
+
+    fresh: dict[int, list[int]]        # node -> storages it allocates
+    members: dict[int, list[int]]      # storage -> values that live in it
+    chain_of: dict[int, tuple[int, ...]]  # node -> the in-place chains it belongs to
+    allowed: dict[int, str]            # node -> "" if recomputable, else why not
+    view_ok: list[bool]                # node -> re-run whenever its base storage is recomputed
+    keep: set[int]                     # storages that survive the step
+
+
+def remat_tables(graph: Graph) -> RematTables:
+    """The drop-independent tables of ``remat_plan`` for ``graph``."""
     fresh = new_storages(graph)
     members: dict[int, list[int]] = {}
     for v in graph.values:
         members.setdefault(v.storage, []).append(v.id)
+    chain_of: dict[int, tuple[int, ...]] = {}
+    for chain in inplace_chains(graph).values():
+        for nid in chain:
+            chain_of[nid] = tuple(dict.fromkeys((*chain_of.get(nid, ()), *chain)))
+    view_ok = [_is_view_of_dropped(graph, n.id, fresh) for n in graph.nodes]
+    return RematTables(fresh, members, chain_of, recomputable(graph), view_ok,
+                       output_storages(graph))
+
+
+def complete_drop(graph: Graph, drop: Iterable[int], tables: RematTables) -> set[int]:
+    """``drop`` with every in-place chain it touches made whole; RematError if a node in it
+    cannot be recomputed."""
+    drop, todo = set(drop), list(drop)
+    while todo:  # NOTE: an in-place chain goes as a unit
+        for m in tables.chain_of.get(todo.pop(), ()):
+            if m not in drop:
+                drop.add(m)
+                todo.append(m)
+    for nid in sorted(drop):
+        if tables.allowed[nid]:
+            n = graph.nodes[nid]
+            raise RematError(f"node {n.name} ({n.target}, module {n.module or '<top>'}) cannot "
+                             f"be recomputed: {tables.allowed[nid]}")
+    return drop
+
+
+def not_recomputable(graph: Graph, vid: int) -> RematError:
+    """The error for a value needed again whose producer may not be re-run."""
+    p = graph.values[vid].producer
+    n = graph.nodes[p] if p is not None else None
+    return RematError(f"value {graph.values[vid].name} is needed again but its producer "
+                      f"{n.name if n else '<input>'} is not recomputable")
+
+
+def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None, *,
+               tables: RematTables | None = None) -> Plan:
+    """The plan that computes ``order`` (default: captured order) and drops the outputs of the
+    nodes in ``drop`` at the end of the forward+loss phases, recomputing them on demand.
+    ``tables`` (from ``remat_tables``) saves recomputing the graph's tables on every call."""
+    order = [n.id for n in graph.nodes] if order is None else list(order)
+    t = remat_tables(graph) if tables is None else tables
+    drop = complete_drop(graph, drop, t)
     avail: set[int] = set(graph.inputs)
     events: list[Instruction] = []
 
+    def producer(vid: int) -> int:
+        p = graph.values[vid].producer
+        if p is None or p not in drop and not t.view_ok[p]:
+            raise not_recomputable(graph, vid)
+        return p
+
     def ensure(vid: int) -> None:
+        """Recompute ``vid`` (its missing inputs first, depth first, in input order)."""
         if vid in avail:
             return
-        p = graph.values[vid].producer
-        if p is None or p not in drop and not _is_view_of_dropped(graph, p, fresh):
-            n = graph.nodes[p] if p is not None else None
-            raise RematError(f"value {graph.values[vid].name} is needed again but its producer "
-                             f"{n.name if n else '<input>'} is not recomputable")
-        for u in graph.nodes[p].inputs:
-            ensure(u)
-        events.append(Recompute(p))
-        avail.update(o for o in graph.nodes[p].outputs if o is not None)
+        # NOTE: an explicit stack, not recursion: a long dropped chain must not hit Python's
+        # recursion limit on a 10,000-node graph
+        stack = [[producer(vid), 0]]
+        while stack:
+            frame = stack[-1]
+            ins = graph.nodes[frame[0]].inputs
+            if frame[1] < len(ins):
+                u = ins[frame[1]]
+                frame[1] += 1
+                if u not in avail:
+                    stack.append([producer(u), 0])
+                continue
+            stack.pop()
+            events.append(Recompute(frame[0]))
+            avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
 
     boundary = next((i for i, nid in enumerate(order)
                      if graph.nodes[nid].phase in (Phase.BACKWARD, Phase.OPTIMIZER)), len(order))
-    dropped_storages = {s for nid in drop for s in fresh[nid]}
+    dropped_storages = {s for nid in drop for s in t.fresh[nid]}
     for pos, nid in enumerate(order):
         if pos == boundary:
             for s in dropped_storages:
-                avail.difference_update(members[s])
+                avail.difference_update(t.members[s])
         for u in graph.nodes[nid].inputs:
             ensure(u)
         events.append(Compute(nid))
         avail.update(o for o in graph.nodes[nid].outputs if o is not None)
-    return Plan(tuple(_with_frees(graph, events, fresh)), meta={"dropped": sorted(drop)})
+    return Plan(tuple(_with_frees(graph, events, t.fresh, t.keep)),
+                meta={"dropped": sorted(drop)})
 
 
 def _is_view_of_dropped(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
@@ -159,11 +218,10 @@ def _is_view_of_dropped(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> 
     return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
 
 
-def _with_frees(graph: Graph, events: list[Instruction],
-                fresh: dict[int, list[int]]) -> list[Instruction]:
+def _with_frees(graph: Graph, events: list[Instruction], fresh: dict[int, list[int]],
+                keep: set[int]) -> list[Instruction]:
     """Insert a Free after the last use of each storage lifetime (a lifetime ends when the
     storage is produced again by a Recompute, or at its last use)."""
-    keep = output_storages(graph)
     last_use: dict[int, int] = {}
     produced_at: dict[int, int] = {}
     ends: dict[int, list[int]] = {}

@@ -25,11 +25,13 @@ def block_of(module: str) -> str | None:
     return m.group(1) if m else None
 
 
-def block_drop_sets(g: Graph) -> dict[str, set[int]]:
+def block_drop_sets(g: Graph, ok: dict[int, str] | None = None,
+                    fresh: dict[int, list[int]] | None = None) -> dict[str, set[int]]:
     """block -> its recomputable forward nodes whose outputs stay inside the block: what
-    ``torch.utils.checkpoint`` around that block drops after the forward (random ops excluded)."""
-    ok = recomputable(g)
-    fresh = new_storages(g)
+    ``torch.utils.checkpoint`` around that block drops after the forward (random ops excluded).
+    ``ok``, ``fresh``: ``recomputable(g)`` and ``new_storages(g)`` if the caller has them."""
+    ok = recomputable(g) if ok is None else ok
+    fresh = new_storages(g) if fresh is None else fresh
     readers = users(g)
     out: dict[str, set[int]] = {}
     for n in g.nodes:

@@ -18,10 +18,12 @@ __all__ = ["MIN_RECOMPUTE_S", "forward_chains", "remat_candidates"]
 MIN_RECOMPUTE_S = 1e-7
 
 
-def remat_candidates(g: Graph) -> set[int]:
-    """Forward/loss nodes that allocate and may be dropped and recomputed."""
-    ok = recomputable(g)
-    fresh = new_storages(g)
+def remat_candidates(g: Graph, ok: dict[int, str] | None = None,
+                     fresh: dict[int, list[int]] | None = None) -> set[int]:
+    """Forward/loss nodes that allocate and may be dropped and recomputed (``ok``, ``fresh``:
+    ``recomputable(g)`` and ``new_storages(g)`` if the caller has them)."""
+    ok = recomputable(g) if ok is None else ok
+    fresh = new_storages(g) if fresh is None else fresh
     return {n.id for n in g.nodes
             if not ok[n.id] and fresh[n.id] and n.phase in (Phase.FORWARD, Phase.LOSS)}
 
@@ -35,9 +37,13 @@ def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
         members.setdefault(v.storage, []).append(v.id)
     backward = {n.id for n in g.nodes if n.phase in (Phase.BACKWARD, Phase.OPTIMIZER)}
 
+    only: dict[int, bool] = {}
+
     def forward_only(nid: int) -> bool:
-        return not any(r in backward for o in g.nodes[nid].outputs if o is not None
-                       for v in members[g.values[o].storage] for r in readers[v])
+        if nid not in only:  # NOTE: memoised: chains overlap, and a storage has many readers
+            only[nid] = not any(r in backward for o in g.nodes[nid].outputs if o is not None
+                                for v in members[g.values[o].storage] for r in readers[v])
+        return only[nid]
 
     out: dict[int, set[int]] = {}
     for nid in sorted(candidates):

@@ -1,117 +1,107 @@
-"""``hotspot``: greedy rematerialization of what is live at the simulated peak.
+"""``hotspot``: the production solver — greedy rematerialization of what is live at the simulated
+peak, with memory-aware reordering, judged by the simulator at every step.
 
 MAGIS's insight, without its GPU-in-the-loop ranking: simulate, look at the storages live at the
-peak, drop (and recompute in the backward) the one that frees the most bytes per second of
-recompute, simulate again; keep a drop only if the peak went down. A candidate comes with its forward-only chain: the recomputable producers of
-its inputs whose outputs no backward node reads (dropping ``mul(gelu(x), mask)`` alone would keep
-``gelu(x)`` alive for the recompute and save nothing; dropping both saves the bytes). Moves also include whole blocks (``h.3``: drop what stays inside it, as
-``torch.utils.checkpoint`` does), which stop the recompute cascade at block outputs that single
-drops cannot find one at a time. Deterministic (ties broken by
-node id), anytime (stops at ``time_budget_s`` with the best plan so far), and every candidate is
-judged by the simulator, so a drop that would raise the peak (a recompute keeps its inputs alive
-into the backward) is rejected rather than trusted.
+peak, drop (and recompute in the backward) what frees the most bytes per second of recompute,
+simulate again; keep a drop only if the peak went down. Moves (``solvers.moves``) are single
+candidates with their forward-only chains (dropping ``mul(gelu(x), mask)`` alone would keep
+``gelu(x)`` alive for the recompute) and whole blocks (``h.3``: what ``torch.utils.checkpoint``
+drops), which stop the recompute cascade at block outputs that single drops cannot find one at
+a time. Every candidate is judged by the simulator — through ``sim.remat_eval``, which gives the
+simulator's exact answer for a drop set without building the plan — so a drop that would raise
+the peak (a recompute keeps its inputs alive into the backward) is rejected rather than trusted.
+
+The search, in budget mode (least latency within ``budget_bytes``):
+
+1. two starts in the captured order — nothing dropped, and every block checkpointed (single
+   moves cannot always undo a recompute cascade) — each grown greedily until the budget holds,
+   then pruned (moves no longer needed are undropped, most recompute time first);
+2. joint reordering: the best drop set is re-planned over memory-aware orders that know what is
+   dropped (``plan.reorder``, e.g. a backward node that frees a recomputed activation runs
+   before one that allocates); each is grown and pruned again and kept if the simulator says it
+   is better (fewer recomputes at the same budget, or a budget the captured order cannot reach).
 
 With a ``latency_limit`` it keeps lowering the peak while the simulated step stays within the
-limit.
+limit. Deterministic: the result is a function of the inputs; the deadline (``time_budget_s``)
+only cuts the search short, and then ``notes["timed_out"]`` is True — the one case where timing
+changes the plan. Anytime: it returns the best plan found when time runs out.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+    >>> from fitgraph.cost.base import NodeCost
+    >>> from fitgraph.solvers import Problem, solve
+    >>> class Ms:
+    ...     name = "toy"
+    ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
+    ...     def copy_seconds(self, nbytes): return 0.0
+    >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    >>> a = b.add_node("aten.exp.default", [x], [((1024,), "float32")])[0]
+    >>> y = b.add_node("aten.sum.default", [a], [((), "float32")])[0]
+    >>> z = b.add_node("aten.expand.default", [y], [((1024,), "float32")],
+    ...                phase=Phase.BACKWARD)[0]
+    >>> w = b.add_node("aten.sum.default", [z], [((), "float32")], phase=Phase.BACKWARD)[0]
+    >>> gx = b.add_node("aten.mul.Tensor", [w, a], [((4,), "float32")],
+    ...                 phase=Phase.BACKWARD)[0]
+    >>> g = b.finish({"loss": gx})
+    >>> s = solve(Problem(g, Ms(), budget_bytes=5000), "hotspot")  # eager peaks at 8,212 B
+    >>> s.sim.peak_bytes <= 5000, s.notes["dropped"]
+    (True, 1)
 """
 
 from __future__ import annotations
 
 import time
 
-from ..graph.analysis import new_storages
-from ..plan.remat import remat_plan
+from ..plan.remat import remat_plan, remat_tables
+from ..sim.remat_eval import RematEvaluator
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .blocks import block_drop_sets
-from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
+from .greedy import Run, Search
+from .moves import ALL_BLOCKS, build_moves
 
 __all__ = ["solve_hotspot"]
+
+# NOTE: share of the time budget kept for building and simulating the final plan (O(n) Python)
+FINAL_SHARE = 0.1
+
 
 @register("hotspot")
 def solve_hotspot(problem: Problem) -> Solution:
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
-    fresh = new_storages(g)
-    producer = {s: nid for nid, ss in fresh.items() for s in ss}
-    candidates = remat_candidates(g)
-    seconds = {nid: max(cm.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
-               for nid in candidates}
-    chain = forward_chains(g, candidates)
-    # NOTE: a move is a set of nodes to drop together: one node with its forward-only chain,
-    # or one block's insides; keys sort nodes before blocks for determinism
-    moves: dict[tuple, frozenset[int]] = {(0, str(nid)): frozenset(chain[nid])
-                                          for nid in sorted(candidates)}
-    blocks = block_drop_sets(g)
-    moves.update({(1, blk): frozenset(nodes & candidates) for blk, nodes in blocks.items()})
-    if blocks:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
-        moves[(2, "*")] = frozenset(set().union(*blocks.values()) & candidates)
-    owners: dict[int, list[tuple]] = {}
-    for key, nodes in moves.items():
-        for nid in nodes:
-            owners.setdefault(nid, []).append(key)
-    eager_sim = simulate(g, remat_plan(g, set()), cm)
-    limit = (problem.latency_limit * eager_sim.latency_s if problem.latency_limit is not None
+    tables = remat_tables(g)
+    ev = RematEvaluator(g, cm, tables=tables)
+    moves = build_moves(g, cm, tables)
+    eager = ev.evaluate(())
+    limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
              else float("inf"))
-
-    def greedy(start: set[int], deadline: float):
-        """Grow ``start`` by the best move until the budget holds, no move helps, or time's up."""
-        drop, banned, iterations = set(start), set(), 0
-        plan = remat_plan(g, drop)
-        sim = simulate(g, plan, cm)
-        while time.perf_counter() < deadline:
-            if problem.budget_bytes is not None and sim.peak_bytes <= problem.budget_bytes:
-                break
-            hot = {producer[s] for s in sim.peak_live if s in producer} & candidates
-            keys = {k for nid in hot - drop for k in owners.get(nid, ())} - banned
-
-            def score(k, hot=hot, drop=frozenset(drop)):
-                new = moves[k] - drop
-                freed = sum(g.storages[s].nbytes for nid in new & hot for s in fresh[nid])
-                return (-freed / sum(seconds[nid] for nid in new), k) if new else (0.0, k)
-
-            ranked = sorted(keys, key=score)
-            if not ranked:
-                break
-            key = ranked[0]
-            iterations += 1
-            trial = remat_plan(g, drop | moves[key])
-            tsim = simulate(g, trial, cm)
-            if tsim.peak_bytes < sim.peak_bytes and tsim.latency_s <= limit:
-                drop |= moves[key]
-                plan, sim = trial, tsim
-            else:
-                banned.add(key)
-        return plan, sim, drop, iterations
-
-    def better(a, b) -> bool:
-        """Is run a better than run b? Within the target first; then least latency (budget
-        mode) or least peak (latency mode)."""
-        if problem.budget_bytes is not None:
-            fa, fb = a[1].peak_bytes <= problem.budget_bytes, b[1].peak_bytes <= problem.budget_bytes
-            if fa != fb:
-                return fa
-            if fa:
-                return (a[1].latency_s, a[1].peak_bytes) < (b[1].latency_s, b[1].peak_bytes)
-            return (a[1].peak_bytes, a[1].latency_s) < (b[1].peak_bytes, b[1].latency_s)
-        fa, fb = a[1].latency_s <= limit, b[1].latency_s <= limit
-        if fa != fb:
-            return fa
-        return (a[1].peak_bytes, a[1].latency_s) < (b[1].peak_bytes, b[1].latency_s)
-
-    # NOTE: two starts, the time split between them: from nothing, and from checkpointing every
-    # block (single moves cannot always undo a recompute cascade); the better result wins
-    best = greedy(set(), t0 + problem.time_budget_s / 2 if blocks else t0 + problem.time_budget_s)
-    starts = 1
-    if blocks:
-        other = greedy(set(moves[(2, "*")]), t0 + problem.time_budget_s)
-        starts = 2
-        if better(other, best):
-            best = other
-    plan, sim, drop, iterations = best
-    solve_s = time.perf_counter() - t0
+    search = Search(problem.budget_bytes, limit,
+                    t0 + (1 - FINAL_SHARE) * problem.time_budget_s)
+    blocks = [moves.nodes[i] for i, k in enumerate(moves.keys) if k[0] == 1]
+    starts = [Run(eager, ev, "captured")]
+    if ALL_BLOCKS in moves.keys:
+        every = search.evaluate(ev, moves.nodes[moves.index(ALL_BLOCKS)])
+        if every is not None:
+            starts.append(Run(every, ev, "captured, every block checkpointed"))
+    best = None
+    for run in starts:  # NOTE: the starts' own evaluations come first: anytime from here on
+        if best is None or search.better(run.result, best.result):
+            best = Run(run.result, run.ev, run.label)
+    for run in starts:
+        run = search.prune(search.grow(run, moves), blocks + run.added, moves)
+        if search.better(run.result, best.result):
+            best = run
+    r = best.result
+    plan = remat_plan(g, r.drop, best.ev.order, tables=tables)
+    sim = simulate(g, plan, cm)
+    if (sim.peak_bytes, sim.latency_s) != (r.peak_bytes, r.latency_s):
+        raise RuntimeError(f"hotspot: the fast evaluator says peak {r.peak_bytes} latency "
+                           f"{r.latency_s} but the simulator {sim.peak_bytes} {sim.latency_s}; "
+                           "this is a bug in fitgraph.sim.remat_eval, please report it")
     if problem.budget_bytes is not None and sim.peak_bytes > problem.budget_bytes:
         raise BudgetInfeasible(problem.budget_bytes, sim.peak_bytes, dominated_by(sim), "hotspot")
-    return Solution(plan, sim, "hotspot", solve_s,
-                    notes={"dropped": len(drop), "iterations": iterations, "starts": starts,
-                           "eager_latency_s": eager_sim.latency_s})
+    plan.meta["solver"] = "hotspot"
+    return Solution(plan, sim, "hotspot", time.perf_counter() - t0,
+                    notes={"dropped": len(r.drop), "recomputes": r.recomputes,
+                           "evaluations": search.evaluations, "timed_out": search.timed_out,
+                           "order": best.label, "eager_latency_s": eager.latency_s})

@@ -1,0 +1,184 @@
+"""Where ``remat_plan`` places recomputes, per independent part of the drop set.
+
+``remat_plan`` re-creates a dropped value at its first use after the forward, depth first over
+the recompute's own missing inputs. The walk started by input ``j`` of the node at position
+``q`` only visits values that lie in dropped storages and are connected to it, so the drop set
+splits into *parts* whose walks never meet: dropped nodes connected when one's recompute may
+read the other's values (``RematEvaluator.neighbours``, from the graph alone). Each part's
+recomputes are a function of its own dropped nodes. ``RematEvaluator`` caches parts and, when a
+move changes a few nodes, re-walks only the parts those nodes touch.
+
+Every recompute gets the key ``(q, j, seq)`` (``seq`` counts within the walk); sorting all
+parts' recomputes by key gives the plan's order, because ``(q, j)`` names one walk.
+
+Example:
+    >>> from fitgraph.sim.recompute_parts import event_key
+    >>> event_key(3, 1, 0) < event_key(3, 2, 0) < event_key(4, 0, 0)
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan.remat import not_recomputable
+
+__all__ = ["Packed", "Part", "event_key", "walk_parts"]
+
+_Q_SHIFT, _J_SHIFT = 42, 24   # NOTE: positions < 2**21, inputs per node < 2**18, walks < 2**24
+
+
+def event_key(q: int, j: int, seq: int) -> int:
+    return (q << _Q_SHIFT) | (j << _J_SHIFT) | seq
+
+
+_PIDS = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Part:
+    """The recomputes (in plan order) that re-create the storages of ``dropped``."""
+
+    pid: int                 # unique id, to find the part's rows in a Packed
+    dropped: frozenset[int]
+    nodes: np.ndarray        # recomputed node ids
+    q: np.ndarray            # position (in the order) of the node each recompute precedes
+    key: np.ndarray          # event_key of each recompute
+    t_key: np.ndarray        # per storage a recompute reads or writes: the recompute's key ...
+    t_st: np.ndarray         # ... and the storage
+    d_st: np.ndarray         # dropped storages (allocated before the backward)
+    d_key: np.ndarray        # key of the recompute that re-creates each, -1 if none
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Every part's rows in flat arrays (``pid`` columns say whose), so that a drop set next to
+    an evaluated one costs a mask and a concatenation, not a loop over its parts."""
+
+    pid: np.ndarray
+    nodes: np.ndarray
+    q: np.ndarray
+    key: np.ndarray
+    t_pid: np.ndarray
+    t_key: np.ndarray
+    t_st: np.ndarray
+    d_pid: np.ndarray
+    d_st: np.ndarray
+    d_key: np.ndarray
+
+    @staticmethod
+    def empty() -> Packed:
+        e = np.zeros(0, dtype=np.int64)
+        return Packed(e, e, e, e, e, e, e, e, e, e)
+
+    def replace(self, old: list[int], new: list[Part]) -> Packed:
+        """Without the rows of parts ``old`` (pids), with those of ``new``."""
+        keep_e = keep_t = keep_d = slice(None)
+        if old:
+            gone = np.array(old, dtype=np.int64)
+            keep_e = ~np.isin(self.pid, gone)
+            keep_t = ~np.isin(self.t_pid, gone)
+            keep_d = ~np.isin(self.d_pid, gone)
+
+        def cat(mine, keep, theirs, pid=False):
+            arrays = [mine[keep]] + [np.full(len(getattr(p, theirs)), p.pid, dtype=np.int64)
+                                     if pid else getattr(p, theirs) for p in new]
+            return np.concatenate(arrays)
+
+        return Packed(cat(self.pid, keep_e, "nodes", True), cat(self.nodes, keep_e, "nodes"),
+                      cat(self.q, keep_e, "q"), cat(self.key, keep_e, "key"),
+                      cat(self.t_pid, keep_t, "t_st", True), cat(self.t_key, keep_t, "t_key"),
+                      cat(self.t_st, keep_t, "t_st"), cat(self.d_pid, keep_d, "d_st", True),
+                      cat(self.d_st, keep_d, "d_st"), cat(self.d_key, keep_d, "d_key"))
+
+
+def walk_parts(ev, region: set[int], drop: frozenset[int]) -> list[Part]:
+    """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
+    evaluator ``ev``'s order, and split them into parts. RematError as ``remat_plan``."""
+    G, t = ev.G, ev.G.t
+    unavail: set[int] = set()
+    for d in region:
+        unavail.update(ev.unavail_of[d])
+    positions = sorted({p for v in unavail for p in ev.back_readers.get(v, ())})
+    nodes: list[int] = []
+    qs: list[int] = []
+    keys: list[int] = []
+
+    def producer(vid: int) -> int:
+        p = G.producer[vid]
+        if p is None or p not in drop and not t.view_ok[p]:
+            raise not_recomputable(ev.graph, vid)
+        return p
+
+    for q in positions:
+        for j, u in enumerate(G.inputs[ev.order[q]]):
+            if u not in unavail:
+                continue
+            stack = [[producer(u), 0]]  # NOTE: remat_plan's depth-first walk, in input order
+            while stack:
+                frame = stack[-1]
+                ins = G.inputs[frame[0]]
+                if frame[1] < len(ins):
+                    v = ins[frame[1]]
+                    frame[1] += 1
+                    if v in unavail:
+                        stack.append([producer(v), 0])
+                    continue
+                stack.pop()
+                keys.append(event_key(q, j, len(nodes)))
+                nodes.append(frame[0])
+                qs.append(q)
+                unavail.difference_update(G.outputs[frame[0]])
+    return _split(ev, region, nodes, qs, keys)
+
+
+def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int]) -> list[Part]:
+    """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``, union-find)."""
+    G, t = ev.G, ev.G.t
+    parent = {d: d for d in region}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for d in region:
+        for o in ev.neighbours.get(d, ()):
+            if o in parent:
+                a, b = find(d), find(o)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    owner_of_event = [next(ev.owner[v] for v in G.outputs[r] if ev.owner[v] in parent)
+                      for r in nodes]
+    groups: dict[int, list[int]] = {}
+    for d in sorted(region):
+        groups.setdefault(find(d), []).append(d)
+    events: dict[int, list[int]] = {}
+    for i, o in enumerate(owner_of_event):
+        events.setdefault(find(o), []).append(i)
+    parts = []
+    for root, members in groups.items():
+        idx = events.get(root, [])
+        made: dict[int, int] = {}
+        t_key, t_st = [], []
+        for i in idx:
+            r = nodes[i]
+            for st in t.fresh[r]:
+                made[st] = keys[i]
+            for v in (*G.inputs[r], *G.outputs[r]):
+                t_key.append(keys[i])
+                t_st.append(G.storage_of[v])
+        d_st = [st for d in members for st in ev.dropped_storages[d]]
+        parts.append(Part(
+            next(_PIDS), frozenset(members), _arr([nodes[i] for i in idx]),
+            _arr([qs[i] for i in idx]), _arr([keys[i] for i in idx]), _arr(t_key), _arr(t_st),
+            _arr(d_st), _arr([made.get(st, -1) for st in d_st])))
+    return parts
+
+
+def _arr(xs: list[int]) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)

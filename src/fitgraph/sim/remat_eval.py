@@ -1,0 +1,285 @@
+"""``simulate(graph, remat_plan(graph, drop, order), cost)`` for many drop sets, fast and exact.
+
+A remat solver asks one question hundreds of times: with these nodes dropped, how high is the
+peak and how long is the step? Building the Plan and walking it is O(n) Python per question.
+Here what does not depend on the drop set (each storage's lifetime in ``order``, node costs,
+who reads what in the backward) is computed once; per question only the recomputes are placed
+(the same depth-first walk as ``remat_plan``, cached per independent part of the drop set, so
+that evaluating a drop set next to an evaluated one re-walks only the parts that changed: see
+``sim.recompute_parts``) and the memory curve is a numpy cumulative sum over storage lifetimes. The answer is the
+simulator's: the same peak bytes, the same latency (the same float additions in the same order)
+and the same storages live at the peak — ``tests/test_remat_eval.py`` holds it to that.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+    >>> from fitgraph.cost.base import NodeCost
+    >>> from fitgraph.plan.remat import remat_plan
+    >>> from fitgraph.sim.simulate import simulate
+    >>> from fitgraph.sim.remat_eval import RematEvaluator
+    >>> class Ms:
+    ...     name = "toy"
+    ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
+    ...     def copy_seconds(self, nbytes): return 0.0
+    >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    >>> a = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]
+    >>> y = b.add_node("aten.neg.default", [a], [((4,), "float32")])[0]
+    >>> gy = b.add_node("aten.mul.Tensor", [y, a], [((4,), "float32")], phase=Phase.BACKWARD)[0]
+    >>> g = b.finish({"loss": gy})
+    >>> r = RematEvaluator(g, Ms()).evaluate({0})
+    >>> s = simulate(g, remat_plan(g, {0}), Ms())
+    >>> (r.peak_bytes, r.latency_s) == (s.peak_bytes, s.latency_s), r.recomputes
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.base import CostModel
+from ..graph.ir import Graph, Phase
+from ..plan.remat import RematTables, complete_drop, remat_tables
+from .recompute_parts import Packed, Part, walk_parts
+
+__all__ = ["RematEval", "RematEvaluator"]
+
+# NOTE: float64 adds integers exactly below 2**53; byte counts are summed as floats (bincount)
+_EXACT_FLOAT_BYTES = 2**52
+
+
+@dataclass(frozen=True, eq=False)
+class RematEval:
+    drop: frozenset[int]      # the drop set, in-place chains completed
+    peak_bytes: int           # as SimResult.peak_bytes
+    latency_s: float          # as SimResult.latency_s
+    peak_made: np.ndarray     # sorted storages live at the peak that the step allocates
+    recomputes: int           # Recompute instructions in the plan
+    inputs_st: tuple[int, ...]
+    parts: dict[int, Part]    # dropped node -> the part that re-creates its storages
+    packed: Packed            # every part's rows
+    evaluator: RematEvaluator
+
+    @property
+    def peak_live(self) -> frozenset[int]:
+        """Storages live at the peak, as SimResult.peak_live."""
+        return frozenset(self.peak_made.tolist()) | frozenset(self.inputs_st)
+
+
+class _GraphTables:
+    """Per-graph (order-independent) arrays shared by the evaluators of one graph."""
+
+    def __init__(self, graph: Graph, cost_model: CostModel, tables: RematTables | None) -> None:
+        self.graph = graph
+        self.t = remat_tables(graph) if tables is None else tables
+        costs = [cost_model.node_cost(graph, n) for n in graph.nodes]
+        self.seconds = np.array([c.seconds for c in costs], dtype=np.float64)
+        rng = getattr(cost_model, "rng_state_bytes", 0)
+        self.workspace = np.array([c.workspace_bytes for c in costs], dtype=np.int64)
+        # NOTE: a recomputed random node also holds a copy of the generator state (simulator)
+        self.re_workspace = np.array([max(c.workspace_bytes, rng) if n.random else
+                                      c.workspace_bytes for c, n in zip(costs, graph.nodes)],
+                                     dtype=np.int64)
+        self.nbytes = np.array([s.nbytes for s in graph.storages], dtype=np.int64)
+        self.storage_of = [v.storage for v in graph.values]
+        self.producer = [v.producer for v in graph.values]
+        self.inputs = [n.inputs for n in graph.nodes]
+        self.outputs = [tuple(o for o in n.outputs if o is not None) for n in graph.nodes]
+        self.inputs_st = tuple(sorted(set(graph.input_storages())))
+        self.resident = int(self.nbytes[list(self.inputs_st)].sum())
+        self.backward = [n.phase in (Phase.BACKWARD, Phase.OPTIMIZER) for n in graph.nodes]
+        self.maker = [-1] * len(graph.storages)
+        for nid, ss in self.t.fresh.items():
+            for st in ss:
+                self.maker[st] = nid
+        self.float_sums = int(self.nbytes.sum()) < _EXACT_FLOAT_BYTES
+
+
+class RematEvaluator:
+    """Evaluates drop sets for one graph, cost model and node order (default: captured)."""
+
+    def __init__(self, graph: Graph, cost_model: CostModel, order: list[int] | None = None, *,
+                 tables: RematTables | None = None, _shared: _GraphTables | None = None) -> None:
+        G = _shared or _GraphTables(graph, cost_model, tables)
+        self.G, self.graph, self.cost_model = G, graph, cost_model
+        order = [n.id for n in graph.nodes] if order is None else list(order)
+        self.order = order
+        self.order_arr = np.array(order, dtype=np.int64)
+        n, S = len(order), len(graph.storages)
+        pos = [0] * n
+        for p, nid in enumerate(order):
+            pos[nid] = p
+        self.boundary = b = next((p for p, nid in enumerate(order) if G.backward[nid]), n)
+        # storage lifetimes in positions: allocated at prod, last used at last (before the
+        # boundary: last_fwd); -1 where never
+        prod, last, last_fwd = [-1] * S, [-1] * S, [-1] * S
+        self.back_readers: dict[int, list[int]] = {}
+        fwd_readers: dict[int, list[int]] = {}
+        fresh = G.t.fresh
+        for p, nid in enumerate(order):
+            for s in fresh[nid]:
+                prod[s] = p
+            for v in (*G.inputs[nid], *G.outputs[nid]):
+                s = G.storage_of[v]
+                last[s] = p
+                if p < b:
+                    last_fwd[s] = p
+            for v in G.inputs[nid]:
+                if p >= b:
+                    self.back_readers.setdefault(v, []).append(p)
+                else:
+                    fwd_readers.setdefault(v, []).append(nid)
+        self.prod, self.last = prod, last
+        # a value made unavailable by dropping a node: in its storage, made before the boundary
+        self.owner = [G.maker[G.storage_of[v]] if G.producer[v] is not None
+                      and pos[G.producer[v]] < b else None for v in range(len(graph.values))]
+        for v, o in enumerate(self.owner):
+            if o is not None and o < 0:
+                self.owner[v] = None
+        self.dropped_storages = {d: [s for s in fresh[d] if prod[s] < b] for d in range(n)}
+        self.unavail_of = {d: [v for s in self.dropped_storages[d] for v in G.t.members[s]
+                               if self.owner[v] is not None] for d in range(n)}
+        # NOTE: dropped nodes whose recomputes may read each other's values (see _region)
+        self.neighbours: dict[int, set[int]] = {}
+        for d in range(n):
+            near: set[int] = set()
+            for v in self.unavail_of[d]:
+                near.update(self.owner[u] for u in G.inputs[G.producer[v]])
+                for r in fwd_readers.get(v, ()):
+                    near.update(self.owner[w] for w in G.outputs[r])
+            near.discard(None)
+            near.discard(d)
+            if near:
+                self.neighbours[d] = near
+        produced = [s for s in range(S) if prod[s] >= 0]
+        self.produced = np.array(produced, dtype=np.int64)
+        self.row_of = np.full(S, -1, dtype=np.int64)
+        self.row_of[self.produced] = np.arange(len(produced))
+        self.base_prod = np.array([prod[s] for s in produced], dtype=np.int64)
+        self.base_last = np.array([last[s] for s in produced], dtype=np.int64)
+        self.base_keep = np.array([s in G.t.keep for s in produced], dtype=bool)
+        self.last_arr = np.array(last, dtype=np.int64)
+        self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
+
+    def reordered(self, order: list[int]) -> RematEvaluator:
+        """An evaluator for the same graph and costs under another node order."""
+        return RematEvaluator(self.graph, self.cost_model, order, _shared=self.G)
+
+    def evaluate(self, drop: Iterable[int], base: RematEval | None = None) -> RematEval:
+        """Peak, latency and storages live at the peak of ``remat_plan(graph, drop, order)``;
+        RematError where ``remat_plan`` would raise it. ``base``, an earlier result of this
+        evaluator, makes it incremental: only the parts of the drop set that differ are walked."""
+        drop = frozenset(drop)
+        if base is None:
+            drop = frozenset(complete_drop(self.graph, drop, self.G.t))
+            parts: dict[int, Part] = {}
+            changed, packed = set(drop), Packed.empty()
+        else:
+            if base.evaluator is not self:
+                raise ValueError("base comes from another evaluator")
+            drop, changed = self._complete_from(drop, base)
+            parts, packed = dict(base.parts), base.packed
+        stale = self._stale(changed, parts)
+        gone = sorted({parts[d].pid for d in stale if d in parts})
+        for d in stale:
+            parts.pop(d, None)
+        new = walk_parts(self, stale & drop, drop)
+        for part in new:
+            for d in part.dropped:
+                parts[d] = part
+        return self._assemble(drop, parts, packed.replace(gone, new))
+
+    def _complete_from(self, drop: frozenset[int], base: RematEval) -> tuple[frozenset, set]:
+        """``complete_drop`` of ``drop`` knowing that of ``base.drop``, and the nodes that
+        changed."""
+        t = self.G.t
+        added, removed = drop - base.drop, base.drop - drop
+        new = set(added)
+        for x in removed:  # NOTE: a chain member left in the drop set pulls its chain back
+            chain = t.chain_of.get(x, ())
+            if any(m in drop for m in chain):
+                new.update(chain)
+        todo = list(new)
+        while todo:
+            for m in t.chain_of.get(todo.pop(), ()):
+                if m not in drop and m not in new:
+                    new.add(m)
+                    todo.append(m)
+        drop = drop | new
+        bad = sorted(nid for nid in drop - base.drop if t.allowed[nid])
+        if bad:
+            complete_drop(self.graph, bad, t)  # NOTE: raises the RematError
+        return drop, set(drop - base.drop) | set(base.drop - drop)
+
+    def _stale(self, changed: set[int], parts: dict[int, Part]) -> set[int]:
+        """The nodes to re-walk (those still dropped): the changed ones, and every part that a
+        changed node belongs to or whose recomputes may read (or be read by) a changed node."""
+        stale = set(changed)
+        for d in changed:
+            hit = [parts[d]] if d in parts else []
+            hit += [parts[o] for o in self.neighbours.get(d, ()) if o in parts]
+            for part in hit:
+                stale.update(part.dropped)
+        return stale
+
+    def _assemble(self, drop: frozenset[int], parts: dict[int, Part], pk: Packed) -> RematEval:
+        G, n, R = self.G, len(self.order), len(pk.nodes)
+        E = n + R
+        perm = np.argsort(pk.key, kind="stable")
+        keys, q_sorted, rec_sorted = pk.key[perm], pk.q[perm], pk.nodes[perm]
+        ridx = q_sorted + np.arange(R)  # NOTE: event index = position + recomputes before it
+        touch_g = ridx[np.searchsorted(keys, pk.t_key)]
+        drop_st = pk.d_st
+        drop_g = np.full(len(drop_st), -1, dtype=np.int64)
+        if R:
+            again = pk.d_key >= 0
+            drop_g[again] = ridx[np.searchsorted(keys, pk.d_key[again])]
+        cidx = np.arange(n, dtype=np.int64) + np.searchsorted(q_sorted, np.arange(n), side="right")
+        prod_e = cidx[self.base_prod]
+        end_e = np.where(self.base_keep, E - 1, cidx[self.base_last])
+        # NOTE: a dropped storage's first lifetime ends at its last use in the forward
+        end_e[self.row_of[drop_st]] = cidx[self.last_fwd_arr[drop_st]]
+        is_dropped = np.zeros(len(G.nbytes), dtype=bool)
+        is_dropped[drop_st] = True
+        t_rows = self.row_of[pk.t_st]
+        plain = ~is_dropped[pk.t_st] & (t_rows >= 0)
+        np.maximum.at(end_e, t_rows[plain], touch_g[plain])
+        again = drop_g >= 0
+        st2, prod2 = drop_st[again], drop_g[again]
+        last2 = self.last_arr[st2]
+        end2 = np.maximum(prod2, np.where(last2 >= self.boundary, cidx[last2], -1))
+        if len(st2):
+            reach = np.full(len(G.nbytes), -1, dtype=np.int64)
+            np.maximum.at(reach, pk.t_st[~plain], touch_g[~plain])
+            end2 = np.maximum(end2, reach[st2])
+        st = np.concatenate([self.produced, st2])
+        prod_all = np.concatenate([prod_e, prod2])
+        end_all = np.concatenate([end_e, end2])
+        level = _live_bytes(prod_all, end_all, G.nbytes[st], E, G.float_sums)
+        events = np.insert(self.order_arr, q_sorted, rec_sorted)
+        ws = G.workspace[events]
+        ws[ridx] = G.re_workspace[rec_sorted]
+        high = level + ws
+        e_peak = int(np.argmax(high))
+        peak = G.resident + int(high[e_peak])
+        latency = float(np.cumsum(G.seconds[events])[-1])
+        if peak > G.resident:
+            made = np.unique(st[(prod_all <= e_peak) & (end_all >= e_peak)])
+        else:
+            peak, made = G.resident, np.zeros(0, dtype=np.int64)
+        return RematEval(drop, peak, latency, made, R, G.inputs_st, parts, pk, self)
+
+
+def _live_bytes(prod: np.ndarray, end: np.ndarray, nbytes: np.ndarray, n_events: int,
+                float_sums: bool) -> np.ndarray:
+    """Bytes of the lifetimes [prod, end] that cover each event."""
+    if float_sums:  # NOTE: bincount is the fast path; exact while the sums stay below 2**52
+        w = nbytes.astype(np.float64)
+        diff = (np.bincount(prod, weights=w, minlength=n_events + 1)
+                - np.bincount(end + 1, weights=w, minlength=n_events + 1))
+        return np.rint(np.cumsum(diff[:n_events])).astype(np.int64)
+    diff = np.zeros(n_events + 1, dtype=np.int64)
+    np.add.at(diff, prod, nbytes)
+    np.add.at(diff, end + 1, -nbytes)
+    return np.cumsum(diff[:n_events])

@@ -1,0 +1,111 @@
+"""The moves of the ``hotspot`` greedy, and how it ranks them, vectorised.
+
+A move is a set of nodes to drop together: one candidate with its forward-only chain
+(``candidates.forward_chains``), one block's insides (``blocks.block_drop_sets``, what
+``torch.utils.checkpoint`` around the block drops), or every block at once. A move's score is
+the bytes it frees among the storages live at the simulated peak per second of recompute it
+adds; the greedy tries the best-scoring move first. Moves are stored as one flat array of node
+ids with offsets, so that scoring all of them is a few numpy reductions, not a Python loop over
+thousands of moves per greedy step.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+    >>> from fitgraph.cost.base import NodeCost
+    >>> from fitgraph.plan.remat import remat_tables
+    >>> from fitgraph.solvers.moves import build_moves
+    >>> class Ms:
+    ...     name = "toy"
+    ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
+    >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    >>> a = b.add_node("aten.relu.default", [x], [((4,), "float32")], module="h.0")[0]
+    >>> y = b.add_node("aten.neg.default", [a], [((4,), "float32")], module="h.0")[0]
+    >>> gy = b.add_node("aten.mul.Tensor", [y, a], [((4,), "float32")], phase=Phase.BACKWARD)[0]
+    >>> g = b.finish({"loss": gy})
+    >>> m = build_moves(g, Ms(), remat_tables(g))
+    >>> m.keys
+    [(0, '0'), (0, '1'), (1, 'h.0'), (2, '*')]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.base import CostModel
+from ..graph.ir import Graph
+from ..plan.remat import RematTables
+from .blocks import block_drop_sets
+from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
+
+__all__ = ["ALL_BLOCKS", "Moves", "build_moves"]
+
+ALL_BLOCKS = (2, "*")
+
+
+@dataclass
+class Moves:
+    keys: list[tuple]              # sorted: singles (0, node), blocks (1, name), all blocks
+    nodes: list[frozenset[int]]    # per move
+    flat: np.ndarray               # every move's nodes, concatenated in key order
+    starts: np.ndarray             # where each move begins in ``flat``
+    candidate: np.ndarray          # node -> may be dropped
+    node_bytes: np.ndarray         # node -> bytes it allocates
+    seconds: np.ndarray            # node -> recompute seconds (floored at MIN_RECOMPUTE_S)
+    maker: np.ndarray              # storage -> node that allocates it, -1 for inputs
+
+    def index(self, key: tuple) -> int:
+        return self.keys.index(key)
+
+    def hot_nodes(self, peak_made: np.ndarray) -> np.ndarray:
+        """Mask of the candidates that allocate a storage live at the peak."""
+        makers = self.maker[peak_made]
+        hot = np.zeros(len(self.candidate), dtype=bool)
+        hot[makers[makers >= 0]] = True
+        return hot & self.candidate
+
+    def best(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray) -> int | None:
+        """The move (index) freeing the most peak bytes per recompute second that adds a hot
+        node not yet dropped; ties go to the first key. None if no move qualifies."""
+        if not self.keys:
+            return None
+        fresh_hot = hot & ~dropped
+        counts = np.add.reduceat(fresh_hot[self.flat].astype(np.int64), self.starts)
+        ok = (counts > 0) & ~banned
+        if not ok.any():
+            return None
+        freed = np.add.reduceat(np.where(fresh_hot, self.node_bytes, 0)[self.flat], self.starts)
+        secs = np.add.reduceat(np.where(dropped, 0.0, self.seconds)[self.flat], self.starts)
+        score = np.where(ok, -freed / np.where(ok, secs, 1.0), np.inf)
+        return int(np.flatnonzero(score == score.min())[0])
+
+
+def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
+    """Every move of ``g``, with the per-node tables ``Moves.best`` ranks them by."""
+    ok, fresh = tables.allowed, tables.fresh
+    candidates = remat_candidates(g, ok, fresh)
+    chain = forward_chains(g, candidates)
+    table: dict[tuple, frozenset[int]] = {(0, str(nid)): frozenset(chain[nid])
+                                          for nid in sorted(candidates)}
+    blocks = block_drop_sets(g, ok, fresh)
+    table.update({(1, blk): frozenset(nodes & candidates) for blk, nodes in blocks.items()})
+    if blocks:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
+        table[ALL_BLOCKS] = frozenset(set().union(*blocks.values()) & candidates)
+    keys = sorted(k for k, v in table.items() if v)
+    nodes = [table[k] for k in keys]
+    sizes = np.array([len(v) for v in nodes], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    flat = np.array([nid for v in nodes for nid in sorted(v)], dtype=np.int64)
+    n = len(g.nodes)
+    candidate = np.zeros(n, dtype=bool)
+    candidate[sorted(candidates)] = True
+    node_bytes = np.array([sum(g.storages[s].nbytes for s in fresh[i]) for i in range(n)],
+                          dtype=np.int64)
+    seconds = np.zeros(n)
+    for nid in candidates:
+        seconds[nid] = max(cost_model.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
+    maker = np.full(len(g.storages), -1, dtype=np.int64)
+    for nid, ss in fresh.items():
+        for st in ss:
+            maker[st] = nid
+    return Moves(keys, nodes, flat, starts, candidate, node_bytes, seconds, maker)
