@@ -1,0 +1,411 @@
+"""``ilp``: the exact reference — Checkmate's MILP, solved with HiGHS (``scipy.optimize.milp``).
+
+Stage ``t`` of a schedule computes unit ``t`` (``solvers.stages``) after recomputing any earlier
+units it chooses. Binary ``R[t,i]``: unit ``i`` is (re)computed in stage ``t``; binary
+``S[t,i]``: unit ``i``'s output is kept from stage ``t-1`` into stage ``t``; ``FREE[t,i,k]``:
+``i`` is freed right after ``k`` runs in stage ``t`` (continuous: it only lowers memory, so the
+solver sets it to the product of its binary conditions, Checkmate's linearisation written as
+upper bounds); ``U[t,k]``: bytes live while ``k`` runs in stage ``t``. Constraints: a unit runs
+only when every unit it reads is recomputed earlier in the stage or kept; a value is kept only
+if it existed in the previous stage; ``U[t,k]`` plus ``k``'s workspace stays within the budget.
+Objective: total compute time. With a ``latency_limit`` it minimises the peak instead.
+
+Unlike ``remat_plan`` (each dropped value recomputed once, at its first backward use) a unit may
+be recomputed in any stage and any number of times, so the optimum bounds every remat solver
+working on the same graph and memory model. The schedule becomes a Plan through
+``plan.staged``; the simulator checks the budget (the MILP's accounting is never below it).
+Variables exist only where they can matter (a unit's live range, extended through the units
+that could recompute from it), so graphs of a few hundred units solve; ``time_budget_s`` caps
+HiGHS, and the Solution reports the proven gap (``optimal``/``gap``).
+
+Example:
+    >>> from fitgraph.solvers.ilp import solve_ilp
+    >>> from fitgraph.solvers.base import SOLVERS
+    >>> SOLVERS["ilp"] is solve_ilp
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..graph.ir import Graph
+from ..plan.instructions import Compute, Plan, Recompute
+from ..plan.staged import staged_plan
+from ..sim.simulate import simulate
+from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from .stages import StageGraph, stage_graph
+
+__all__ = ["IlpResult", "plan_to_stages", "solve_ilp", "solve_stages"]
+
+MIB = 2.0**20      # NOTE: memory in MiB and time in ms keep HiGHS's coefficients near 1
+MS = 1e-3
+MIP_REL_GAP = 1e-4  # NOTE: of the whole step time (or peak): 'optimal' is within 0.01%
+START_SHARE = 0.2  # NOTE: share of the time budget the warm start may take
+
+
+@dataclass
+class _Model:
+    """A sparse MILP under construction: variables by key, rows of (coefs, lo, hi)."""
+
+    index: dict = field(default_factory=dict)
+    integral: list = field(default_factory=list)
+    upper: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+
+    def var(self, key, binary: bool, upper: float = 1.0) -> int:
+        self.index[key] = len(self.integral)
+        self.integral.append(1 if binary else 0)
+        self.upper.append(upper)
+        return self.index[key]
+
+    def row(self, terms: dict[int, float], const: float, lo: float, hi: float) -> None:
+        """lo <= sum(terms) + const <= hi; a row without variables must already hold."""
+        terms = {k: v for k, v in terms.items() if v != 0.0}
+        if not terms:
+            if not lo - 1e-9 <= const <= hi + 1e-9:
+                raise AssertionError(f"constant row violated: {lo} <= {const} <= {hi}")
+            return
+        self.rows.append((terms, lo - const, hi - const))
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    recompute: list[list[int]]     # stage -> units recomputed before the stage's own unit
+    status: str                    # "optimal", "time limit", "infeasible"
+    objective: float               # seconds (budget mode) or bytes (latency mode)
+    gap: float                     # proven relative gap (0 when optimal)
+    variables: int
+    rows: int
+
+
+def _live_ranges(sg: StageGraph) -> tuple[list[int], list[int]]:
+    """(last direct user, last stage the unit may be needed, through recomputable users)."""
+    n = len(sg.units)
+    direct = [max(sg.users[i], default=i) for i in range(n)]
+    extended = list(direct)
+    for i in range(n - 1, -1, -1):
+        for k in sg.users[i]:
+            if sg.units[k].recomputable:
+                extended[i] = max(extended[i], extended[k])
+        if sg.units[i].keep:
+            direct[i] = extended[i] = n - 1
+    return direct, extended
+
+
+def _use_stages(sg: StageGraph) -> list[set[int]]:
+    """unit -> the stages where something that reads it may run: its own, its non-recomputable
+    users', and (recursively) those of its recomputable users. A unit is recomputed only in
+    such a stage (just in time), never to be held through stages that do not read it."""
+    n = len(sg.units)
+    when: list[set[int]] = [set() for _ in range(n)]
+    for i in range(n - 1, -1, -1):
+        when[i].add(i)
+        for k in sg.users[i]:
+            when[i] |= when[k] if sg.units[k].recomputable else {k}
+    return when
+
+
+def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
+                 latency_limit_s: float | None = None,
+                 time_limit_s: float = 60.0,
+                 start: list[list[int]] | None = None) -> IlpResult:
+    """Solve Checkmate's MILP on a stage graph: least compute time within ``budget_bytes``, or
+    least peak within ``latency_limit_s`` (seconds of total compute). ``start``: a known
+    schedule (stage -> recomputed units) HiGHS starts from; it never changes the optimum."""
+    units, n = sg.units, len(sg.units)
+    direct, last = _live_ranges(sg)
+    when = _use_stages(sg)
+    m = _Model()
+    for i, u in enumerate(units):
+        for t in range(i + 1, last[i] + 1):
+            if u.recomputable and t in when[i]:
+                m.var(("R", t, i), True)
+            if not (u.keep or not u.recomputable and t <= direct[i]):
+                m.var(("S", t, i), True)
+
+    def R(t: int, i: int):
+        """(var index or None, constant)."""
+        if t == i:
+            return None, 1.0
+        k = m.index.get(("R", t, i))
+        return (k, 0.0) if k is not None else (None, 0.0)
+
+    def S(t: int, i: int):
+        if not i < t <= last[i]:
+            return None, 0.0
+        k = m.index.get(("S", t, i))
+        return (k, 0.0) if k is not None else (None, 1.0)
+
+    def add(terms: dict, const: float, ref, coef: float) -> float:
+        k, c = ref
+        if k is None:
+            return const + coef * c
+        terms[k] = terms.get(k, 0.0) + coef
+        return const
+
+    # a value is kept only if it existed in the stage before
+    for i in range(n):
+        for t in range(i + 1, last[i] + 1):
+            terms: dict[int, float] = {}
+            const = add(terms, 0.0, S(t, i), 1.0)
+            const = add(terms, const, R(t - 1, i), -1.0)
+            const = add(terms, const, S(t - 1, i), -1.0)
+            m.row(terms, const, -np.inf, 0.0)
+    # a unit runs only when what it reads is there
+    points: list[list[int]] = [[] for _ in range(n)]
+    for t in range(n):
+        points[t] = [k for k in range(t + 1) if R(t, k) != (None, 0.0)]
+        for k in points[t]:
+            for i in units[k].deps:
+                terms = {}
+                const = add(terms, 0.0, R(t, k), 1.0)
+                const = add(terms, const, R(t, i), -1.0)
+                const = add(terms, const, S(t, i), -1.0)
+                m.row(terms, const, -np.inf, 0.0)
+    # memory
+    latency_mode = budget_bytes is None
+    peak_var = m.var(("B",), False, upper=np.inf) if latency_mode else None
+    cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes - 1) / MIB
+    for t in range(n):
+        frees: dict[int, list[tuple[int, float]]] = {}
+        for k in points[t]:
+            for i in {*units[k].deps, k}:
+                if units[i].keep or units[i].nbytes == 0:
+                    continue
+                s_next = S(t + 1, i) if t + 1 < n else (None, 0.0)
+                later = [R(t, j) for j in sg.users[i] if k < j <= t and j in points[t]]
+                if s_next == (None, 1.0) or (None, 1.0) in later:
+                    continue  # NOTE: still needed after k in this stage or kept: never freed
+                f = m.var(("F", t, i, k), False)
+                if t != k:   # FREE <= R[t,k]
+                    terms = {f: 1.0}
+                    m.row(terms, add(terms, 0.0, R(t, k), -1.0), -np.inf, 0.0)
+                for ref in [s_next, *later]:   # FREE <= 1 - S[t+1,i], FREE <= 1 - R[t,j]
+                    terms = {f: 1.0}
+                    m.row(terms, add(terms, 0.0, ref, 1.0), -np.inf, 1.0)
+                frees.setdefault(k, []).append((f, units[i].nbytes / MIB))
+        prev = None
+        for pos, k in enumerate(points[t]):
+            u = m.var(("U", t, k), False, upper=np.inf)
+            terms = {u: 1.0}
+            const = add(terms, 0.0, R(t, k), -units[k].nbytes / MIB)
+            if prev is None:
+                for i in range(t):
+                    if i < t <= last[i] and units[i].nbytes:
+                        const = add(terms, const, S(t, i), -units[i].nbytes / MIB)
+            else:
+                terms[prev] = -1.0
+                for f, mib in frees.get(points[t][pos - 1], ()):
+                    terms[f] = terms.get(f, 0.0) + mib
+            m.row(terms, const, 0.0, 0.0)
+            ws = units[k].workspace if t == k else units[k].recompute_workspace
+            terms = {u: 1.0}
+            const = add(terms, 0.0, R(t, k), ws / MIB)
+            if latency_mode:
+                terms[peak_var] = -1.0
+            m.row(terms, const, -np.inf, 0.0 if latency_mode else cap)
+            prev = u
+    # objective
+    c = np.zeros(len(m.integral))
+    recompute_terms: dict[int, float] = {}
+    for key, k in m.index.items():
+        if key[0] == "R":
+            recompute_terms[k] = units[key[2]].seconds / MS
+    base_s = sum(u.seconds for u in units)
+    if latency_mode:
+        c[peak_var] = 1.0
+        m.row(recompute_terms, 0.0, -np.inf, (latency_limit_s - base_s) / MS)
+    else:
+        for k, v in recompute_terms.items():
+            c[k] = v
+    return _run(m, c, sg, n, time_limit_s, latency_mode, base_s,
+                _start(m, sg, start) if start is not None else None)
+
+
+def _start(m: _Model, sg: StageGraph, recompute: list[list[int]]) -> dict[int, float] | None:
+    """The binaries (R, S) of a known schedule, for HiGHS to start from; None if the schedule
+    does not fit this model's variables."""
+    n = len(sg.units)
+    runs = [{t} for t in range(n)]            # unit -> stages where it is (re)computed
+    for t, us in enumerate(recompute):
+        for u in us:
+            runs[u].add(t)
+    keep: dict[tuple, float] = {}
+    for i in range(n):
+        made = sorted(runs[i])
+        uses = {t for k in sg.users[i] for t in runs[k] if t not in runs[i]}
+        if sg.units[i].keep and i < n - 1:
+            uses.add(n - 1)
+        for t in uses:
+            p = max((q for q in made if q < t), default=None)
+            if p is None:
+                return None
+            for q in range(p + 1, t + 1):
+                keep[("S", q, i)] = 1.0
+    out: dict[int, float] = {}
+    for key, k in m.index.items():
+        if key[0] == "R":
+            out[k] = 1.0 if key[1] in runs[key[2]] else 0.0
+        elif key[0] == "S":
+            out[k] = keep.pop(key, 0.0)
+    for (_, q, i) in keep:   # fixed-1 keeps are fine; a keep outside the model is not
+        if ("S", q, i) not in m.index and not (i < q and (sg.units[i].keep or
+                                                          not sg.units[i].recomputable)):
+            return None
+    for t, us in enumerate(recompute):
+        if any(("R", t, u) not in m.index for u in us):
+            return None
+    return out
+
+
+def _run(m: _Model, c, sg: StageGraph, n: int, time_limit_s: float, latency_mode: bool,
+         base_s: float, start: dict[int, float] | None = None) -> IlpResult:
+    from scipy.sparse import coo_matrix
+
+    nv, nr = len(m.integral), len(m.rows)
+    rr, cc, vv, lo, hi = [], [], [], [], []
+    for r, (terms, a, b) in enumerate(m.rows):
+        for k, v in terms.items():
+            rr.append(r)
+            cc.append(k)
+            vv.append(v)
+        lo.append(a)
+        hi.append(b)
+    A = coo_matrix((vv, (rr, cc)), shape=(nr, nv)).tocsc()
+    # NOTE: the constant part of the objective (the step's own compute, or the resident
+    # bytes) goes in as an offset, so HiGHS's gap is relative to the whole step
+    offset = sg.resident_bytes / MIB if latency_mode else base_s / MS
+    x, status, fun, gap = _highs(c, A, np.array(lo), np.array(hi), np.array(m.upper),
+                                 np.array(m.integral), time_limit_s, start, offset)
+    if x is None:
+        return IlpResult([[] for _ in range(n)], status, float("nan"), float("inf"), nv, nr)
+    recompute: list[list[int]] = [[] for _ in range(n)]
+    for key, k in m.index.items():
+        if key[0] == "R" and x[k] > 0.5:
+            recompute[key[1]].append(key[2])
+    for r in recompute:
+        r.sort()
+    objective = fun * MIB if latency_mode else fun * MS
+    return IlpResult(recompute, status, objective, gap, nv, nr)
+
+
+def _highs(c, A, lo, hi, upper, integral, time_limit_s: float, start: dict[int, float] | None,
+           offset: float):
+    """Solve with the HiGHS that scipy ships; start from a known schedule when given.
+    -> (x or None, status, objective, gap)."""
+    try:
+        from scipy.optimize._highspy import _core as h
+    except ImportError:  # NOTE: scipy without its HiGHS bindings: the public API, no start
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        res = milp(c, integrality=integral, bounds=Bounds(np.zeros(len(c)), upper),
+                   constraints=LinearConstraint(A, lo, hi),
+                   options={"time_limit": max(time_limit_s, 1.0), "mip_rel_gap": MIP_REL_GAP,
+                            "disp": False})
+        status = {0: "optimal", 2: "infeasible"}.get(res.status, "time limit")
+        fun = res.fun + offset if res.x is not None else float("nan")
+        bound = getattr(res, "mip_dual_bound", None)
+        gap = ((fun - bound - offset) / fun if bound is not None and res.x is not None
+               else 0.0 if status == "optimal" else np.inf)
+        return res.x, status, fun, gap
+    lp = h.HighsLp()
+    lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = A.shape[1], A.shape[0]
+    lp.a_matrix_.format_ = h.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_ = A.indptr, A.indices
+    lp.a_matrix_.value_ = A.data
+    lp.col_cost_, lp.col_lower_ = c, np.zeros(len(c))
+    lp.offset_ = offset
+    lp.col_upper_ = np.where(np.isinf(upper), h.kHighsInf, upper)
+    lp.row_lower_ = np.where(np.isinf(lo), -h.kHighsInf, lo)
+    lp.row_upper_ = np.where(np.isinf(hi), h.kHighsInf, hi)
+    lp.integrality_ = [h.HighsVarType(int(i)) for i in integral]
+    highs = h._Highs()
+    highs.setOptionValue("output_flag", bool(__import__("os").environ.get("FG_HIGHS_LOG")))
+    highs.setOptionValue("time_limit", float(max(time_limit_s, 1.0)))
+    highs.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+    highs.setOptionValue("threads", 1)
+    highs.setOptionValue("random_seed", 0)
+    highs.passModel(lp)
+    if start:
+        idx = np.array(sorted(start), dtype=np.int32)
+        highs.setSolution(len(idx), idx, np.array([start[i] for i in idx], dtype=float))
+    highs.run()
+    ms = highs.getModelStatus()
+    info = highs.getInfo()
+    if ms == h.HighsModelStatus.kInfeasible:
+        return None, "infeasible", float("nan"), float("inf")
+    has_x = info.primal_solution_status == h.kSolutionStatusFeasible
+    status = "optimal" if ms == h.HighsModelStatus.kOptimal else "time limit"
+    if not has_x:
+        return None, status, float("nan"), float("inf")
+    gap = max(float(info.mip_gap), 0.0)
+    return np.array(highs.getSolution().col_value), status, info.objective_function_value, gap
+
+
+def plan_to_stages(graph: Graph, sg: StageGraph, plan: Plan) -> list[list[int]] | None:
+    """The staged schedule a Plan runs (stage -> recomputed units), or None when the plan
+    computes units in another order than the stages."""
+    head = {u.members[0]: i for i, u in enumerate(sg.units)}
+    tail = {u.members[-1]: i for i, u in enumerate(sg.units)}
+    out: list[list[int]] = [[] for _ in sg.units]
+    pending: list[int] = []
+    expect = 0
+    for ins in plan:
+        if isinstance(ins, Recompute) and ins.node in head:
+            pending.append(head[ins.node])
+        elif isinstance(ins, Compute) and ins.node in tail:
+            if tail[ins.node] != expect:
+                return None
+            out[expect] = sorted(pending)
+            pending, expect = [], expect + 1
+    return out if expect == len(sg.units) and not pending else None
+
+
+@register("ilp")
+def solve_ilp(problem: Problem) -> Solution:
+    t0 = time.perf_counter()
+    g, cm = problem.graph, problem.cost_model
+    sg = stage_graph(g, cm)
+    limit_s = None
+    eager = simulate(g, staged_plan(g, sg, [[] for _ in sg.units]), cm)
+    if problem.latency_limit is not None:
+        limit_s = problem.latency_limit * eager.latency_s
+    start = _production_start(problem, sg)
+    left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
+    res = solve_stages(sg, problem.budget_bytes, limit_s, left, start)
+    if res.status == "infeasible" and problem.budget_bytes is not None:
+        floor = solve_stages(sg, None, float("inf"), left, [[] for _ in sg.units])
+        fsim = (simulate(g, staged_plan(g, sg, floor.recompute), cm)
+                if floor.status != "infeasible" else eager)
+        raise BudgetInfeasible(problem.budget_bytes, fsim.peak_bytes, dominated_by(fsim), "ilp")
+    if res.status == "time limit" and res.objective != res.objective:  # NaN: no schedule
+        raise BudgetInfeasible(problem.budget_bytes or 0, eager.peak_bytes, dominated_by(eager),
+                               "ilp (no schedule found within the time limit)")
+    plan = staged_plan(g, sg, res.recompute)
+    sim = simulate(g, plan, cm)
+    if problem.budget_bytes is not None and sim.peak_bytes > problem.budget_bytes:
+        raise AssertionError(f"ilp: the schedule simulates at {sim.peak_bytes} bytes, over the "
+                             f"budget {problem.budget_bytes} its model promised: a modelling bug")
+    return Solution(plan, sim, "ilp", time.perf_counter() - t0,
+                    optimal=res.status == "optimal", gap=res.gap,
+                    notes={"status": res.status, "objective": res.objective,
+                           "variables": res.variables, "rows": res.rows,
+                           "units": len(sg.units), "recomputes": sum(map(len, res.recompute)),
+                           "eager_latency_s": eager.latency_s})
+
+
+def _production_start(problem: Problem, sg: StageGraph) -> list[list[int]] | None:
+    """The production solver's schedule as HiGHS's first incumbent (a good upper bound early
+    lets branch-and-bound prune; the optimum does not depend on it)."""
+    from .base import SOLVERS
+    quick = Problem(problem.graph, problem.cost_model, problem.budget_bytes,
+                    problem.latency_limit, min(START_SHARE * problem.time_budget_s, 10.0))
+    try:
+        sol = SOLVERS["hotspot"](quick)
+    except BudgetInfeasible:
+        return None
+    return plan_to_stages(problem.graph, sg, sol.plan)

@@ -1,0 +1,147 @@
+"""The exact ILP: optimal on small random graphs (checked by exhaustive search), never worse than
+the production solver, and its plans run bitwise equal to eager within the budget."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal_models, eager_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_graph_plan_sim import TableCost
+
+import fitgraph
+from fitgraph.bench.ilp_gap import derived
+from fitgraph.cost import ProfiledCostModel
+from fitgraph.execute import execute
+from fitgraph.graph.ir import GraphBuilder, Phase, Role
+from fitgraph.measure import measure_plan
+from fitgraph.plan.remat import RematError, remat_plan
+from fitgraph.plan.verify import verify_plan
+from fitgraph.sim.simulate import simulate
+from fitgraph.solvers import BudgetInfeasible, Problem, solve
+from fitgraph.solvers.candidates import remat_candidates
+from fitgraph.solvers.ilp import MIP_REL_GAP, plan_to_stages
+from fitgraph.solvers.stages import stage_graph
+
+
+@st.composite
+def train_like_graphs(draw):
+    """A forward chain-ish DAG of single-output ops, then a backward that reads some of it."""
+    b = GraphBuilder()
+    x = b.add_input("x", (draw(st.integers(1, 32)),), "float32", Role.PARAMETER)
+    fwd = [x]
+    for _ in range(draw(st.integers(2, 6))):
+        k = draw(st.integers(1, min(2, len(fwd))))
+        ins = draw(st.lists(st.sampled_from(fwd), min_size=k, max_size=k, unique=True))
+        fwd += b.add_node("aten.op.default", ins, [((draw(st.integers(1, 64)),), "float32")])
+    grads = [fwd[-1]]
+    for _ in range(draw(st.integers(1, 5))):
+        saved = draw(st.sampled_from(fwd[1:]))
+        grads += b.add_node("aten.op.default", [grads[-1], saved],
+                            [((draw(st.integers(1, 64)),), "float32")], phase=Phase.BACKWARD)
+    g = b.finish({"loss": grads[-1]})
+    n = len(g.nodes)
+    seconds = draw(st.lists(st.floats(1e-4, 1e-2), min_size=n, max_size=n))
+    ws = draw(st.lists(st.integers(0, 64), min_size=n, max_size=n))
+    return g, TableCost(seconds, ws)
+
+
+def best_drop_set(g, cost, budget):
+    """Exhaustive search over every drop set: the least simulated latency within budget."""
+    cands = sorted(remat_candidates(g))
+    best = None
+    for r in range(len(cands) + 1):
+        for drop in itertools.combinations(cands, r):
+            try:
+                sim = simulate(g, remat_plan(g, set(drop)), cost)
+            except RematError:
+                continue
+            if sim.peak_bytes <= budget and (best is None or sim.latency_s < best):
+                best = sim.latency_s
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(train_like_graphs(), st.floats(0.4, 1.0))
+def test_ilp_is_optimal_against_exhaustive_search(case, frac):
+    g, cost = case
+    eager = solve(Problem(g, cost, latency_limit=1.0), "eager")
+    budget = int(frac * eager.sim.peak_bytes)
+    best = best_drop_set(g, cost, budget)
+    try:
+        s = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=20), "ilp")
+    except BudgetInfeasible as e:
+        assert best is None, "the ILP missed a drop set that fits"
+        assert e.smallest_peak_bytes > budget
+        return
+    verify_plan(g, s.plan)
+    assert s.optimal and s.gap <= MIP_REL_GAP
+    assert s.sim.peak_bytes <= budget
+    if best is not None:  # NOTE: the ILP may also recompute in several stages: never worse
+        assert s.sim.latency_s <= best * (1 + MIP_REL_GAP) + 1e-12
+
+
+def test_ilp_latency_mode_minimises_the_peak():
+    b = GraphBuilder()
+    x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    big = b.add_node("aten.op.default", [x], [((1024,), "float32")])[0]
+    y = b.add_node("aten.op.default", [big], [((4,), "float32")])[0]
+    back = dict(phase=Phase.BACKWARD)
+    g1 = b.add_node("aten.op.default", [y], [((1024,), "float32")], **back)[0]
+    g2 = b.add_node("aten.op.default", [g1], [((4,), "float32")], **back)[0]
+    gy = b.add_node("aten.op.default", [g2, big], [((4,), "float32")], **back)[0]
+    g = b.finish({"loss": gy})
+    cost = TableCost([1e-3] * 5, [0] * 5)
+    eager = solve(Problem(g, cost, latency_limit=1.0), "ilp")
+    assert eager.sim.latency_s == pytest.approx(5e-3) and eager.optimal
+    slower = solve(Problem(g, cost, latency_limit=1.21), "ilp")  # room for one recompute
+    assert slower.sim.latency_s == pytest.approx(6e-3)
+    assert slower.sim.peak_bytes < eager.sim.peak_bytes
+    assert slower.plan.counts().get("recompute") == 1
+
+
+def test_plan_to_stages_round_trips_a_remat_plan():
+    case = derived("gpt2")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    from fitgraph.cost.devices import DEVICES
+    from fitgraph.cost.roofline import RooflineCostModel
+    from fitgraph.plan.staged import staged_plan
+
+    cm = RooflineCostModel(DEVICES["rtx3090"])
+    sg = stage_graph(g, cm)
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    hot = solve(Problem(g, cm, budget_bytes=int(0.85 * eager.sim.peak_bytes)), "hotspot")
+    stages = plan_to_stages(g, sg, hot.plan)
+    assert stages is not None and any(stages)
+    again = simulate(g, staged_plan(g, sg, stages), cm)
+    assert again.peak_bytes == hot.sim.peak_bytes
+    assert again.latency_s == pytest.approx(hot.sim.latency_s)
+
+
+def test_ilp_plan_runs_bitwise_equal_within_budget_and_beats_hotspot():
+    case = derived("gpt2")
+    a, b = case.model, copy.deepcopy(case.model)
+    g = fitgraph.capture(b, case.batch, case.loss_fn)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    budget = int(0.85 * eager.sim.peak_bytes)
+    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=15), "ilp")
+    hot = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=15), "hotspot")
+    verify_plan(g, s.plan)
+    assert s.sim.peak_bytes <= budget
+    assert s.sim.latency_s <= hot.sim.latency_s * (1 + 1e-9)  # it starts from hotspot's plan
+    assert s.plan.counts().get("recompute", 0) > 0
+    la = eager_step(a, case.batch, case.loss_fn, seed=0)
+    torch.manual_seed(0)
+    lb = execute(g, s.plan, b, case.batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b)
+    for p in b.parameters():
+        p.grad = None
+    measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
+    assert measured.peak_bytes == s.sim.peak_bytes <= budget
