@@ -27,6 +27,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -293,6 +296,25 @@ def _run(m: _Model, c, sg: StageGraph, n: int, time_limit_s: float, latency_mode
     return IlpResult(recompute, status, objective, gap, nv, nr)
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS 1.12 prints a debug line from C++ on some MIP starts; keep it off the user's
+    terminal (FG_HIGHS_LOG=1 shows HiGHS's own log instead)."""
+    if os.environ.get("FG_HIGHS_LOG"):
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _highs(c, A, lo, hi, upper, integral, time_limit_s: float, start: dict[int, float] | None,
            offset: float):
     """Solve with the HiGHS that scipy ships; start from a known schedule when given.
@@ -324,7 +346,7 @@ def _highs(c, A, lo, hi, upper, integral, time_limit_s: float, start: dict[int, 
     lp.row_upper_ = np.where(np.isinf(hi), h.kHighsInf, hi)
     lp.integrality_ = [h.HighsVarType(int(i)) for i in integral]
     highs = h._Highs()
-    highs.setOptionValue("output_flag", bool(__import__("os").environ.get("FG_HIGHS_LOG")))
+    highs.setOptionValue("output_flag", bool(os.environ.get("FG_HIGHS_LOG")))
     highs.setOptionValue("time_limit", float(max(time_limit_s, 1.0)))
     highs.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     highs.setOptionValue("threads", 1)
@@ -333,7 +355,8 @@ def _highs(c, A, lo, hi, upper, integral, time_limit_s: float, start: dict[int, 
     if start:
         idx = np.array(sorted(start), dtype=np.int32)
         highs.setSolution(len(idx), idx, np.array([start[i] for i in idx], dtype=float))
-    highs.run()
+    with _quiet_stdout():
+        highs.run()
     ms = highs.getModelStatus()
     info = highs.getInfo()
     if ms == h.HighsModelStatus.kInfeasible:
