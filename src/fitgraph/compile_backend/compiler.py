@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Any
 
@@ -119,8 +120,13 @@ class FitgraphBackend:
                   else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
         problem = Problem(_banning(graph, banned), cm, budget_bytes=budget,
                           latency_limit=self.latency_limit, time_budget_s=self.time_budget)
+        fn = SOLVERS[self.solver]
+        # NOTE: the forward must run whole before the backward (the tangents arrive then), and
+        # the modules run in the captured order: a solver that can reorder is asked not to
+        # (a phase-respecting order could be realised later by sorting the modules' nodes)
+        keep_order = {"reorder": False} if "reorder" in inspect.signature(fn).parameters else {}
         try:
-            return solve(problem, self.solver)
+            return fn(problem, **keep_order)
         except BudgetInfeasible as e:
             raise _passthrough_infeasible()(e) from None
 
@@ -207,8 +213,9 @@ def _recomputed_nodes(jg, plan: Plan, solver: str) -> set[int]:
     if other or order != list(range(len(jg.graph.nodes))):
         what = f"{', '.join(other)} instructions" if other else "a reordered schedule"
         raise NotImplementedError(f"solver {solver!r} planned {what}; fitgraph.backend can "
-                                  "only realise recomputation in the captured order: use "
-                                  "solver='hotspot', 'knapsack' or 'checkpoint_blocks'")
+                                  "only realise recomputation in the captured order (the "
+                                  "forward whole, then the backward): use a solver that keeps "
+                                  "it ('hotspot', 'knapsack', 'checkpoint_blocks')")
     return {ins.node for ins in plan if isinstance(ins, Recompute)}
 
 
