@@ -4,7 +4,8 @@
 The joint graph's placeholders are ``primals_*`` (weights, buffers, user inputs: all resident)
 and ``tangents_*`` (the gradients of the forward outputs); its output node returns the
 ``num_fwd_outputs`` forward outputs, then one gradient (or None) per primal. Forward nodes are
-the ones before the last forward-tagged node, as torch's ``default_partition`` places them.
+the ones torch's partitioners place in the forward module (``forward_region``); the IR runs
+them all before the backward, as the two modules do.
 Every node carries ``meta['val']`` (a FakeTensor), so conversion reuses ``convert.py``.
 """
 
@@ -54,20 +55,27 @@ def _is_tangent(node: torch.fx.Node) -> bool:
 
 
 def forward_region(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The nodes torch's ``default_partition`` places in the forward, in order."""
+    """The nodes torch's partitioners place in the forward module, in the order they run
+    there: those up to the last forward-tagged node, then the ones that must be in the forward
+    but sit after the backward in the joint graph (``copy_`` of a mutated buffer, e.g.
+    BatchNorm's running statistics: the forward module runs them at its end)."""
+    from torch._functorch.partitioners import _must_be_in_forward
+
     last = None
     for node in gm.graph.nodes:
         if node.meta.get("partitioner_tag") == "is_forward" or (
                 node.op == "placeholder" and not _is_tangent(node)):
             last = node
     out: list[torch.fx.Node] = []
-    for node in gm.graph.nodes:
+    rest = iter(gm.graph.nodes)
+    for node in rest:
         if node.op == "output":
-            break
+            return out
         if not _is_tangent(node):
             out.append(node)
         if node is last:
             break
+    out += [n for n in rest if n.op == "call_function" and _must_be_in_forward(n)]
     return out
 
 
@@ -114,7 +122,9 @@ def joint_to_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
                 op=ph.name)
         cs.fx_value[ph] = cs.value_for(val, name, role, Phase.INPUT, "", None, True)
     outputs: dict[str, int] = {}
-    for node in gm.graph.nodes:
+    # NOTE: IR order is what the modules run: the forward module whole, then the backward
+    order = forward + [n for n in gm.graph.nodes if n not in fwd_set]
+    for node in order:
         if node.op == "placeholder":
             continue
         phase = Phase.FORWARD if node in fwd_set else Phase.BACKWARD

@@ -30,7 +30,6 @@ import torch
 
 from ..capture.errors import CaptureError
 from ..graph.ir import Graph
-from ..plan.instructions import Compute, Free, Plan, Recompute
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve
 from ..units import parse_budget
 from .report import BackendReport
@@ -58,9 +57,9 @@ def _passthrough_infeasible() -> type:
             self.first_useful_frame = None
 
     # NOTE: tracebacks name it as the user knows it
-    BudgetInfeasibleInCompile.__module__, BudgetInfeasibleInCompile.__qualname__ = (
-        "fitgraph", "BudgetInfeasible")
-    return BudgetInfeasibleInCompile
+    cls = BudgetInfeasibleInCompile
+    cls.__module__, cls.__name__, cls.__qualname__ = "fitgraph", "BudgetInfeasible", "BudgetInfeasible"
+    return cls
 
 
 class FitgraphBackend:
@@ -138,6 +137,7 @@ class FitgraphBackend:
 
         from ..capture.joint import joint_to_graph
         from .partition import must_save, split_joint
+        from .schedule import schedule_of
 
         t0 = time.perf_counter()
         if P.has_recomputable_ops(joint):
@@ -153,11 +153,11 @@ class FitgraphBackend:
         eager = solve(Problem(jg.graph, cm, latency_limit=1.0), "eager")
         planned = self.budget is not None or self.latency_limit is not None
         sol = self._solve(jg.graph, banned, cm, eager) if planned else eager
-        drop = _recomputed_nodes(jg, sol.plan, self.solver if planned else "eager")
-        split = split_joint(joint, jg, drop)
-        _check_realized(jg, drop, banned, {ids[n] for n in jg.fx_nodes
-                                           if n.name in set(split.recomputed)})
-        eager_split = split_joint(joint, jg, set()) if drop else split
+        schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
+        split = split_joint(joint, jg, schedule)
+        _check_realized(jg, set(schedule.recompute), banned,
+                        {ids[n] for n in jg.fx_nodes if n.name in set(split.recomputed)})
+        eager_split = split_joint(joint, jg) if schedule.recompute else split
         self.reports.append(BackendReport(
             solver=sol.solver if planned else "none",
             budget_bytes=(None if self.budget is None else
@@ -203,20 +203,6 @@ def _banning(graph: Graph, banned: set[int]) -> Graph:
         (*n.mutates, *(o for o in n.outputs if o is not None))))) if n.id in banned else n
         for n in graph.nodes]
     return dataclasses.replace(graph, nodes=nodes)
-
-
-def _recomputed_nodes(jg, plan: Plan, solver: str) -> set[int]:
-    """The IR nodes ``plan`` runs again in the backward. Only remat plans (the captured order,
-    with recomputes) can be turned into forward/backward modules; anything else is refused."""
-    order = [ins.node for ins in plan if isinstance(ins, Compute)]
-    other = sorted({ins.op for ins in plan if not isinstance(ins, (Compute, Free, Recompute))})
-    if other or order != list(range(len(jg.graph.nodes))):
-        what = f"{', '.join(other)} instructions" if other else "a reordered schedule"
-        raise NotImplementedError(f"solver {solver!r} planned {what}; fitgraph.backend can "
-                                  "only realise recomputation in the captured order (the "
-                                  "forward whole, then the backward): use a solver that keeps "
-                                  "it ('hotspot', 'knapsack', 'checkpoint_blocks')")
-    return {ins.node for ins in plan if isinstance(ins, Recompute)}
 
 
 def backend(budget=None, latency_limit: float | None = None, solver: str = "hotspot",

@@ -22,6 +22,7 @@ from torch._functorch.compile_utils import raise_getitems
 
 from ..capture.joint import JointGraph
 from ..graph.analysis import new_storages
+from .schedule import Schedule, in_plan_order
 
 __all__ = ["Split", "must_save", "saved_bytes", "saved_values", "split_joint"]
 
@@ -110,10 +111,13 @@ def saved_bytes(jg: JointGraph, nodes: list[fx.Node]) -> int:
     return sum(g.storages[s].nbytes for s in storages - resident)
 
 
-def split_joint(joint: fx.GraphModule, jg: JointGraph, dropped: set[int]) -> Split:
-    """Forward and backward modules that save what ``saved_values`` says and recompute the
-    rest of what the backward needs."""
-    saved, syms = saved_values(jg, dropped)
+def split_joint(joint: fx.GraphModule, jg: JointGraph, schedule: Schedule | None = None
+                ) -> Split:
+    """Forward and backward modules that save what ``saved_values`` says for the schedule's
+    recomputes, the backward recomputing the rest, both in the schedule's order (without a
+    schedule: nothing recomputed, the captured order)."""
+    schedule = schedule or Schedule()
+    saved, syms = saved_values(jg, set(schedule.recompute))
     fw, bw = P._extract_fwd_bwd_modules(joint, saved, saved_sym_nodes=syms,
                                         num_fwd_outputs=jg.num_fwd_outputs)
     # NOTE: as default_partition: drop nodes the extraction copied but nothing reads (a random
@@ -125,12 +129,16 @@ def split_joint(joint: fx.GraphModule, jg: JointGraph, dropped: set[int]) -> Spl
     forward_names = {n.name: n for n in jg.forward if n.op == "call_function"}
     recomputed = tuple(n.name for n in bw.graph.nodes if n.op == "call_function"
                        and n.name in forward_names and n.target is not operator.getitem)
-    if recomputed:
-        bw = P.reordering_to_mimic_autograd_engine(bw)
     random = [n for n in recomputed if forward_names[n].is_impure(impure_random=True)]
     if random:
         raise AssertionError(f"fitgraph partition: the backward would re-run impure/random "
                              f"forward ops {random}; they must be saved (a fitgraph bug)")
+    if schedule.fw_pos or schedule.bw_pos:
+        # NOTE: the extraction keeps the joint order, recomputes first in the backward; the
+        # plan's order recomputes each value just before its first use
+        ir_id = {n.name: i for i, n in enumerate(jg.fx_nodes)}
+        fw, bw = in_plan_order(fw, schedule.fw_pos, ir_id), in_plan_order(bw, schedule.bw_pos,
+                                                                            ir_id)
     # NOTE: getitems as early as possible, as default_partition does: frees unused outputs
     return Split(raise_getitems(fw), raise_getitems(bw), tuple(n.name for n in saved),
                  recomputed, saved_bytes(jg, saved))
