@@ -204,3 +204,10 @@ def test_bad_arguments_fail_before_compiling():
         fitgraph.backend(budget="lots")
     with pytest.raises(RuntimeError, match="nothing planned yet"):
         _ = fitgraph.backend(budget=0.5).last_report
+
+
+def test_dynamic_shapes_are_refused_with_what_to_do():
+    be = fitgraph.backend(budget=0.9, time_budget=2)
+    compiled = torch.compile(mlp(depth=2), backend=be, dynamic=True)
+    with pytest.raises(Exception, match=r"dynamic shapes.*dynamic=False"):
+        _step(compiled, [], _batch(64), mlp_loss, 0)
