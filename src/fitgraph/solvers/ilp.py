@@ -85,30 +85,33 @@ class IlpResult:
     rows: int
 
 
-def _live_ranges(sg: StageGraph) -> tuple[list[int], list[int]]:
-    """(last direct user, last stage the unit may be needed, through recomputable users)."""
+def _live_ranges(sg: StageGraph) -> tuple[list[int], list[int], list[int]]:
+    """(value -> its last direct reader, value -> the last stage it may be needed, through
+    recomputable readers, unit -> the last stage it may be recomputed)."""
     n = len(sg.units)
-    direct = [max(sg.users[i], default=i) for i in range(n)]
+    direct = [max(us, default=sg.value_unit[v]) for v, us in enumerate(sg.value_users)]
     extended = list(direct)
+    unit_last = list(range(n))
     for i in range(n - 1, -1, -1):
-        for k in sg.users[i]:
-            if sg.units[k].recomputable:
-                extended[i] = max(extended[i], extended[k])
-        if sg.units[i].keep:
-            direct[i] = extended[i] = n - 1
-    return direct, extended
+        for v in sg.units[i].values:
+            for k in sg.value_users[v]:
+                if sg.units[k].recomputable:
+                    extended[v] = max(extended[v], unit_last[k])
+            unit_last[i] = max(unit_last[i], extended[v])
+    return direct, extended, unit_last
 
 
 def _use_stages(sg: StageGraph) -> list[set[int]]:
     """unit -> the stages where something that reads it may run: its own, its non-recomputable
-    users', and (recursively) those of its recomputable users. A unit is recomputed only in
+    readers', and (recursively) those of its recomputable readers. A unit is recomputed only in
     such a stage (just in time), never to be held through stages that do not read it."""
     n = len(sg.units)
     when: list[set[int]] = [set() for _ in range(n)]
     for i in range(n - 1, -1, -1):
         when[i].add(i)
-        for k in sg.users[i]:
-            when[i] |= when[k] if sg.units[k].recomputable else {k}
+        for v in sg.units[i].values:
+            for k in sg.value_users[v]:
+                when[i] |= when[k] if sg.units[k].recomputable else {k}
     return when
 
 
@@ -118,17 +121,24 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
                  start: list[list[int]] | None = None) -> IlpResult:
     """Solve Checkmate's MILP on a stage graph: least compute time within ``budget_bytes``, or
     least peak within ``latency_limit_s`` (seconds of total compute). ``start``: a known
-    schedule (stage -> recomputed units) HiGHS starts from; it never changes the optimum."""
+    schedule (stage -> recomputed units) HiGHS starts from; it never changes the optimum.
+
+    Memory is per storage (a unit's outputs are freed one by one, as the simulator does):
+    ``S[t,v]`` keeps storage ``v``; ``R[t,i]`` (re)makes all of unit ``i``'s storages."""
     units, n = sg.units, len(sg.units)
-    direct, last = _live_ranges(sg)
+    vunit, vbytes, vusers = sg.value_unit, sg.value_bytes, sg.value_users
+    direct, last, unit_last = _live_ranges(sg)
     when = _use_stages(sg)
     m = _Model()
     for i, u in enumerate(units):
-        for t in range(i + 1, last[i] + 1):
-            if u.recomputable and t in when[i]:
-                m.var(("R", t, i), True)
-            if not (u.keep or not u.recomputable and t <= direct[i]):
-                m.var(("S", t, i), True)
+        if u.recomputable:
+            for t in sorted(when[i]):
+                if i < t <= unit_last[i]:
+                    m.var(("R", t, i), True)
+    for v, p in enumerate(vunit):
+        for t in range(p + 1, last[v] + 1):
+            if units[p].recomputable or t > direct[v]:
+                m.var(("S", t, v), True)
 
     def R(t: int, i: int):
         """(var index or None, constant)."""
@@ -137,10 +147,10 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
         k = m.index.get(("R", t, i))
         return (k, 0.0) if k is not None else (None, 0.0)
 
-    def S(t: int, i: int):
-        if not i < t <= last[i]:
+    def S(t: int, v: int):
+        if not vunit[v] < t <= last[v]:
             return None, 0.0
-        k = m.index.get(("S", t, i))
+        k = m.index.get(("S", t, v))
         return (k, 0.0) if k is not None else (None, 1.0)
 
     def add(terms: dict, const: float, ref, coef: float) -> float:
@@ -150,56 +160,65 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
         terms[k] = terms.get(k, 0.0) + coef
         return const
 
-    # a value is kept only if it existed in the stage before
-    for i in range(n):
-        for t in range(i + 1, last[i] + 1):
+    # a storage is kept only if it existed in the stage before
+    for v, p in enumerate(vunit):
+        for t in range(p + 1, last[v] + 1):
             terms: dict[int, float] = {}
-            const = add(terms, 0.0, S(t, i), 1.0)
-            const = add(terms, const, R(t - 1, i), -1.0)
-            const = add(terms, const, S(t - 1, i), -1.0)
+            const = add(terms, 0.0, S(t, v), 1.0)
+            const = add(terms, const, R(t - 1, p), -1.0)
+            const = add(terms, const, S(t - 1, v), -1.0)
             m.row(terms, const, -np.inf, 0.0)
     # a unit runs only when what it reads is there
     points: list[list[int]] = [[] for _ in range(n)]
     for t in range(n):
         points[t] = [k for k in range(t + 1) if R(t, k) != (None, 0.0)]
         for k in points[t]:
-            for i in units[k].deps:
+            for v in units[k].reads:
                 terms = {}
                 const = add(terms, 0.0, R(t, k), 1.0)
-                const = add(terms, const, R(t, i), -1.0)
-                const = add(terms, const, S(t, i), -1.0)
+                const = add(terms, const, R(t, vunit[v]), -1.0)
+                const = add(terms, const, S(t, v), -1.0)
                 m.row(terms, const, -np.inf, 0.0)
     # memory
     latency_mode = budget_bytes is None
     peak_var = m.var(("B",), False, upper=np.inf) if latency_mode else None
     cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes - 1) / MIB
+    kept_before = np.concatenate([[0], np.cumsum([u.kept_bytes for u in units])])
+    alive_at: list[list[int]] = [[] for _ in range(n)]
+    for v, p in enumerate(vunit):
+        for t in range(p + 1, last[v] + 1):
+            alive_at[t].append(v)
     for t in range(n):
         frees: dict[int, list[tuple[int, float]]] = {}
+        in_stage = set(points[t])
         for k in points[t]:
-            for i in {*units[k].deps, k}:
-                if units[i].keep or units[i].nbytes == 0:
+            for v in sorted({*units[k].reads, *units[k].values}):
+                if vbytes[v] == 0:
                     continue
-                s_next = S(t + 1, i) if t + 1 < n else (None, 0.0)
-                later = [R(t, j) for j in sg.users[i] if k < j <= t and j in points[t]]
+                s_next = S(t + 1, v) if t + 1 < n else (None, 0.0)
+                later = [R(t, j) for j in vusers[v] if k < j <= t and j in in_stage]
                 if s_next == (None, 1.0) or (None, 1.0) in later:
                     continue  # NOTE: still needed after k in this stage or kept: never freed
-                f = m.var(("F", t, i, k), False)
+                f = m.var(("F", t, v, k), False)
                 if t != k:   # FREE <= R[t,k]
                     terms = {f: 1.0}
                     m.row(terms, add(terms, 0.0, R(t, k), -1.0), -np.inf, 0.0)
-                for ref in [s_next, *later]:   # FREE <= 1 - S[t+1,i], FREE <= 1 - R[t,j]
+                for ref in [s_next, *later]:   # FREE <= 1 - S[t+1,v], FREE <= 1 - R[t,j]
                     terms = {f: 1.0}
                     m.row(terms, add(terms, 0.0, ref, 1.0), -np.inf, 1.0)
-                frees.setdefault(k, []).append((f, units[i].nbytes / MIB))
+                frees.setdefault(k, []).append((f, vbytes[v] / MIB))
         prev = None
         for pos, k in enumerate(points[t]):
             u = m.var(("U", t, k), False, upper=np.inf)
             terms = {u: 1.0}
             const = add(terms, 0.0, R(t, k), -units[k].nbytes / MIB)
+            if t == k:
+                const -= units[k].kept_bytes / MIB
             if prev is None:
-                for i in range(t):
-                    if i < t <= last[i] and units[i].nbytes:
-                        const = add(terms, const, S(t, i), -units[i].nbytes / MIB)
+                const -= kept_before[t] / MIB
+                for v in alive_at[t]:
+                    if vbytes[v]:
+                        const = add(terms, const, S(t, v), -vbytes[v] / MIB)
             else:
                 terms[prev] = -1.0
                 for f, mib in frees.get(points[t][pos - 1], ()):
@@ -238,26 +257,23 @@ def _start(m: _Model, sg: StageGraph, recompute: list[list[int]]) -> dict[int, f
         for u in us:
             runs[u].add(t)
     keep: dict[tuple, float] = {}
-    for i in range(n):
-        made = sorted(runs[i])
-        uses = {t for k in sg.users[i] for t in runs[k] if t not in runs[i]}
-        if sg.units[i].keep and i < n - 1:
-            uses.add(n - 1)
+    for v, p in enumerate(sg.value_unit):
+        made = sorted(runs[p])
+        uses = {t for k in sg.value_users[v] for t in runs[k] if t not in runs[p]}
         for t in uses:
-            p = max((q for q in made if q < t), default=None)
-            if p is None:
+            q0 = max((q for q in made if q < t), default=None)
+            if q0 is None:
                 return None
-            for q in range(p + 1, t + 1):
-                keep[("S", q, i)] = 1.0
+            for q in range(q0 + 1, t + 1):
+                keep[("S", q, v)] = 1.0
     out: dict[int, float] = {}
     for key, k in m.index.items():
         if key[0] == "R":
             out[k] = 1.0 if key[1] in runs[key[2]] else 0.0
         elif key[0] == "S":
             out[k] = keep.pop(key, 0.0)
-    for (_, q, i) in keep:   # fixed-1 keeps are fine; a keep outside the model is not
-        if ("S", q, i) not in m.index and not (i < q and (sg.units[i].keep or
-                                                          not sg.units[i].recomputable)):
+    for (_, q, v) in keep:   # fixed-1 keeps are fine; a keep outside the model is not
+        if not sg.value_unit[v] < q or sg.units[sg.value_unit[v]].recomputable:
             return None
     for t, us in enumerate(recompute):
         if any(("R", t, u) not in m.index for u in us):

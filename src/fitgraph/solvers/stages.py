@@ -11,8 +11,8 @@ ordered by the position of their last member, so stage ``t`` of a schedule is "c
 Per unit: the bytes it allocates, its compute time, its workspace when computed and when
 recomputed (a recomputed random node also holds a copy of the generator state), whether it may
 be recomputed (a forward or loss unit that ``plan.remat.recomputable`` allows: like every remat
-system, backward values are never recomputed) and whether it produces a step output (kept to the
-end).
+system, backward values are never recomputed) and the bytes of step outputs it makes (live to
+the end, so reading them depends on nothing).
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -50,12 +50,14 @@ class StageGraphError(ValueError):
 class Unit:
     members: tuple[int, ...]      # node ids, in graph order; the first creates the storages
     deps: tuple[int, ...]         # units whose storages a member reads (earlier units)
-    nbytes: int                   # bytes its members allocate
+    reads: tuple[int, ...]        # stage-graph values (freeable storages) its members read
+    values: tuple[int, ...]       # stage-graph values it creates
+    nbytes: int                   # bytes its members allocate that can be freed
     seconds: float                # compute time of all members
     workspace: int                # transient bytes beyond its outputs, when computed
     recompute_workspace: int      # the same when recomputed (RNG state copy for random ops)
     recomputable: bool
-    keep: bool                    # produces a step output: never freed
+    kept_bytes: int               # bytes of step outputs it allocates: live to the end
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class StageGraph:
     folded: tuple[int, ...]       # view nodes: re-created on demand, not scheduled
     resident_bytes: int           # the graph's inputs: live the whole step
     users: tuple[tuple[int, ...], ...]  # unit -> units that depend on it (later units)
+    value_unit: tuple[int, ...] = ()     # value (a freeable storage) -> the unit creating it
+    value_bytes: tuple[int, ...] = ()
+    value_users: tuple[tuple[int, ...], ...] = ()  # value -> units reading it
 
 
 def is_view_node(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
@@ -90,36 +95,55 @@ def stage_graph(graph: Graph, cost_model: CostModel) -> StageGraph:
             members[n.id] = [n.id]
     _check_random_order(graph, members)
     heads = sorted(members, key=lambda h: (members[h][-1], h))
-    unit_of = {nid: i for i, h in enumerate(heads) for nid in members[h]}
     creator: dict[int, int] = {}
-    for nid, ss in fresh.items():
-        for s in ss:
-            creator[s] = unit_of[nid]
+    value_of: dict[int, int] = {}   # storage -> stage-graph value (freeable storages only)
+    value_unit: list[int] = []
+    value_bytes: list[int] = []
+    for i, h in enumerate(heads):
+        for m in members[h]:
+            for s in fresh[m]:
+                creator[s] = i
+                if s not in keep:
+                    value_of[s] = len(value_unit)
+                    value_unit.append(i)
+                    value_bytes.append(graph.storages[s].nbytes)
+    value_users: list[list[int]] = [[] for _ in value_unit]
     units: list[Unit] = []
     users: list[list[int]] = [[] for _ in heads]
     for i, h in enumerate(heads):
         mem = members[h]
+        # NOTE: a step output stays live once made: reading it needs nothing kept
         deps = sorted({creator[graph.values[v].storage] for m in mem
                        for v in graph.nodes[m].inputs
-                       if graph.values[v].storage in creator} - {i})
+                       if graph.values[v].storage in creator
+                       and graph.values[v].storage not in keep} - {i})
         if any(d > i for d in deps):
             raise StageGraphError(f"unit of node {graph.nodes[h].name} reads a storage created "
                                   "later in the graph order")
         for d in deps:
             users[d].append(i)
+        reads = sorted({value_of[graph.values[v].storage] for m in mem
+                        for v in graph.nodes[m].inputs
+                        if graph.values[v].storage in value_of} - {value_of[x] for m in mem
+                                                                    for x in fresh[m]
+                                                                    if x in value_of})
+        for v in reads:
+            value_users[v].append(i)
         costs = [cost_model.node_cost(graph, graph.nodes[m]) for m in mem]
         ws = max(c.workspace_bytes for c in costs)
         ws_re = max(max(c.workspace_bytes, rng_bytes) if graph.nodes[m].random
                     else c.workspace_bytes for m, c in zip(mem, costs))
         units.append(Unit(
-            members=tuple(mem), deps=tuple(deps),
-            nbytes=sum(graph.storages[s].nbytes for m in mem for s in fresh[m]),
+            members=tuple(mem), deps=tuple(deps), reads=tuple(reads),
+            values=tuple(value_of[x] for m in mem for x in fresh[m] if x in value_of),
+            nbytes=sum(graph.storages[s].nbytes for m in mem for s in fresh[m] if s not in keep),
             seconds=sum(c.seconds for c in costs), workspace=ws, recompute_workspace=ws_re,
             recomputable=(all(not ok[m] for m in mem) and bool(fresh[h])
                           and graph.nodes[h].phase in (Phase.FORWARD, Phase.LOSS)),
-            keep=any(s in keep for m in mem for s in fresh[m])))
+            kept_bytes=sum(graph.storages[s].nbytes for m in mem for s in fresh[m] if s in keep)))
     return StageGraph(tuple(units), tuple(folded), graph.resident_bytes,
-                      tuple(tuple(u) for u in users))
+                      tuple(tuple(u) for u in users), tuple(value_unit), tuple(value_bytes),
+                      tuple(tuple(u) for u in value_users))
 
 
 def _check_random_order(graph: Graph, members: dict[int, list[int]]) -> None:
