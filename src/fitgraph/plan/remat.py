@@ -28,8 +28,8 @@ from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
-__all__ = ["RematError", "RematTables", "complete_drop", "inplace_chains", "recomputable",
-           "remat_plan", "remat_tables"]
+__all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "inplace_chains",
+           "recomputable", "remat_plan", "remat_tables"]
 
 
 class RematError(ValueError):
@@ -163,7 +163,8 @@ def not_recomputable(graph: Graph, vid: int) -> RematError:
 def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None, *,
                tables: RematTables | None = None) -> Plan:
     """The plan that computes ``order`` (default: captured order) and drops the outputs of the
-    nodes in ``drop`` at the end of the forward+loss phases, recomputing them on demand.
+    nodes in ``drop`` at the end of the forward+loss phases (``drop_point``), recomputing them
+    on demand.
     ``tables`` (from ``remat_tables``) saves recomputing the graph's tables on every call."""
     order = [n.id for n in graph.nodes] if order is None else list(order)
     t = remat_tables(graph) if tables is None else tables
@@ -197,8 +198,7 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
             events.append(Recompute(frame[0]))
             avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
 
-    boundary = next((i for i, nid in enumerate(order)
-                     if graph.nodes[nid].phase in (Phase.BACKWARD, Phase.OPTIMIZER)), len(order))
+    boundary = drop_point(graph, order)
     dropped_storages = {s for nid in drop for s in t.fresh[nid]}
     for pos, nid in enumerate(order):
         if pos == boundary:
@@ -210,6 +210,14 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
         avail.update(o for o in graph.nodes[nid].outputs if o is not None)
     return Plan(tuple(_with_frees(graph, events, t.fresh, t.keep)),
                 meta={"dropped": sorted(drop)})
+
+
+def drop_point(graph: Graph, order: list[int]) -> int:
+    """Where in ``order`` the dropped storages are released: after the last forward or loss
+    node. (A reordered step may run backward nodes that need no forward value, such as weight
+    transposes, earlier; they do not end the forward.)"""
+    return 1 + max((i for i, nid in enumerate(order)
+                    if graph.nodes[nid].phase in (Phase.FORWARD, Phase.LOSS)), default=-1)
 
 
 def _is_view_of_dropped(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:

@@ -40,23 +40,21 @@ _PIDS = itertools.count()
 
 @dataclass(frozen=True, eq=False)
 class Part:
-    """The recomputes (in plan order) that re-create the storages of ``dropped``."""
+    """Dropped nodes whose recomputes depend on each other only; ``pid`` names its rows in a
+    Packed."""
 
-    pid: int                 # unique id, to find the part's rows in a Packed
+    pid: int
     dropped: frozenset[int]
-    nodes: np.ndarray        # recomputed node ids
-    q: np.ndarray            # position (in the order) of the node each recompute precedes
-    key: np.ndarray          # event_key of each recompute
-    t_key: np.ndarray        # per storage a recompute reads or writes: the recompute's key ...
-    t_st: np.ndarray         # ... and the storage
-    d_st: np.ndarray         # dropped storages (allocated before the backward)
-    d_key: np.ndarray        # key of the recompute that re-creates each, -1 if none
 
 
 @dataclass(frozen=True)
 class Packed:
     """Every part's rows in flat arrays (``pid`` columns say whose), so that a drop set next to
-    an evaluated one costs a mask and a concatenation, not a loop over its parts."""
+    an evaluated one costs a mask and a concatenation, not a loop over its parts.
+
+    Rows: per recompute (node, position it precedes, event_key); per storage a recompute reads
+    or writes (the recompute's key, storage); per dropped storage allocated before the
+    backward (storage, key of the recompute that re-creates it or -1)."""
 
     pid: np.ndarray
     nodes: np.ndarray
@@ -71,33 +69,27 @@ class Packed:
 
     @staticmethod
     def empty() -> Packed:
-        e = np.zeros(0, dtype=np.int64)
-        return Packed(e, e, e, e, e, e, e, e, e, e)
+        return Packed(*([_EMPTY] * 10))
 
-    def replace(self, old: list[int], new: list[Part]) -> Packed:
-        """Without the rows of parts ``old`` (pids), with those of ``new``."""
+    def replace(self, old: list[int], new: Packed) -> Packed:
+        """Without the rows of parts ``old`` (pids), with the rows ``new``."""
         keep_e = keep_t = keep_d = slice(None)
         if old:
             gone = np.array(old, dtype=np.int64)
             keep_e = ~np.isin(self.pid, gone)
             keep_t = ~np.isin(self.t_pid, gone)
             keep_d = ~np.isin(self.d_pid, gone)
-
-        def cat(mine, keep, theirs, pid=False):
-            arrays = [mine[keep]] + [np.full(len(getattr(p, theirs)), p.pid, dtype=np.int64)
-                                     if pid else getattr(p, theirs) for p in new]
-            return np.concatenate(arrays)
-
-        return Packed(cat(self.pid, keep_e, "nodes", True), cat(self.nodes, keep_e, "nodes"),
-                      cat(self.q, keep_e, "q"), cat(self.key, keep_e, "key"),
-                      cat(self.t_pid, keep_t, "t_st", True), cat(self.t_key, keep_t, "t_key"),
-                      cat(self.t_st, keep_t, "t_st"), cat(self.d_pid, keep_d, "d_st", True),
-                      cat(self.d_st, keep_d, "d_st"), cat(self.d_key, keep_d, "d_key"))
+        keep = {"pid": keep_e, "nodes": keep_e, "q": keep_e, "key": keep_e, "t_pid": keep_t,
+                "t_key": keep_t, "t_st": keep_t, "d_pid": keep_d, "d_st": keep_d,
+                "d_key": keep_d}
+        return Packed(**{f: np.concatenate([getattr(self, f)[k], getattr(new, f)])
+                         for f, k in keep.items()})
 
 
-def walk_parts(ev, region: set[int], drop: frozenset[int]) -> list[Part]:
+def walk_parts(ev, region: set[int], drop: frozenset[int]) -> tuple[list[Part], Packed]:
     """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
-    evaluator ``ev``'s order, and split them into parts. RematError as ``remat_plan``."""
+    evaluator ``ev``'s order; split them into parts, with their rows. RematError as
+    ``remat_plan``."""
     G, t = ev.G, ev.G.t
     unavail: set[int] = set()
     for d in region:
@@ -135,7 +127,8 @@ def walk_parts(ev, region: set[int], drop: frozenset[int]) -> list[Part]:
     return _split(ev, region, nodes, qs, keys)
 
 
-def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int]) -> list[Part]:
+def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int]
+           ) -> tuple[list[Part], Packed]:
     """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``, union-find)."""
     G, t = ev.G, ev.G.t
     parent = {d: d for d in region}
@@ -152,33 +145,34 @@ def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int
                 a, b = find(d), find(o)
                 if a != b:
                     parent[max(a, b)] = min(a, b)
-    owner_of_event = [next(ev.owner[v] for v in G.outputs[r] if ev.owner[v] in parent)
-                      for r in nodes]
     groups: dict[int, list[int]] = {}
     for d in sorted(region):
         groups.setdefault(find(d), []).append(d)
-    events: dict[int, list[int]] = {}
-    for i, o in enumerate(owner_of_event):
-        events.setdefault(find(o), []).append(i)
-    parts = []
+    pid_of = {root: next(_PIDS) for root in groups}
+    e_pid = [pid_of[find(next(ev.owner[v] for v in G.outputs[r] if ev.owner[v] in parent))]
+             for r in nodes]
+    made: dict[int, int] = {}
+    t_pid, t_key, t_st = [], [], []
+    for r, pid, key in zip(nodes, e_pid, keys):
+        for st in t.fresh[r]:
+            made[st] = key
+        for v in (*G.inputs[r], *G.outputs[r]):
+            t_pid.append(pid)
+            t_key.append(key)
+            t_st.append(G.storage_of[v])
+    d_pid, d_st = [], []
     for root, members in groups.items():
-        idx = events.get(root, [])
-        made: dict[int, int] = {}
-        t_key, t_st = [], []
-        for i in idx:
-            r = nodes[i]
-            for st in t.fresh[r]:
-                made[st] = keys[i]
-            for v in (*G.inputs[r], *G.outputs[r]):
-                t_key.append(keys[i])
-                t_st.append(G.storage_of[v])
-        d_st = [st for d in members for st in ev.dropped_storages[d]]
-        parts.append(Part(
-            next(_PIDS), frozenset(members), _arr([nodes[i] for i in idx]),
-            _arr([qs[i] for i in idx]), _arr([keys[i] for i in idx]), _arr(t_key), _arr(t_st),
-            _arr(d_st), _arr([made.get(st, -1) for st in d_st])))
-    return parts
+        for d in members:
+            for st in ev.dropped_storages[d]:
+                d_pid.append(pid_of[root])
+                d_st.append(st)
+    rows = Packed(_arr(e_pid), _arr(nodes), _arr(qs), _arr(keys), _arr(t_pid), _arr(t_key),
+                  _arr(t_st), _arr(d_pid), _arr(d_st), _arr([made.get(st, -1) for st in d_st]))
+    return [Part(pid_of[root], frozenset(members)) for root, members in groups.items()], rows
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def _arr(xs: list[int]) -> np.ndarray:
-    return np.array(xs, dtype=np.int64)
+    return np.array(xs, dtype=np.int64) if xs else _EMPTY

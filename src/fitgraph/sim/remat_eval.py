@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost.base import CostModel
-from ..graph.ir import Graph, Phase
-from ..plan.remat import RematTables, complete_drop, remat_tables
+from ..graph.ir import Graph
+from ..plan.remat import RematTables, complete_drop, drop_point, remat_tables
 from .recompute_parts import Packed, Part, walk_parts
 
 __all__ = ["RematEval", "RematEvaluator"]
@@ -88,7 +88,6 @@ class _GraphTables:
         self.outputs = [tuple(o for o in n.outputs if o is not None) for n in graph.nodes]
         self.inputs_st = tuple(sorted(set(graph.input_storages())))
         self.resident = int(self.nbytes[list(self.inputs_st)].sum())
-        self.backward = [n.phase in (Phase.BACKWARD, Phase.OPTIMIZER) for n in graph.nodes]
         self.maker = [-1] * len(graph.storages)
         for nid, ss in self.t.fresh.items():
             for st in ss:
@@ -110,7 +109,7 @@ class RematEvaluator:
         pos = [0] * n
         for p, nid in enumerate(order):
             pos[nid] = p
-        self.boundary = b = next((p for p, nid in enumerate(order) if G.backward[nid]), n)
+        self.boundary = b = drop_point(graph, order)
         # storage lifetimes in positions: allocated at prod, last used at last (before the
         # boundary: last_fwd); -1 where never
         prod, last, last_fwd = [-1] * S, [-1] * S, [-1] * S
@@ -184,11 +183,11 @@ class RematEvaluator:
         gone = sorted({parts[d].pid for d in stale if d in parts})
         for d in stale:
             parts.pop(d, None)
-        new = walk_parts(self, stale & drop, drop)
+        new, rows = walk_parts(self, stale & drop, drop)
         for part in new:
             for d in part.dropped:
                 parts[d] = part
-        return self._assemble(drop, parts, packed.replace(gone, new))
+        return self._assemble(drop, parts, packed.replace(gone, rows))
 
     def _complete_from(self, drop: frozenset[int], base: RematEval) -> tuple[frozenset, set]:
         """``complete_drop`` of ``drop`` knowing that of ``base.drop``, and the nodes that
@@ -235,7 +234,7 @@ class RematEvaluator:
         if R:
             again = pk.d_key >= 0
             drop_g[again] = ridx[np.searchsorted(keys, pk.d_key[again])]
-        cidx = np.arange(n, dtype=np.int64) + np.searchsorted(q_sorted, np.arange(n), side="right")
+        cidx = np.arange(n, dtype=np.int64) + np.cumsum(np.bincount(q_sorted, minlength=n))
         prod_e = cidx[self.base_prod]
         end_e = np.where(self.base_keep, E - 1, cidx[self.base_last])
         # NOTE: a dropped storage's first lifetime ends at its last use in the forward
@@ -264,10 +263,12 @@ class RematEvaluator:
         e_peak = int(np.argmax(high))
         peak = G.resident + int(high[e_peak])
         latency = float(np.cumsum(G.seconds[events])[-1])
+        live = np.zeros(len(G.nbytes), dtype=bool)
         if peak > G.resident:
-            made = np.unique(st[(prod_all <= e_peak) & (end_all >= e_peak)])
+            live[st[(prod_all <= e_peak) & (end_all >= e_peak)]] = True
         else:
-            peak, made = G.resident, np.zeros(0, dtype=np.int64)
+            peak = G.resident
+        made = np.flatnonzero(live)
         return RematEval(drop, peak, latency, made, R, G.inputs_st, parts, pk, self)
 
 

@@ -53,11 +53,12 @@ from __future__ import annotations
 import time
 
 from ..plan.remat import remat_plan, remat_tables
+from ..plan.reorder import STRATEGIES, memory_aware_order
 from ..sim.remat_eval import RematEvaluator
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .greedy import Run, Search
-from .moves import ALL_BLOCKS, build_moves
+from .moves import build_moves
 
 __all__ = ["solve_hotspot"]
 
@@ -66,7 +67,8 @@ FINAL_SHARE = 0.1
 
 
 @register("hotspot")
-def solve_hotspot(problem: Problem) -> Solution:
+def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
+    """Plan ``problem`` (see the module doc); ``reorder=False`` keeps the captured order."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
     tables = remat_tables(g)
@@ -77,20 +79,24 @@ def solve_hotspot(problem: Problem) -> Solution:
              else float("inf"))
     search = Search(problem.budget_bytes, limit,
                     t0 + (1 - FINAL_SHARE) * problem.time_budget_s)
-    blocks = [moves.nodes[i] for i, k in enumerate(moves.keys) if k[0] == 1]
-    starts = [Run(eager, ev, "captured")]
-    if ALL_BLOCKS in moves.keys:
-        every = search.evaluate(ev, moves.nodes[moves.index(ALL_BLOCKS)])
+    blocks = moves.blocks
+    firsts = [(eager, "captured")]
+    if moves.every_block:
+        every = search.evaluate(ev, moves.every_block)
         if every is not None:
-            starts.append(Run(every, ev, "captured, every block checkpointed"))
+            firsts.append((every, "captured, every block checkpointed"))
+    starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own)
+              for r, label in firsts for own in (False, True)]
     best = None
     for run in starts:  # NOTE: the starts' own evaluations come first: anytime from here on
         if best is None or search.better(run.result, best.result):
-            best = Run(run.result, run.ev, run.label)
+            best = Run(run.result, run.ev, run.label, own_only=run.own_only)
     for run in starts:
         run = search.prune(search.grow(run, moves), blocks + run.added, moves)
         if search.better(run.result, best.result):
             best = run
+    if reorder:
+        best = _reorder(g, search, moves, blocks, best)
     r = best.result
     plan = remat_plan(g, r.drop, best.ev.order, tables=tables)
     sim = simulate(g, plan, cm)
@@ -105,3 +111,25 @@ def solve_hotspot(problem: Problem) -> Solution:
                     notes={"dropped": len(r.drop), "recomputes": r.recomputes,
                            "evaluations": search.evaluations, "timed_out": search.timed_out,
                            "order": best.label, "eager_latency_s": eager.latency_s})
+
+
+def _reorder(g, search: Search, moves, blocks, best: Run) -> Run:
+    """Re-plan the best drop set over memory-aware orders that know what it drops; where that
+    peaks no higher, grow and prune again; keep what the simulator says is better."""
+    captured = best.ev.order
+    for strategy in STRATEGIES:
+        if search.out_of_time():
+            break
+        order = memory_aware_order(g, strategy, best.result.drop)
+        if order == captured:
+            continue
+        ev = best.ev.reordered(order)
+        start = search.evaluate(ev, best.result.drop)
+        if start is None or start.peak_bytes > best.result.peak_bytes:
+            continue
+        run = Run(start, ev, f"{best.label}; memory-aware order ({strategy}, drop-aware)",
+                  list(best.added), best.own_only)
+        run = search.prune(search.grow(run, moves), blocks + run.added, moves)
+        if search.better(run.result, best.result):
+            best = run
+    return best

@@ -22,8 +22,8 @@ Example:
     >>> gy = b.add_node("aten.mul.Tensor", [y, a], [((4,), "float32")], phase=Phase.BACKWARD)[0]
     >>> g = b.finish({"loss": gy})
     >>> m = build_moves(g, Ms(), remat_tables(g))
-    >>> m.keys
-    [(0, '0'), (0, '1'), (1, 'h.0'), (2, '*')]
+    >>> m.keys   # every block at once, (2, "*"), is block h.0 here: one move
+    [(0, '0'), (0, '1'), (1, 'h.0')]
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class Moves:
     node_bytes: np.ndarray         # node -> bytes it allocates
     seconds: np.ndarray            # node -> recompute seconds (floored at MIN_RECOMPUTE_S)
     maker: np.ndarray              # storage -> node that allocates it, -1 for inputs
+    shape: list[tuple]             # per move: its ops and their sizes (equal for copies)
+    blocks: list[frozenset[int]]   # every block's drop set (also those equal to another move)
+    every_block: frozenset[int]    # all blocks' drop sets together
 
     def index(self, key: tuple) -> int:
         return self.keys.index(key)
@@ -64,20 +67,26 @@ class Moves:
         hot[makers[makers >= 0]] = True
         return hot & self.candidate
 
-    def best(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray) -> int | None:
-        """The move (index) freeing the most peak bytes per recompute second that adds a hot
-        node not yet dropped; ties go to the first key. None if no move qualifies."""
+    def best(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray,
+             own_only: bool = False) -> list[int]:
+        """The moves (indices, in key order) freeing the most peak bytes per recompute second
+        that add a hot node not yet dropped: several when they tie (the same op in each layer
+        of a model); none if no move qualifies. ``own_only`` counts only the seconds of the
+        candidates themselves, not of the in-place writers they pull in (a second opinion:
+        the greedy is myopic, and either count wins on some model)."""
         if not self.keys:
-            return None
+            return []
         fresh_hot = hot & ~dropped
         counts = np.add.reduceat(fresh_hot[self.flat].astype(np.int64), self.starts)
         ok = (counts > 0) & ~banned
         if not ok.any():
-            return None
+            return []
         freed = np.add.reduceat(np.where(fresh_hot, self.node_bytes, 0)[self.flat], self.starts)
-        secs = np.add.reduceat(np.where(dropped, 0.0, self.seconds)[self.flat], self.starts)
+        free = dropped | ~self.candidate if own_only else dropped
+        secs = np.add.reduceat(np.where(free, 0.0, self.seconds)[self.flat], self.starts)
         score = np.where(ok, -freed / np.where(ok, secs, 1.0), np.inf)
-        return int(np.flatnonzero(score == score.min())[0])
+        return np.flatnonzero(score == score.min()).tolist() if score.min() < 0 else \
+            [int(np.argmin(score))]
 
 
 def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
@@ -91,7 +100,16 @@ def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
     table.update({(1, blk): frozenset(nodes & candidates) for blk, nodes in blocks.items()})
     if blocks:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
         table[ALL_BLOCKS] = frozenset(set().union(*blocks.values()) & candidates)
-    keys = sorted(k for k, v in table.items() if v)
+    # NOTE: with the in-place chains they pull in (dropout's bernoulli_, div_): what a move
+    # really recomputes, so that its score counts their seconds
+    table = {k: frozenset(v).union(*(tables.chain_of.get(nid, ()) for nid in v))
+             for k, v in table.items()}
+    seen: set[frozenset[int]] = set()
+    keys = []
+    for k in sorted(table):  # NOTE: two keys with the same nodes are one move (the first key)
+        if table[k] and table[k] not in seen:
+            seen.add(table[k])
+            keys.append(k)
     nodes = [table[k] for k in keys]
     sizes = np.array([len(v) for v in nodes], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -102,10 +120,13 @@ def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
     node_bytes = np.array([sum(g.storages[s].nbytes for s in fresh[i]) for i in range(n)],
                           dtype=np.int64)
     seconds = np.zeros(n)
-    for nid in candidates:
+    for nid in sorted(set().union(*nodes)):
         seconds[nid] = max(cost_model.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
     maker = np.full(len(g.storages), -1, dtype=np.int64)
     for nid, ss in fresh.items():
         for st in ss:
             maker[st] = nid
-    return Moves(keys, nodes, flat, starts, candidate, node_bytes, seconds, maker)
+    block_sets = [table[k] for k in sorted(table) if k[0] == 1 and table[k]]
+    shape = [tuple(sorted((g.nodes[i].target, int(node_bytes[i])) for i in v)) for v in nodes]
+    return Moves(keys, nodes, flat, starts, candidate, node_bytes, seconds, maker, shape,
+                 block_sets, table.get(ALL_BLOCKS, frozenset()))
