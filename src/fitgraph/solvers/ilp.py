@@ -182,7 +182,8 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
     # memory
     latency_mode = budget_bytes is None
     peak_var = m.var(("B",), False, upper=np.inf) if latency_mode else None
-    cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes - 1) / MIB
+    # NOTE: bytes are integers and HiGHS's row tolerance (1e-7 MiB) is under one byte
+    cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes) / MIB
     kept_before = np.concatenate([[0], np.cumsum([u.kept_bytes for u in units])])
     alive_at: list[list[int]] = [[] for _ in range(n)]
     for v, p in enumerate(vunit):
@@ -443,8 +444,8 @@ def _production_start(problem: Problem, sg: StageGraph) -> list[list[int]] | Non
     from .base import SOLVERS
     quick = Problem(problem.graph, problem.cost_model, problem.budget_bytes,
                     problem.latency_limit, min(START_SHARE * problem.time_budget_s, 10.0))
-    try:
-        sol = SOLVERS["hotspot"](quick)
+    try:  # NOTE: stages follow the captured order: ask for a plan that keeps it
+        sol = SOLVERS["hotspot"](quick, reorder=False)
     except BudgetInfeasible:
         return None
     return plan_to_stages(problem.graph, sg, sol.plan)
