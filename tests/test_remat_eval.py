@@ -71,3 +71,26 @@ def test_evaluator_equals_simulating_the_plan(case, rnd, which_order):
         drop = {n for n in candidates if rnd.random() < 0.5}
         base = assert_same(g, cost, ev, drop, order, base) or base
     assert_same(g, cost, ev, set(), order, base)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.randoms(use_true_random=False), st.booleans())
+def test_evaluator_on_transformer_like_graphs(rnd, reorder):
+    """Dropout's in-place chains (dropped as a unit), views of dropped storages, multi-output
+    nodes; captured and drop-aware orders; from scratch and incrementally."""
+    from synthetic_graphs import transformer_like
+
+    from fitgraph.cost.devices import get_device
+    from fitgraph.cost.roofline import RooflineCostModel
+
+    g = transformer_like(3, seq=16, d=32)
+    cost = RooflineCostModel(get_device("rtx3090"))
+    ok = recomputable(g)
+    candidates = [n.id for n in g.nodes if not ok[n.id]]
+    first = {n for n in candidates if rnd.random() < 0.5}
+    order = memory_aware_order(g, "strict", first) if reorder else None
+    ev = RematEvaluator(g, cost, order)
+    base = assert_same(g, cost, ev, first, order)
+    for _ in range(4):
+        drop = set(base.drop) ^ set(rnd.sample(candidates, 3))
+        base = assert_same(g, cost, ev, drop, order, base) or base

@@ -79,3 +79,40 @@ def test_reordered_step_is_bitwise_eager_and_simulated_exactly(name, strategy):
     cm.profile(g)
     assert simulate(g, plan, cm).peak_bytes == measure_plan(g, plan, b, case.batch, ob,
                                                             repeats=0).peak_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet50"])
+def test_reordered_remat_plan_is_bitwise_eager_and_simulated_exactly(name):
+    """Joint reordering + remat (what hotspot plans): drops from hotspot, the drop-aware order;
+    dropout's RNG replay and BatchNorm's in-place stats stay exact."""
+    from fitgraph.cost import RooflineCostModel, get_device
+    from fitgraph.plan.remat import remat_plan
+    from fitgraph.solvers import Problem, solve
+
+    case = zoo.build(name, "small")
+    a, b = case.model, copy.deepcopy(case.model)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    for m, o in ((a, oa), (b, ob)):  # NOTE: a first step creates AdamW's state
+        eager_step(m, case.batch, case.loss_fn, o, seed=0)
+        o.zero_grad(set_to_none=True)
+    la = eager_step(a, case.batch, case.loss_fn, oa, seed=3)
+    g = fitgraph.capture(b, case.batch, case.loss_fn, ob)
+    cm = RooflineCostModel(get_device("rtx3090"))
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager").sim.peak_bytes
+    drop = solve(Problem(g, cm, budget_bytes=int(0.6 * eager)), "hotspot").plan.meta["dropped"]
+    order = memory_aware_order(g, "strict", drop)
+    assert order != sorted(order)
+    respects_dependencies(g, order)
+    plan = remat_plan(g, drop, order)
+    verify_plan(g, plan)
+    assert plan.counts()["recompute"] > 0
+    torch.manual_seed(3)
+    lb = execute(g, plan, b, case.batch, ob)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b, oa, ob)
+    prof = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    prof.profile(g)
+    ob.zero_grad(set_to_none=True)
+    assert simulate(g, plan, prof).peak_bytes == measure_plan(g, plan, b, case.batch, ob,
+                                                              repeats=0).peak_bytes

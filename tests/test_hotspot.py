@@ -1,0 +1,145 @@
+"""The production solver: scale (10,000+ nodes), joint reordering + remat, anytime, determinism."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from synthetic_graphs import transformer_like
+
+from fitgraph.cost.base import NodeCost
+from fitgraph.cost.devices import get_device
+from fitgraph.cost.roofline import RooflineCostModel
+from fitgraph.graph.deps import respects_dependencies
+from fitgraph.graph.ir import GraphBuilder, Phase, Role
+from fitgraph.plan.verify import verify_plan
+from fitgraph.sim.simulate import simulate
+from fitgraph.solvers import BudgetInfeasible, Problem, solve
+from fitgraph.solvers.hotspot import solve_hotspot
+
+RTX3090 = RooflineCostModel(get_device("rtx3090"))
+
+
+class Ms:
+    """Every node 1 ms, no workspace."""
+
+    name = "toy"
+
+    def node_cost(self, g, n):
+        return NodeCost(1e-3, 0)
+
+    def copy_seconds(self, nbytes):
+        return 0.0
+
+
+def eager_peak(g, cm) -> int:
+    return solve(Problem(g, cm, latency_limit=1.0), "eager").sim.peak_bytes
+
+
+def check(g, cm, s, budget):
+    """A solution is a valid plan whose simulated peak (re-simulated here) fits."""
+    verify_plan(g, s.plan)
+    assert s.sim.peak_bytes <= budget
+    assert simulate(g, s.plan, cm).peak_bytes == s.sim.peak_bytes
+
+
+def needs_reordering():
+    """Three big forward temporaries live at once in the captured order (t_i = exp(x), each
+    summed afterwards), and ``a`` saved for a backward that first allocates a big ``z``.
+    Dropping ``a`` fixes the backward, reordering (t1, s1, t2, s2, ...) fixes the forward:
+    only both together reach 1.5x one temporary."""
+    n = 1024
+    b = GraphBuilder()
+    x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    big, one = [((n,), "float32")], [((), "float32")]
+    ts = [b.add_node("aten.exp.default", [x], big)[0] for _ in range(3)]
+    ss = [b.add_node("aten.sum.default", [t], one)[0] for t in ts]
+    a = b.add_node("aten.exp.default", [ss[0]], big)[0]
+    y = b.add_node("aten.sum.default", [a], one)[0]
+    loss = b.add_node("aten.mul.Tensor", [ss[1], ss[2], y], one, phase=Phase.LOSS)[0]
+    z = b.add_node("aten.exp.default", [loss], big, phase=Phase.BACKWARD)[0]
+    w = b.add_node("aten.sum.default", [z], one, phase=Phase.BACKWARD)[0]
+    gx = b.add_node("aten.mul.Tensor", [w, a], [((4,), "float32")], phase=Phase.BACKWARD)[0]
+    return b.finish({"loss": loss, "grad:x": gx}), int(1.5 * 4 * n)
+
+
+def test_joint_reordering_and_remat_reach_what_remat_alone_cannot():
+    g, budget = needs_reordering()
+    assert eager_peak(g, Ms()) > 3 * budget / 1.5 - 64
+    with pytest.raises(BudgetInfeasible):
+        solve_hotspot(Problem(g, Ms(), budget_bytes=budget), reorder=False)
+    s = solve(Problem(g, Ms(), budget_bytes=budget), "hotspot")
+    check(g, Ms(), s, budget)
+    assert "memory-aware order" in s.notes["order"]
+    order = [ins.node for ins in s.plan if ins.op == "compute"]
+    assert order != sorted(order)
+    respects_dependencies(g, order)
+    assert any(ins.op == "recompute" for ins in s.plan)
+
+
+@pytest.fixture(scope="module")
+def graph_10k():
+    g = transformer_like(251)
+    assert len(g.nodes) >= 10_000
+    return g
+
+
+def test_hotspot_plans_a_10k_node_graph(graph_10k):
+    g = graph_10k
+    budget = int(0.6 * eager_peak(g, RTX3090))
+    s = solve(Problem(g, RTX3090, budget_bytes=budget), "hotspot")
+    check(g, RTX3090, s, budget)
+    assert s.plan.counts().get("recompute", 0) > 100
+
+
+def test_hotspot_is_anytime(graph_10k):
+    """Out of time at once, it still returns the best plan it holds (every block checkpointed,
+    evaluated before the first deadline check), not over budget and without raising."""
+    g = graph_10k
+    every = solve(Problem(g, RTX3090, latency_limit=100.0), "checkpoint_blocks")
+    budget = every.sim.peak_bytes
+    s = solve(Problem(g, RTX3090, budget_bytes=budget, time_budget_s=1e-6), "hotspot")
+    assert s.notes["timed_out"]
+    check(g, RTX3090, s, budget)
+
+
+@pytest.mark.parametrize("frac", [0.8, 0.6])
+def test_hotspot_is_deterministic_with_batched_moves(frac):
+    """40 layers: enough copies of each move to take them together (greedy.MIN_BATCH)."""
+    g = transformer_like(40)
+    budget = int(frac * eager_peak(g, RTX3090))
+    a = solve(Problem(g, RTX3090, budget_bytes=budget), "hotspot")
+    b = solve(Problem(g, RTX3090, budget_bytes=budget), "hotspot")
+    check(g, RTX3090, a, budget)
+    assert not a.notes["timed_out"] and a.plan == b.plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frac", [0.8, 0.6, 0.4])
+def test_bert_base_paper_plans_within_10_s(frac):
+    """Issue 3: BERT-base, paper configuration (b32 s512, AdamW, fake tensors), RTX 3090
+    roofline, planned within 10 s on this 2-core machine."""
+    from fitgraph.bench.planning_speed import zoo_graph
+
+    g = zoo_graph("bert-base", "paper")
+    budget = int(frac * eager_peak(g, RTX3090))
+    t0 = time.perf_counter()
+    s = solve(Problem(g, RTX3090, budget_bytes=budget), "hotspot")
+    assert time.perf_counter() - t0 < 10
+    check(g, RTX3090, s, budget)
+    assert not s.notes["timed_out"]
+
+
+@pytest.mark.slow
+def test_gpt2_paper_64_layers_plans_within_the_default_budget():
+    """A captured 10,000-node graph (GPT-2 paper config, 64 layers) at 60% of eager."""
+    from fitgraph.bench.planning_speed import deep_gpt2
+
+    g = deep_gpt2(64)
+    assert len(g.nodes) >= 10_000
+    budget = int(0.6 * eager_peak(g, RTX3090))
+    t0 = time.perf_counter()
+    s = solve(Problem(g, RTX3090, budget_bytes=budget), "hotspot")
+    assert time.perf_counter() - t0 < 30
+    check(g, RTX3090, s, budget)
+    assert not s.notes["timed_out"]
