@@ -57,9 +57,6 @@ class Moves:
     blocks: list[frozenset[int]]   # every block's drop set (also those equal to another move)
     every_block: frozenset[int]    # all blocks' drop sets together
 
-    def index(self, key: tuple) -> int:
-        return self.keys.index(key)
-
     def hot_nodes(self, peak_made: np.ndarray) -> np.ndarray:
         """Mask of the candidates that allocate a storage live at the peak."""
         makers = self.maker[peak_made]
