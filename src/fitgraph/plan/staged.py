@@ -29,9 +29,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..graph.analysis import new_storages, output_storages
-from ..graph.ir import Graph
+from ..graph.ir import Graph, Phase
 from .instructions import Compute, Instruction, Plan, Recompute
 from .remat import RematError, _with_frees
+
+
+def is_view_node(graph, nid, fresh):  # NOTE: same rule as solvers.stages (no import cycle)
+    n = graph.nodes[nid]
+    return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
 
 __all__ = ["staged_plan"]
 
@@ -69,7 +74,7 @@ def staged_plan(graph: Graph, stages, recompute: Sequence[Sequence[int]]) -> Pla
         if vid in avail:
             return
         p = graph.values[vid].producer
-        if p is None or p not in folded:
+        if p is None or not (p in folded or is_view_node(graph, p, fresh)):
             n = graph.nodes[p] if p is not None else None
             raise RematError(f"value {graph.values[vid].name} is read but its producer "
                              f"{n.name if n else '<input>'} was neither kept nor recomputed "
