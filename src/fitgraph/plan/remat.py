@@ -29,7 +29,7 @@ from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
 __all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "inplace_chains",
-           "recomputable", "remat_plan", "remat_tables"]
+           "is_view_node", "recomputable", "remat_plan", "remat_tables"]
 
 
 class RematError(ValueError):
@@ -130,7 +130,7 @@ def remat_tables(graph: Graph) -> RematTables:
     for chain in inplace_chains(graph).values():
         for nid in chain:
             chain_of[nid] = tuple(dict.fromkeys((*chain_of.get(nid, ()), *chain)))
-    view_ok = [_is_view_of_dropped(graph, n.id, fresh) for n in graph.nodes]
+    view_ok = [is_view_node(graph, n.id, fresh) for n in graph.nodes]
     return RematTables(fresh, members, chain_of, recomputable(graph), view_ok,
                        output_storages(graph))
 
@@ -220,8 +220,9 @@ def drop_point(graph: Graph, order: list[int]) -> int:
                     if graph.nodes[nid].phase in (Phase.FORWARD, Phase.LOSS)), default=-1)
 
 
-def _is_view_of_dropped(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
-    """A view node (no fresh storage) is re-run whenever its base storage is recomputed."""
+def is_view_node(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
+    """A view node: allocates nothing, writes nothing, draws no random numbers; re-run (for
+    free) whenever the storage it aliases is recomputed."""
     n = graph.nodes[nid]
     return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
 

@@ -29,14 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..graph.analysis import new_storages, output_storages
-from ..graph.ir import Graph, Phase
+from ..graph.ir import Graph
 from .instructions import Compute, Instruction, Plan, Recompute
-from .remat import RematError, _with_frees
-
-
-def is_view_node(graph, nid, fresh):  # NOTE: same rule as solvers.stages (no import cycle)
-    n = graph.nodes[nid]
-    return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
+from .remat import RematError, _with_frees, is_view_node
 
 __all__ = ["staged_plan"]
 

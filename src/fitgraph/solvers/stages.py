@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
-from ..plan.remat import inplace_chains, recomputable
+from ..plan.remat import inplace_chains, is_view_node, recomputable
 
-__all__ = ["StageGraph", "StageGraphError", "Unit", "is_view_node", "stage_graph"]
+__all__ = ["StageGraph", "StageGraphError", "Unit", "stage_graph"]
 
 
 class StageGraphError(ValueError):
@@ -69,12 +69,6 @@ class StageGraph:
     value_unit: tuple[int, ...] = ()     # value (a freeable storage) -> the unit creating it
     value_bytes: tuple[int, ...] = ()
     value_users: tuple[tuple[int, ...], ...] = ()  # value -> units reading it
-
-
-def is_view_node(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:
-    """Allocates nothing, writes nothing, draws no random numbers: re-creating it is free."""
-    n = graph.nodes[nid]
-    return not fresh[nid] and not n.random and not n.mutates and n.phase is not Phase.OPTIMIZER
 
 
 def stage_graph(graph: Graph, cost_model: CostModel) -> StageGraph:
