@@ -44,9 +44,11 @@ from .stages import StageGraph, stage_graph
 
 __all__ = ["IlpResult", "plan_to_stages", "solve_ilp", "solve_stages"]
 
-MIB = 2.0**20      # NOTE: memory in MiB and time in ms keep HiGHS's coefficients near 1
-MS = 1e-3
+MS = 1e-3          # NOTE: time in ms keeps HiGHS's objective coefficients near 1
+LARGEST_COEF = 2.0**12  # NOTE: the largest storage, in the MILP's byte unit (see _byte_unit)
+FEAS_TOL = 1e-7    # HiGHS's default primal feasibility tolerance
 MIP_REL_GAP = 1e-4  # NOTE: of the whole step time (or peak): 'optimal' is within 0.01%
+REPAIRS = 3        # NOTE: re-solves allowed to undo an overshoot within HiGHS's tolerance
 START_SHARE = 0.2  # NOTE: share of the time budget the warm start may take
 
 
@@ -83,6 +85,17 @@ class IlpResult:
     gap: float                     # proven relative gap (0 when optimal)
     variables: int
     rows: int
+    tolerance_bytes: float = 0.0   # how far HiGHS's row tolerance can put memory over the budget
+
+
+def _byte_unit(sg: StageGraph) -> float:
+    """The MILP's unit of memory: a power of two that puts the largest storage near
+    ``LARGEST_COEF``. NOTE: HiGHS accepts rows violated by its tolerance (1e-7 units, more after
+    its scaling); with bytes as the unit on small graphs that is far under a byte, so the
+    schedule is exact; on large graphs a few bytes over are possible and ``solve_ilp`` repairs
+    them (``IlpResult.tolerance_bytes`` bounds what can be explained that way)."""
+    largest = max([*sg.value_bytes, *(u.nbytes + u.kept_bytes for u in sg.units), 1])
+    return float(2.0 ** max(0, int(np.floor(np.log2(largest / LARGEST_COEF)))))
 
 
 def _live_ranges(sg: StageGraph) -> tuple[list[int], list[int], list[int]]:
@@ -129,6 +142,7 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
     vunit, vbytes, vusers = sg.value_unit, sg.value_bytes, sg.value_users
     direct, last, unit_last = _live_ranges(sg)
     when = _use_stages(sg)
+    byte_unit = _byte_unit(sg)
     m = _Model()
     for i, u in enumerate(units):
         if u.recomputable:
@@ -182,8 +196,7 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
     # memory
     latency_mode = budget_bytes is None
     peak_var = m.var(("B",), False, upper=np.inf) if latency_mode else None
-    # NOTE: bytes are integers and HiGHS's row tolerance (1e-7 MiB) is under one byte
-    cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes) / MIB
+    cap = np.inf if latency_mode else (budget_bytes - sg.resident_bytes) / byte_unit
     kept_before = np.concatenate([[0], np.cumsum([u.kept_bytes for u in units])])
     alive_at: list[list[int]] = [[] for _ in range(n)]
     for v, p in enumerate(vunit):
@@ -207,27 +220,27 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
                 for ref in [s_next, *later]:   # FREE <= 1 - S[t+1,v], FREE <= 1 - R[t,j]
                     terms = {f: 1.0}
                     m.row(terms, add(terms, 0.0, ref, 1.0), -np.inf, 1.0)
-                frees.setdefault(k, []).append((f, vbytes[v] / MIB))
+                frees.setdefault(k, []).append((f, vbytes[v] / byte_unit))
         prev = None
         for pos, k in enumerate(points[t]):
             u = m.var(("U", t, k), False, upper=np.inf)
             terms = {u: 1.0}
-            const = add(terms, 0.0, R(t, k), -units[k].nbytes / MIB)
+            const = add(terms, 0.0, R(t, k), -units[k].nbytes / byte_unit)
             if t == k:
-                const -= units[k].kept_bytes / MIB
+                const -= units[k].kept_bytes / byte_unit
             if prev is None:
-                const -= kept_before[t] / MIB
+                const -= kept_before[t] / byte_unit
                 for v in alive_at[t]:
                     if vbytes[v]:
-                        const = add(terms, const, S(t, v), -vbytes[v] / MIB)
+                        const = add(terms, const, S(t, v), -vbytes[v] / byte_unit)
             else:
                 terms[prev] = -1.0
-                for f, mib in frees.get(points[t][pos - 1], ()):
-                    terms[f] = terms.get(f, 0.0) + mib
+                for f, size in frees.get(points[t][pos - 1], ()):
+                    terms[f] = terms.get(f, 0.0) + size
             m.row(terms, const, 0.0, 0.0)
             ws = units[k].workspace if t == k else units[k].recompute_workspace
             terms = {u: 1.0}
-            const = add(terms, 0.0, R(t, k), ws / MIB)
+            const = add(terms, 0.0, R(t, k), ws / byte_unit)
             if latency_mode:
                 terms[peak_var] = -1.0
             m.row(terms, const, -np.inf, 0.0 if latency_mode else cap)
@@ -245,8 +258,10 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
     else:
         for k, v in recompute_terms.items():
             c[k] = v
+    chain = max(map(len, points), default=0) + 2
     return _run(m, c, sg, n, time_limit_s, latency_mode, base_s,
-                _start(m, sg, start) if start is not None else None)
+                _start(m, sg, start) if start is not None else None, byte_unit,
+                byte_unit * FEAS_TOL * 10 * chain)
 
 
 def _start(m: _Model, sg: StageGraph, recompute: list[list[int]]) -> dict[int, float] | None:
@@ -283,7 +298,8 @@ def _start(m: _Model, sg: StageGraph, recompute: list[list[int]]) -> dict[int, f
 
 
 def _run(m: _Model, c, sg: StageGraph, n: int, time_limit_s: float, latency_mode: bool,
-         base_s: float, start: dict[int, float] | None = None) -> IlpResult:
+         base_s: float, start: dict[int, float] | None, byte_unit: float,
+         tolerance_bytes: float) -> IlpResult:
     from scipy.sparse import coo_matrix
 
     nv, nr = len(m.integral), len(m.rows)
@@ -298,19 +314,20 @@ def _run(m: _Model, c, sg: StageGraph, n: int, time_limit_s: float, latency_mode
     A = coo_matrix((vv, (rr, cc)), shape=(nr, nv)).tocsc()
     # NOTE: the constant part of the objective (the step's own compute, or the resident
     # bytes) goes in as an offset, so HiGHS's gap is relative to the whole step
-    offset = sg.resident_bytes / MIB if latency_mode else base_s / MS
+    offset = sg.resident_bytes / byte_unit if latency_mode else base_s / MS
     x, status, fun, gap = _highs(c, A, np.array(lo), np.array(hi), np.array(m.upper),
                                  np.array(m.integral), time_limit_s, start, offset)
     if x is None:
-        return IlpResult([[] for _ in range(n)], status, float("nan"), float("inf"), nv, nr)
+        return IlpResult([[] for _ in range(n)], status, float("nan"), float("inf"), nv, nr,
+                         tolerance_bytes)
     recompute: list[list[int]] = [[] for _ in range(n)]
     for key, k in m.index.items():
         if key[0] == "R" and x[k] > 0.5:
             recompute[key[1]].append(key[2])
     for r in recompute:
         r.sort()
-    objective = fun * MIB if latency_mode else fun * MS
-    return IlpResult(recompute, status, objective, gap, nv, nr)
+    objective = fun * byte_unit if latency_mode else fun * MS
+    return IlpResult(recompute, status, objective, gap, nv, nr, tolerance_bytes)
 
 
 @contextlib.contextmanager
@@ -417,6 +434,13 @@ def solve_ilp(problem: Problem) -> Solution:
     start = _production_start(problem, sg)
     left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
     res = solve_stages(sg, problem.budget_bytes, limit_s, left, start)
+    for _ in range(REPAIRS):
+        over = _overshoot(g, sg, res, problem.budget_bytes, cm)
+        if not 0 < over <= res.tolerance_bytes:
+            break
+        # NOTE: over the budget by what HiGHS's tolerance allows: ask again with that much less
+        left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
+        res = solve_stages(sg, problem.budget_bytes - over, limit_s, left, res.recompute)
     if res.status == "infeasible" and problem.budget_bytes is not None:
         floor = solve_stages(sg, None, float("inf"), left, [[] for _ in sg.units])
         fsim = (simulate(g, staged_plan(g, sg, floor.recompute), cm)
@@ -436,6 +460,13 @@ def solve_ilp(problem: Problem) -> Solution:
                            "variables": res.variables, "rows": res.rows,
                            "units": len(sg.units), "recomputes": sum(map(len, res.recompute)),
                            "eager_latency_s": eager.latency_s})
+
+
+def _overshoot(g: Graph, sg: StageGraph, res: IlpResult, budget: int | None, cm) -> int:
+    """Bytes by which the schedule simulates over ``budget`` (0 when it fits or has none)."""
+    if budget is None or res.objective != res.objective:
+        return 0
+    return max(0, simulate(g, staged_plan(g, sg, res.recompute), cm).peak_bytes - budget)
 
 
 def _production_start(problem: Problem, sg: StageGraph) -> list[list[int]] | None:
