@@ -2,7 +2,8 @@
 
 It is the simulator's twin (DESIGN law 4): both dispatch on ``instr.op`` over the same Plan.
 Values live in ``env`` (a list indexed by value id); ``Free`` drops every value of a storage, so
-the allocator releases it at the same instruction the simulator does.
+the allocator releases it at the same instruction the simulator does. Offload / Prefetch / Wait
+go to a ``HostStore`` (``fitgraph.execute.offload``).
 
 Example:
     >>> import torch, fitgraph
@@ -24,7 +25,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..graph.ir import Graph, Node
-from ..plan.instructions import Compute, Free, Instruction, Plan, Recompute
+from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
+from .offload import HostStore
 from .ops import ArgBinder, resolve_target
 from .optimizer_ops import run_optimizer_node
 
@@ -90,6 +92,7 @@ class Executor:
         self.replayed = {ins.node for ins in plan if isinstance(ins, Recompute)
                          and graph.nodes[ins.node].random}
         self.rng_saved: dict[int, torch.Generator] = {}
+        self.host = HostStore(graph, plan, members)
 
     def _callable(self, node: Node):
         if node.target.startswith("fitgraph.optimizer."):
@@ -144,11 +147,15 @@ class Executor:
             for vid in self.storage_members[st]:
                 env[vid] = None
 
-    def _unsupported(self, ins: Instruction) -> None:
-        raise NotImplementedError(f"instruction {ins.op} is not executable yet: plan without "
-                                  "offloading")
+    # NOTE: the host buffers, copy stream and values to rebuild live in execute/offload.py
+    def run_offload(self, ins: Offload) -> None:
+        self.host.offload(ins.storage, self.env)
 
-    run_offload = run_prefetch = run_wait = _unsupported
+    def run_prefetch(self, ins: Prefetch) -> None:
+        self.host.prefetch(ins.storage, self.env)
+
+    def run_wait(self, ins: Wait) -> None:
+        self.host.wait(ins.storage, self.env)
 
     # -- a whole step -------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:

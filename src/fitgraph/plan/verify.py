@@ -25,9 +25,13 @@ class PlanError(ValueError):
 def verify_plan(graph: Graph, plan: Plan) -> None:
     """Check that ``plan`` is a valid program for ``graph``; raise PlanError otherwise."""
     fresh = new_storages(graph)
+    keep = output_storages(graph)
     live = {graph.values[v].storage for v in graph.inputs}
+    # NOTE: offloading is a small state machine per storage (see plan.instructions): on device
+    # -> Offload (copying out, readable) -> Wait (released, on host) -> Prefetch (copying back,
+    # not readable) -> Wait (on device again)
     on_host: set[int] = set()
-    in_flight: set[int] = set()
+    copying: dict[int, str] = {}
     produced: set[int] = set(live)
     computed: set[int] = set()
     # NOTE: values, not only storages: after a storage is recomputed, a view of it made by
@@ -57,14 +61,28 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
                     why = "offloaded and not prefetched" if st in on_host else "not live"
                     raise PlanError(f"instruction {pc}: {name(ins.node)} reads "
                                     f"{graph.values[vid].name} whose storage is {why}")
+                if copying.get(st) == "prefetch":
+                    raise PlanError(f"instruction {pc}: {name(ins.node)} reads "
+                                    f"{graph.values[vid].name} while its prefetch is in flight; "
+                                    f"put Wait({st}) before it")
                 if vid not in avail:
                     raise PlanError(f"instruction {pc}: {name(ins.node)} reads "
                                     f"{graph.values[vid].name}, freed and not recomputed since")
+            for vid in n.mutates:
+                st = graph.values[vid].storage
+                if copying.get(st) == "offload":
+                    raise PlanError(f"instruction {pc}: {name(ins.node)} writes "
+                                    f"{graph.values[vid].name} while its offload is in flight "
+                                    "(the host copy would be stale); offload after the write")
             if isinstance(ins, Recompute):
                 for st in fresh[ins.node]:
                     if st in live:
                         raise PlanError(f"instruction {pc}: Recompute of {name(ins.node)} "
                                         f"but its output storage {st} is still live")
+                    if st in on_host:
+                        raise PlanError(f"instruction {pc}: Recompute of {name(ins.node)} "
+                                        f"but its output storage {st} is offloaded; prefetch "
+                                        "it or do not offload it")
             computed.add(ins.node)
             avail.update(o for o in n.outputs if o is not None)
             live.update(fresh[ins.node])
@@ -74,28 +92,20 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
                 if st not in live:
                     raise PlanError(f"instruction {pc}: Free of storage {st} "
                                     f"({graph.storages[st].name}) that is not live")
+                if st in copying:
+                    raise PlanError(f"instruction {pc}: Free of storage {st} "
+                                    f"({graph.storages[st].name}) with its {copying[st]} in "
+                                    f"flight; put Wait({st}) before it")
                 live.discard(st)
                 avail.difference_update(members[st])
-        elif isinstance(ins, Offload):
-            if ins.storage not in live:
-                raise PlanError(f"instruction {pc}: Offload of storage {ins.storage} not live")
-            on_host.add(ins.storage)
-            in_flight.add(ins.storage)
-        elif isinstance(ins, Prefetch):
-            if ins.storage not in on_host:
-                raise PlanError(f"instruction {pc}: Prefetch of storage {ins.storage} "
-                                "that was never offloaded")
-            live.add(ins.storage)
-            in_flight.add(ins.storage)
-        elif isinstance(ins, Wait):
-            if ins.storage not in in_flight:
-                raise PlanError(f"instruction {pc}: Wait on storage {ins.storage} with no copy "
-                                "in flight")
-            in_flight.discard(ins.storage)
-            if ins.storage in on_host and ins.storage in live and not _prefetched(plan, pc, ins):
-                live.discard(ins.storage)
+        elif isinstance(ins, (Offload, Prefetch, Wait)):
+            _copy_step(graph, pc, ins, live, keep, on_host, copying)
         else:
             raise PlanError(f"instruction {pc}: unknown instruction {ins!r}")
+    if copying:
+        st = min(copying)
+        raise PlanError(f"storage {st} ({graph.storages[st].name}): its {copying[st]} is never "
+                        f"waited for; end it with Wait({st})")
     missing = [n.id for n in graph.nodes if n.id not in computed]
     if missing:
         raise PlanError(f"plan never computes {name(missing[0])} (and {len(missing) - 1} more)")
@@ -105,9 +115,34 @@ def verify_plan(graph: Graph, plan: Plan) -> None:
                             "resident but the plan frees it")
 
 
-def _prefetched(plan: Plan, pc: int, wait: Wait) -> bool:
-    """True if the copy this Wait ends is a prefetch (the storage stays on device)."""
-    for ins in reversed(plan.instructions[:pc]):
-        if isinstance(ins, (Offload, Prefetch)) and ins.storage == wait.storage:
-            return isinstance(ins, Prefetch)
-    return False
+def _copy_step(graph: Graph, pc: int, ins: Offload | Prefetch | Wait, live: set[int],
+               keep: set[int], on_host: set[int], copying: dict[int, str]) -> None:
+    """One step of a storage's offload state machine; raises PlanError on a wrong step."""
+    st = ins.storage
+    if not 0 <= st < len(graph.storages):
+        raise PlanError(f"instruction {pc}: no storage {st}")
+    what = f"storage {st} ({graph.storages[st].name})"
+    if isinstance(ins, Offload):
+        if st in keep:
+            raise PlanError(f"instruction {pc}: Offload of {what}, which is resident or a step "
+                            "output (the model or the caller holds it); offload activations")
+        if st not in live or st in copying:
+            state = {"offload": "being offloaded", "prefetch": "being prefetched"}.get(
+                copying.get(st, ""), "offloaded" if st in on_host else "not live")
+            raise PlanError(f"instruction {pc}: Offload of {what} that is {state}; offload a "
+                            "storage on device, once")
+        copying[st] = "offload"
+    elif isinstance(ins, Prefetch):
+        if st not in on_host:
+            raise PlanError(f"instruction {pc}: Prefetch of {what} that is not offloaded and "
+                            "released; Offload it and Wait for it first")
+        on_host.discard(st)
+        live.add(st)
+        copying[st] = "prefetch"
+    else:
+        kind = copying.pop(st, None)
+        if kind is None:
+            raise PlanError(f"instruction {pc}: Wait on {what} with no copy in flight")
+        if kind == "offload":
+            live.discard(st)
+            on_host.add(st)

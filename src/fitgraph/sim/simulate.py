@@ -5,7 +5,10 @@ Memory is counted per storage, from the moment the graph's inputs exist (weights
 batch, optimizer state: the *resident* bytes) to the end of the step. During a node, its fresh
 outputs and its measured workspace are both live, so a node's transient peak is
 ``live + fresh outputs + workspace``. Latency runs two clocks: the compute stream and a copy
-stream for Offload/Prefetch, joined at Wait.
+stream for Offload/Prefetch, joined at Wait. A copy starts when it is issued and the copy stream
+is free (the copy stream first waits for the compute stream, so the data is ready); an offloaded
+storage leaves device memory and counts as host memory at the Wait that ends its offload, and is
+device memory again from the moment its prefetch starts (see ``fitgraph.plan.instructions``).
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -33,7 +36,7 @@ from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Phase, Role
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
 
-__all__ = ["BREAKDOWN_GROUPS", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
+__all__ = ["BREAKDOWN_GROUPS", "CopySpan", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
 
 # NOTE: the breakdown groups a user reads; roles map onto them
 BREAKDOWN_GROUPS = {
@@ -53,6 +56,18 @@ class TensorAtPeak:
     phase: str
 
 
+@dataclass(frozen=True, slots=True)
+class CopySpan:
+    """One copy on the copy stream: issued by instruction ``pc``, it ran from ``start`` to
+    ``end`` (seconds on the step's clock); ``kind`` is "offload" or "prefetch"."""
+
+    pc: int
+    storage: int
+    kind: str
+    start: float
+    end: float
+
+
 @dataclass(frozen=True)
 class SimResult:
     peak_bytes: int                    # device bytes, resident included
@@ -69,6 +84,8 @@ class SimResult:
     top_tensors: tuple[TensorAtPeak, ...]
     phase_starts: dict[str, int] = field(default_factory=dict)  # phase -> first instruction
     peak_live: frozenset[int] = frozenset()  # storages live at the peak (planners target these)
+    copies: tuple[CopySpan, ...] = ()  # every Offload/Prefetch copy, in issue order
+    stall_s: float = 0.0               # compute-stream time spent waiting for copies at Waits
 
     @property
     def activation_bytes_at_peak(self) -> int:
@@ -87,17 +104,21 @@ class Simulator:
         g = self.graph
         self.live: set[int] = set(g.input_storages())
         self.host: set[int] = set()
+        self.host_bytes = 0
+        self.copying: dict[int, str] = {}  # storage -> "offload" | "prefetch" in flight
         self.copy_done: dict[int, float] = {}
-        self.pending_release: set[int] = set()
+        self.copies: list[CopySpan] = []
+        self.stall_s = 0.0
         self.live_bytes = sum(self.nbytes[s] for s in self.live)
         self.t_compute = self.t_copy = 0.0
         self.compute_s = self.copy_s = 0.0
         resident = self.live_bytes
         live_after, peak_during, time_after = [], [], []
         peak, peak_pc, peak_set, peak_ws = resident, -1, set(self.live), 0
-        host_bytes = host_peak = 0
+        host_peak = 0
         phase_starts: dict[str, int] = {}
         for pc, ins in enumerate(plan):
+            self.pc = pc
             self.transient = self.live_bytes
             self.workspace, self.node = 0, None
             getattr(self, "run_" + ins.op)(ins)
@@ -107,8 +128,7 @@ class Simulator:
             if high > peak:
                 peak, peak_pc, peak_ws = high, pc, self.workspace
                 peak_set = set(self.live)
-            host_bytes = sum(self.nbytes[s] for s in self.host)
-            host_peak = max(host_peak, host_bytes)
+            host_peak = max(host_peak, self.host_bytes)
             live_after.append(self.live_bytes)
             peak_during.append(high)
             time_after.append(self.t_compute)
@@ -119,7 +139,7 @@ class Simulator:
             time_after=tuple(time_after), latency_s=max(self.t_compute, self.t_copy),
             compute_s=self.compute_s, copy_s=self.copy_s, host_peak_bytes=host_peak,
             breakdown=breakdown, top_tensors=top, phase_starts=phase_starts,
-            peak_live=frozenset(peak_set))
+            peak_live=frozenset(peak_set), copies=tuple(self.copies), stall_s=self.stall_s)
 
     # -- instructions -------------------------------------------------------------------------
     def run_compute(self, ins: Compute | Recompute) -> None:
@@ -146,33 +166,40 @@ class Simulator:
             self.live.discard(st)
             self.live_bytes -= self.nbytes[st]
 
-    def _copy(self, storage: int) -> None:
+    def _copy(self, storage: int, kind: str) -> None:
         secs = self.cost.copy_seconds(self.nbytes[storage])
         start = max(self.t_copy, self.t_compute)  # NOTE: a copy starts once its data is ready
         self.t_copy = start + secs
         self.copy_s += secs
         self.copy_done[storage] = self.t_copy
+        self.copying[storage] = kind
+        self.copies.append(CopySpan(self.pc, storage, kind, start, self.t_copy))
 
     def run_offload(self, ins: Offload) -> None:
-        self._copy(ins.storage)
-        self.host.add(ins.storage)
-        self.pending_release.add(ins.storage)
+        self._copy(ins.storage, "offload")
 
     def run_prefetch(self, ins: Prefetch) -> None:
-        self._copy(ins.storage)
+        self._copy(ins.storage, "prefetch")
         if ins.storage not in self.live:  # NOTE: device memory from the moment the copy starts
             self.live.add(ins.storage)
             self.live_bytes += self.nbytes[ins.storage]
 
     def run_wait(self, ins: Wait) -> None:
-        self.t_compute = max(self.t_compute, self.copy_done.get(ins.storage, 0.0))
-        if ins.storage in self.pending_release:
-            self.pending_release.discard(ins.storage)
+        done = self.copy_done.get(ins.storage, 0.0)
+        if done > self.t_compute:
+            self.stall_s += done - self.t_compute
+            self.t_compute = done
+        kind = self.copying.pop(ins.storage, None)
+        if kind == "offload":
+            # NOTE: the copy is complete here: the data is on host and the device bytes go
+            self.host.add(ins.storage)
+            self.host_bytes += self.nbytes[ins.storage]
             if ins.storage in self.live:
                 self.live.discard(ins.storage)
                 self.live_bytes -= self.nbytes[ins.storage]
-        else:
-            self.host.discard(ins.storage)
+        elif kind == "prefetch" and ins.storage in self.host:
+            self.host.discard(ins.storage)  # NOTE: the host copy is needed until the data is back
+            self.host_bytes -= self.nbytes[ins.storage]
 
     # -- reports ------------------------------------------------------------------------------
     def _breakdown(self, storages: set[int], workspace: int):
