@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from fitgraph.bench.harness import bench_model, checkpointed
+from fitgraph.bench.harness import bench_model, checkpointed, verdicts
 from fitgraph.cli import main
 
 
@@ -37,11 +37,21 @@ def _case():
 
 def test_bench_rows_for_every_system_and_fresh_compiles():
     rows = bench_model(_case(), [1.0, 0.75, 0.05], repeats=2, progress=lambda s: None)
-    systems = [(r.system, r.budget) for r in rows]
+    systems = [(r.system, r.budget) for r in rows if not r.matched]
     assert systems == [("eager", None), ("checkpoint_blocks", None), ("fitgraph", 1.0),
                        ("fitgraph", 0.75), ("fitgraph", 0.05), ("compile_aot_eager", 1.0),
                        ("compile_aot_eager", 0.75), ("compile_aot_eager", 0.05)]
-    by = {(r.system, r.budget): r for r in rows}
+    matched = {r.matched: r for r in rows if r.matched}
+    assert sorted(matched) == ["checkpoint_blocks", "compile_aot_eager 0.05",
+                               "compile_aot_eager 0.75", "compile_aot_eager 1"]
+    by = {(r.system, r.budget): r for r in rows if not r.matched}
+    for label, r in matched.items():  # fitgraph asked for the peer's measured peak keeps it
+        name, _, budget = label.partition(" ")
+        peer = by[(name, float(budget) if budget else None)]
+        assert r.system == "fitgraph" and (r.error or r.peak_bytes <= peer.peak_bytes)
+    lines = verdicts(rows)
+    assert len(lines) == 4 and all(("wins" in s) or ("loses" in s) or ("did not plan" in s)
+                                   for s in lines)
     eager = by[("eager", None)]
     assert by[("checkpoint_blocks", None)].peak_bytes < eager.peak_bytes
     assert by[("fitgraph", 0.75)].peak_bytes <= 0.75 * eager.peak_bytes

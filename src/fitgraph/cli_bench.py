@@ -1,7 +1,8 @@
 """``fitgraph bench [--models ...] [--budgets 0.9,0.7,0.5]``: every system side by side, measured.
 
 Writes a CSV (one row per system and budget), one PNG per model (measured peak vs step time, one
-curve per system) and prints a Markdown table.
+curve per system) and prints a Markdown table, then one verdict per peer: fitgraph asked for that
+peer's measured peak, and whether it is faster there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import zoo
-    from .bench.harness import BenchRow, bench_model
+    from .bench.harness import BenchRow, bench_model, verdicts
 
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -57,6 +58,8 @@ def cmd_bench(args) -> int:
             w.writerow({**r.as_dict(), "peak_vs_eager": _ratio(r.peak_bytes, e.peak_bytes),
                         "overhead": r.overhead(e.step_s) if e.step_s else None})
     print(markdown_table(rows))
+    print("\nAt each peer's measured peak (fitgraph planned for that many bytes):\n")
+    print("\n".join(f"- {line}" for line in verdicts(rows)))
     print(f"\nwrote {path} and one PNG per model in {args.out}")
     return 0
 
@@ -76,7 +79,9 @@ def markdown_table(rows) -> str:
         e = _eager(rows, r.model)
         pr = _ratio(r.peak_bytes, e.peak_bytes)
         ov = r.overhead(e.step_s) if e.step_s else None
-        out.append(f"| {r.model} | {r.system} | {'' if r.budget is None else r.budget} | "
+        system = f"{r.system} @ {r.matched}" if r.matched else r.system
+        budget = "" if r.budget is None else f"{r.budget:.3g}"
+        out.append(f"| {r.model} | {system} | {budget} | "
                    f"{'' if r.peak_bytes is None else f'{r.peak_bytes / MIB:.1f}'} | "
                    f"{'' if pr is None else f'{pr:.2f}'} | "
                    f"{'' if r.step_s is None else f'{r.step_s * 1e3:.0f}'} | "

@@ -27,7 +27,7 @@ from ..capture.calling import compute_loss
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
-__all__ = ["BenchRow", "bench_model", "checkpointed"]
+__all__ = ["BenchRow", "bench_model", "checkpointed", "verdicts"]
 
 
 @dataclass
@@ -39,6 +39,7 @@ class BenchRow:
     step_s: float | None         # median measured step time
     prepare_s: float = 0.0       # compile time (torch.compile) or solve time (fitgraph)
     error: str = ""
+    matched: str = ""            # fitgraph asked for this peer's measured peak (its budget)
 
     def overhead(self, eager_s: float) -> float | None:
         return None if self.step_s is None else self.step_s / eager_s - 1
@@ -81,6 +82,7 @@ class _System:
     times: list | None = None
     error: str = ""
     ratio_to_eager: float | None = None  # compile variants: timed against eager in their phase
+    matched: str = ""
 
 
 def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
@@ -93,15 +95,19 @@ def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
 
 
 def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool = True,
-                time_budget: float = 30.0, progress: Callable[[str], None] = print) -> list[BenchRow]:
-    """Measure every system on one zoo case; rows in a fixed order."""
+                time_budget: float = 30.0, match_peers: bool = True,
+                progress: Callable[[str], None] = print) -> list[BenchRow]:
+    """Measure every system on one zoo case; rows in a fixed order. ``match_peers``: fitgraph
+    also plans for each peer's measured peak (in bytes), so the rows answer "at the peer's
+    memory, which is faster" directly (``verdicts``)."""
     from ..api import optimize
 
     systems: list[_System] = []
 
-    def add(name, budget, model, make_step, prepare=None):
+    def add(name, budget, model, make_step, matched=""):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         sys_ = _System(name, budget, model, opt, lambda: None)
+        sys_.matched = matched
         try:
             t0 = time.perf_counter()
             sys_.step = make_step(model, opt)
@@ -120,6 +126,8 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
     eager = systems[0]
     add("checkpoint_blocks", None, checkpointed(case.model, case.block_types),
         lambda m, o: _eager_step(m, batch, loss_fn, o))
+    peers = [s for s in systems if not s.error]
+    _measure_memory(peers, batch)  # NOTE: first, so fitgraph can be asked for their peaks
     for b in budgets:
         add("fitgraph", b, copy.deepcopy(case.model),
             lambda m, o, b=b: _fitgraph_step(m, batch, loss_fn, o, b, time_budget, optimize))
@@ -142,6 +150,14 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
                 variant.ratio_to_eager = (statistics.median(variant.times)
                                           / statistics.median(eager.times))
         torch._dynamo.reset()
+    if match_peers and eager.peak:
+        for peer in [s for s in [*peers[1:], *compiled] if not s.error and s.peak]:
+            add("fitgraph", peer.peak / eager.peak, copy.deepcopy(case.model),
+                lambda m, o, b=int(peer.peak): _fitgraph_step(m, batch, loss_fn, o, b,
+                                                             time_budget, optimize),
+                matched=peer.name if peer.budget is None else f"{peer.name} {peer.budget:g}")
+            if not systems[-1].error:
+                plain.append(systems[-1])
     progress(f"  {case.name}: {len(plain)} systems: memory, then {repeats} interleaved rounds")
     _measure_memory(plain, batch)
     _time_rounds(plain, repeats)
@@ -154,8 +170,31 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
             return s.ratio_to_eager * eager_s  # NOTE: its ratio to eager, on the final eager time
         return statistics.median(s.times)
 
-    return [BenchRow(case.name, s.name, s.budget, s.peak, step_s(s), s.prepare_s, s.error)
-            for s in systems]
+    return [BenchRow(case.name, s.name, s.budget, s.peak, step_s(s), s.prepare_s, s.error,
+                     s.matched) for s in systems]
+
+
+def verdicts(rows: list[BenchRow]) -> list[str]:
+    """One line per peer row: fitgraph at that peer's measured peak — lower or equal peak and
+    faster ("wins"), slower ("loses"), or not planned (its error)."""
+    out = []
+    for peer in rows:
+        if peer.system in ("eager", "fitgraph") or peer.peak_bytes is None or not peer.step_s:
+            continue
+        label = peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
+        fg = next((r for r in rows if r.model == peer.model and r.matched == label), None)
+        head = f"{peer.model}: at {label}'s peak {peer.peak_bytes / 2**20:.1f} MiB"
+        if fg is None:
+            continue
+        if fg.error or fg.step_s is None or fg.peak_bytes is None:
+            out.append(f"{head}: fitgraph did not plan ({fg.error or 'no time'})")
+            continue
+        word = ("wins" if fg.peak_bytes <= peer.peak_bytes and fg.step_s <= peer.step_s
+                else "loses")
+        out.append(f"{head}: fitgraph {fg.peak_bytes / 2**20:.1f} MiB, "
+                   f"{fg.step_s * 1e3:.0f} ms vs {peer.step_s * 1e3:.0f} ms "
+                   f"({fg.step_s / peer.step_s - 1:+.1%}): {word}")
+    return out
 
 
 def _measure_memory(systems: list[_System], batch) -> None:
