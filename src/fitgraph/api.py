@@ -17,6 +17,7 @@ import hashlib
 import pickle
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,11 @@ from .plan.instructions import Plan
 from .plan.verify import verify_plan
 from .sim.simulate import SimResult, simulate
 from .solvers import Problem, Solution, solve
+from .transform.optimizer_in_backward import (
+    OptimizerInBackwardError,
+    optimizer_in_backward,
+    why_not,
+)
 from .units import format_bytes, parse_budget
 
 __all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
@@ -104,13 +110,19 @@ class _Planned:
 
 class TrainStep:
     """A planned training step: ``step(batch) -> loss`` leaves ``.grad`` / weights / optimizer
-    state exactly as eager PyTorch would. Made by ``fitgraph.optimize`` or ``fitgraph.load``."""
+    state exactly as eager PyTorch would (with optimizer-in-backward, ``.grad`` stays None: each
+    gradient is freed right after its update). Made by ``fitgraph.optimize`` or ``fitgraph.load``."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
-                 time_budget: float, solver: str, cost_model, on_new_shape: str) -> None:
+                 time_budget: float, solver: str, cost_model, on_new_shape: str,
+                 optimizer_in_backward: bool | str = False,
+                 clip_grad_norm: float | None = None) -> None:
         if on_new_shape not in ("replan", "error"):
             raise ValueError("on_new_shape must be 'replan' or 'error'")
+        if optimizer_in_backward not in (False, True, "auto"):
+            raise ValueError("optimizer_in_backward must be False, True or 'auto'")
+        self.in_backward, self.clip_grad_norm = optimizer_in_backward, clip_grad_norm
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.budget, self.latency_limit = budget, latency_limit
         self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
@@ -148,8 +160,7 @@ class TrainStep:
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
-        graph = graph if graph is not None else capture(self.model, batch, self.loss_fn,
-                                                        self.optimizer)
+        graph = graph if graph is not None else self._capture(batch)
         cm = self._cost()
         if hasattr(cm, "profile"):
             cm.profile(graph)
@@ -163,6 +174,22 @@ class TrainStep:
             sol = solve(Problem(graph, cm, budget_bytes=budget, latency_limit=self.latency_limit,
                                 time_budget_s=self.time_budget), self.solver)
         return _Planned(graph, sol, eager.sim)
+
+    def _capture(self, batch: Any) -> Graph:
+        graph = capture(self.model, batch, self.loss_fn, self.optimizer,
+                        clip_grad_norm=self.clip_grad_norm)
+        if self.in_backward is False:
+            return graph
+        reason = why_not(graph)
+        if reason is None:
+            return optimizer_in_backward(graph)
+        if self.in_backward is True:
+            raise OptimizerInBackwardError(f"optimizer_in_backward=True is impossible: {reason}; "
+                                           "pass optimizer_in_backward='auto' to keep gradients")
+        # NOTE: "auto" keeps the gradients, and says so (law 5: no silent fallback)
+        warnings.warn(f"optimizer-in-backward is off: {reason}", stacklevel=5)
+        graph.meta["optimizer_in_backward_off"] = reason
+        return graph
 
     def plan_for(self, batch: Any) -> _Planned:
         key = self._key(batch)
@@ -224,6 +251,11 @@ class TrainStep:
     def report(self) -> OptimizeReport:
         p = self._current()
         s = p.solution
+        notes = dict(s.notes)
+        if self.in_backward is not False:
+            notes["optimizer_in_backward"] = (
+                "off: " + p.graph.meta["optimizer_in_backward_off"]
+                if "optimizer_in_backward_off" in p.graph.meta else "on")
         return OptimizeReport(
             solver=s.solver, budget_bytes=None if self.budget is None else parse_budget(
                 self.budget, eager_peak_bytes=p.eager.peak_bytes),
@@ -233,7 +265,7 @@ class TrainStep:
             nodes=len(p.graph.nodes), recomputes=s.plan.counts().get("recompute", 0),
             measured_peak_bytes=p.measured_peak_bytes,
             measured_step_s=statistics.median(p.step_times) if p.step_times else None,
-            notes=dict(s.notes))
+            notes=notes)
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -249,6 +281,7 @@ class TrainStep:
         blob = {"format": SAVE_FORMAT, "fingerprint": graph_fingerprint(p.graph),
                 "graph": graph, "batch_spec": treespec_dumps(p.graph.meta["batch_spec"]), "plan": p.solution.plan, "solver": p.solution.solver,
                 "budget": self.budget, "latency_limit": self.latency_limit,
+                "optimizer_in_backward": self.in_backward, "clip_grad_norm": self.clip_grad_norm,
                 "torch": torch.__version__}
         with open(path, "wb") as f:
             pickle.dump(blob, f)
@@ -257,7 +290,9 @@ class TrainStep:
 def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              optimizer: torch.optim.Optimizer | None = None, budget=None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
-             solver: str = "hotspot", cost_model=None, on_new_shape: str = "replan") -> TrainStep:
+             solver: str = "hotspot", cost_model=None, on_new_shape: str = "replan",
+             optimizer_in_backward: bool | str = False,
+             clip_grad_norm: float | None = None) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
     ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
@@ -266,12 +301,20 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
     or, with ``on_new_shape="error"``, refused.
+
+    ``optimizer_in_backward``: True updates each parameter as soon as its gradient is complete
+    and frees the gradient (``.grad`` stays None; ``OptimizerInBackwardError`` names what makes
+    it impossible, e.g. ``clip_grad_norm``); "auto" does so when possible and otherwise keeps
+    the gradients, with a warning and ``report().notes["optimizer_in_backward"]`` saying why.
+    ``clip_grad_norm``: clip the gradients' global norm before the update, as
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
     """
     if (budget is None) == (latency_limit is None):
         raise ValueError("give exactly one of budget= and latency_limit=")
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
-                     on_new_shape=on_new_shape)
+                     on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
+                     clip_grad_norm=clip_grad_norm)
     step.plan_for(batch)
     return step
 
@@ -306,9 +349,13 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     step = TrainStep(model, loss_fn, optimizer, budget=blob["budget"],
                      latency_limit=blob["latency_limit"], time_budget=kwargs.get("time_budget", 30.0),
                      solver=blob["solver"], cost_model=kwargs.get("cost_model"),
-                     on_new_shape=kwargs.get("on_new_shape", "replan"))
+                     on_new_shape=kwargs.get("on_new_shape", "replan"),
+                     optimizer_in_backward=blob.get("optimizer_in_backward", False),
+                     clip_grad_norm=blob.get("clip_grad_norm"))
     if batch is not None:
-        fresh = capture(model, batch, loss_fn, optimizer)
+        with warnings.catch_warnings():  # NOTE: "auto" warned when the plan was made
+            warnings.simplefilter("ignore")
+            fresh = step._capture(batch)
         if graph_fingerprint(fresh) != blob["fingerprint"]:
             raise ValueError(f"{path}: the plan was made for another graph (the step captured "
                              "from this model and batch differs); optimize it again")

@@ -29,8 +29,12 @@ __all__ = ["capture"]
 
 def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
             optimizer: torch.optim.Optimizer | None = None, *,
-            device: str | torch.device | None = None) -> Graph:
+            device: str | torch.device | None = None,
+            clip_grad_norm: float | None = None) -> Graph:
     """Capture forward, loss, backward and (with ``optimizer``) the update of one step.
+
+    ``clip_grad_norm``: clip the gradients' global L2 norm to this value between the backward
+    and the update, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
 
     Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
     is captured as if it lived on ``device`` (default cpu), so models bigger than this machine
@@ -41,7 +45,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     dev = torch.device(device) if device is not None else None
     if optimizer is not None:
         describe_optimizer(optimizer)  # NOTE: fail before tracing, not after
-    traced = trace_step(model, batch, loss_fn, dev)
+    traced = trace_step(model, batch, loss_fn, dev, clip_grad_norm)
     input_names = [(f"param:{n}", Role.PARAMETER) for n in traced.param_names]
     input_names += [(f"buffer:{n}", Role.BUFFER) for n in traced.buffer_names]
     input_names += [(f"batch:{i}", Role.INPUT) for i in range(traced.n_batch)]
@@ -65,6 +69,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         "batch_spec": traced.batch_spec,
         "constants": cs.constants,
         "optimizer": kind,
+        "clip_grad_norm": clip_grad_norm,
         "params_without_grad": no_grad,
         "capture_s": time.perf_counter() - t0,
     })

@@ -15,6 +15,7 @@ import contextlib
 import re
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -150,9 +151,19 @@ def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | 
     return fake_mode.from_tensor(t)
 
 
+def _clip_grad_norm(grads: list[torch.Tensor | None], max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on the traced gradients:
+    torch's own function, with its per-tensor kernels (``foreach=False``; CPU's foreach path runs
+    the same ones)."""
+    holders = [SimpleNamespace(grad=g) for g in grads if g is not None]  # NOTE: it reads p.grad
+    torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=False)
+
+
 def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
-               device: torch.device | None = None) -> TracedStep:
-    """Trace forward + loss + backward of ``model`` on ``batch`` with fake tensors."""
+               device: torch.device | None = None,
+               clip_grad_norm: float | None = None) -> TracedStep:
+    """Trace forward + loss + backward of ``model`` on ``batch`` with fake tensors (and, with
+    ``clip_grad_norm``, the clipping of the gradients' global norm, as optimizer-phase ops)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise CaptureError("the model has no parameter with requires_grad=True; nothing to "
@@ -188,6 +199,8 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         grads = torch.autograd.grad(loss, [p[n] for n in names], allow_unused=True)
         grads = [_obey_layout(g, p[n]) for g, n in zip(grads, names)]
         tracker.mark(Phase.OPTIMIZER, "")
+        if clip_grad_norm is not None:
+            _clip_grad_norm(grads, clip_grad_norm)
         return loss, grads
 
     try:

@@ -4,7 +4,10 @@ Data edges are not enough. A node that writes a storage in place must stay after
 access to that storage and before every later one (BatchNorm's running stats, dropout's mask,
 the optimizer's update of a weight the backward still reads). Random ops keep their relative
 order, so each draws the same numbers from the RNG stream as in eager. Any topological order of
-these edges computes bitwise the same values.
+these edges computes bitwise the same values, also when ``plan.remat`` recomputes forward values
+during the backward: an optimizer update of a weight waits for every later node that reads a
+forward value computed at or after the weight's first forward reader, because a recompute
+inserted before such a node may read the weight and must see it before the update.
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -21,7 +24,13 @@ Example:
 from __future__ import annotations
 
 from .analysis import GraphError
-from .ir import Graph
+from .ir import Graph, Phase
+
+_FORWARD = (Phase.FORWARD, Phase.LOSS)
+
+
+def _storages_of(graph: Graph, values) -> set[int]:
+    return {graph.values[v].storage for v in values}
 
 __all__ = ["dependencies", "respects_dependencies"]
 
@@ -53,7 +62,43 @@ def dependencies(graph: Graph) -> dict[int, set[int]]:
                 deps[n.id].add(last_random)
             last_random = n.id
         deps[n.id].discard(n.id)
+    _guard_recomputes(graph, deps)
     return deps
+
+
+def _guard_recomputes(graph: Graph, deps: dict[int, set[int]]) -> None:
+    """Make each optimizer update wait for the nodes whose recomputes may read its weight.
+
+    A recompute of forward node f runs right before a later node that reads an output of f or
+    of a forward node computed from f (directly, or through a view made after the forward).
+    Every such reader reads a forward value produced at or after f; f reads weight w only if f
+    comes at or after w's first forward reader. So the readers of forward values produced at or
+    after that point are all the nodes a recompute reading w may precede.
+    """
+    first_read: dict[int, int] = {}   # storage -> first forward node reading it
+    origin: dict[int, int] = {}       # value -> forward node it was produced by (or viewed from)
+    latest: dict[int, int] = {}       # later node -> latest origin among the values it reads
+    for n in graph.nodes:
+        forward = n.phase in _FORWARD
+        if forward:
+            for v in n.inputs:
+                first_read.setdefault(graph.values[v].storage, n.id)
+            origin.update((o, n.id) for o in n.outputs if o is not None)
+            continue
+        seen = [origin[v] for v in n.inputs if v in origin]
+        if not seen:
+            continue
+        latest[n.id] = max(seen)
+        if not n.mutates and all(graph.values[o].storage in _storages_of(graph, n.inputs)
+                                 for o in n.outputs if o is not None):
+            origin.update((o, latest[n.id]) for o in n.outputs if o is not None)  # a view
+    for n in graph.nodes:
+        if n.phase is not Phase.OPTIMIZER:
+            continue
+        starts = [first_read[s] for s in {graph.values[v].storage for v in n.mutates}
+                  if s in first_read]
+        if starts:
+            deps[n.id].update(c for c, o in latest.items() if o >= min(starts) and c != n.id)
 
 
 def respects_dependencies(graph: Graph, order: list[int],

@@ -73,13 +73,15 @@ def recomputable(graph: Graph) -> dict[int, str]:
     BatchNorm's running stats) unless they belong to an in-place chain (``inplace_chains``,
     recomputed as a unit), ops whose output storage is written in place later or that read a
     storage written in place later (outside such a chain), optimizer updates, and ops whose
-    outputs are step outputs or views of resident storage.
+    outputs are step outputs or views of resident storage. Optimizer updates do not count as
+    later writes: ``graph.deps`` makes each wait for every recompute that may read its weight.
     """
     mutated_at: dict[int, list[int]] = {}
     for n in graph.nodes:
         if n.phase is Phase.OPTIMIZER:
-            # NOTE: updates run after the whole backward, where every recompute happens, so
-            # they never change what a recompute reads (revisit with optimizer-in-backward)
+            # NOTE: an update waits for every node whose recompute may read its weight
+            # (graph.deps), also when it runs inside the backward (optimizer-in-backward), so
+            # it never changes what a recompute reads; remat_plan checks it
             continue
         for v in n.mutates:
             mutated_at.setdefault(graph.values[v].storage, []).append(n.id)
@@ -195,9 +197,13 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                     stack.append([producer(u), 0])
                 continue
             stack.pop()
+            if updated and any(graph.values[u].storage in updated
+                               for u in graph.nodes[frame[0]].inputs):
+                raise _reads_updated_weight(graph, frame[0])
             events.append(Recompute(frame[0]))
             avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
 
+    updated: set[int] = set()  # NOTE: weights an update has already changed
     boundary = drop_point(graph, order)
     dropped_storages = {s for nid in drop for s in t.fresh[nid]}
     for pos, nid in enumerate(order):
@@ -208,8 +214,19 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
             ensure(u)
         events.append(Compute(nid))
         avail.update(o for o in graph.nodes[nid].outputs if o is not None)
+        if graph.nodes[nid].phase is Phase.OPTIMIZER:
+            updated.update(graph.values[v].storage for v in graph.nodes[nid].mutates)
     return Plan(tuple(_with_frees(graph, events, t.fresh, t.keep)),
                 meta={"dropped": sorted(drop)})
+
+
+def _reads_updated_weight(graph: Graph, nid: int) -> RematError:
+    n = graph.nodes[nid]
+    return RematError(f"node {n.name} ({n.target}, module {n.module or '<top>'}) would be "
+                      "recomputed after the optimizer updated a weight it reads, giving a "
+                      "different result: the order breaks graph.deps (an update waits for "
+                      "every node whose recompute may read its weight); plan with an order "
+                      "that respects it (plan.reorder)")
 
 
 def drop_point(graph: Graph, order: list[int]) -> int:
