@@ -7,14 +7,20 @@ simulated compute time) between two consecutive uses, ``offload_plan`` places:
 * ``Offload(s)`` right after the last write before the gap: the copy overlaps the reads after it;
 * ``Wait(s)`` right after the last use before the gap: the device bytes are released there;
 * ``Prefetch(s)`` as late as its copy can still be hidden under compute before the next reader
-  (node times from ``cost_model.node_cost``, copy times from ``cost_model.copy_seconds``, the
-  copy stream's queue included), or right after the release when no point hides it;
+  (node times from ``cost_model.node_cost``, copy times from ``cost_model.copy_seconds``, in idle
+  time of the copy stream), or right after the release when no point hides it;
 * ``Wait(s)`` right before the next reader.
 
-Only device memory inside the gap changes, so the offloaded plan never peaks above the plan it
-came from. ``offload_gains`` scores each storage offloaded alone (bytes × seconds off device, the
-peak it saves, the latency it exposes) so that a planner can weigh offloading a tensor against
-recomputing it. See ``fitgraph.plan.instructions`` for what the instructions mean.
+Placing takes one simulation of the plan: its clock, shifted after each release Wait by the time
+that Wait stalls for its copy, and the copy stream's busy intervals (``plan.copy_stream``), with
+prefetches placed latest deadline first. The plan given must not offload yet: offload every
+storage in one call. Only device memory inside the gaps changes, so the offloaded plan never
+peaks above the plan it came from.
+
+``offload_gains`` scores each storage offloaded alone (bytes × seconds off device, the peak it
+saves, the latency it exposes), all of them in about the time of one simulation, so that a
+planner can weigh offloading a tensor against recomputing it. The instructions' meaning is in
+``fitgraph.plan.instructions``.
 
 Example:
     >>> from fitgraph.cost.base import NodeCost
@@ -44,17 +50,17 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
 from ..sim.simulate import SimResult, simulate
+from .copy_stream import CopyStream
 from .instructions import Compute, Free, Instruction, Offload, Plan, Prefetch, Recompute, Wait
 
 __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates", "offload_gains",
            "offload_plan", "offload_windows"]
-
-# NOTE: simulated clocks are sums of float seconds; a copy "ends in time" within this slack
-TIME_EPS_S = 1e-12
 
 
 class OffloadError(ValueError):
@@ -73,7 +79,8 @@ class OffloadWindow:
 
 @dataclass(frozen=True, slots=True)
 class OffloadGain:
-    """What offloading one storage alone buys and costs, simulated."""
+    """What offloading one storage alone buys and costs (the planner's clock; the simulator
+    agrees up to float rounding, and exactly on bytes)."""
 
     storage: int
     nbytes: int
@@ -100,7 +107,7 @@ def _uses(graph: Graph, plan: Plan) -> _Uses:
     access: dict[int, list[int]] = {}
     writes: dict[int, list[int]] = {}
     why_not: dict[int, str] = {st: "it is resident or a step output" for st in sorted(keep)}
-    freed: dict[int, int] = {}
+    freed: set[int] = set()
     compute_pcs = []
     for pc, ins in enumerate(plan):
         if isinstance(ins, (Compute, Recompute)):
@@ -120,10 +127,11 @@ def _uses(graph: Graph, plan: Plan) -> _Uses:
                 for st in fresh[ins.node]:
                     why_not.setdefault(st, "the plan recomputes it")
         elif isinstance(ins, Free):
-            for st in ins.storages:
-                freed[st] = pc
+            freed.update(ins.storages)
         elif isinstance(ins, (Offload, Prefetch, Wait)):
-            why_not.setdefault(ins.storage, "the plan already offloads it")
+            raise OffloadError(f"instruction {pc}: the plan already offloads (storage "
+                               f"{ins.storage}); offload from the plan before offloading, every "
+                               "storage in one call")
     for st, nbytes in enumerate(s.nbytes for s in graph.storages):
         if st not in access:
             why_not.setdefault(st, "the plan never uses it")
@@ -134,18 +142,21 @@ def _uses(graph: Graph, plan: Plan) -> _Uses:
     return _Uses(access, writes, why_not, compute_pcs)
 
 
+def _gaps(uses: _Uses, st: int) -> list[tuple[int, int]]:
+    """Consecutive uses of ``st`` with at least one node run between them."""
+    acc, pcs = uses.access[st], uses.compute_pcs
+    return [(a, b) for a, b in zip(acc, acc[1:])
+            if bisect.bisect_left(pcs, b) - bisect.bisect_right(pcs, a) > 0]
+
+
 def _window(uses: _Uses, st: int, before_s: list[float], after_s: list[float]
             ) -> OffloadWindow | None:
     """The gap with the most compute time between two consecutive uses of ``st`` (the first
-    such on ties), or None when no compute runs between any two."""
-    acc = uses.access[st]
-    best, best_score = None, (0.0, 0)
-    for a, b in zip(acc, acc[1:]):
-        computes = (bisect.bisect_left(uses.compute_pcs, b)
-                    - bisect.bisect_right(uses.compute_pcs, a))
-        score = (before_s[b] - after_s[a], computes)
-        if computes > 0 and (best is None or score > best_score):
-            best, best_score = (a, b), score
+    such on ties), or None when no node runs between any two."""
+    best, best_s = None, -1.0
+    for a, b in _gaps(uses, st):
+        if before_s[b] - after_s[a] > best_s:
+            best, best_s = (a, b), before_s[b] - after_s[a]
     if best is None:
         return None
     release, reader = best
@@ -164,15 +175,7 @@ def offload_candidates(graph: Graph, plan: Plan) -> list[int]:
     resident nor a step output, not freed before their last use, and with at least one node run
     between two consecutive uses."""
     uses = _uses(graph, plan)
-    out = []
-    for st in sorted(uses.access):
-        if st in uses.why_not:
-            continue
-        acc = uses.access[st]
-        if any(bisect.bisect_left(uses.compute_pcs, b) - bisect.bisect_right(uses.compute_pcs, a)
-               for a, b in zip(acc, acc[1:])):
-            out.append(st)
-    return out
+    return [st for st in sorted(uses.access) if st not in uses.why_not and _gaps(uses, st)]
 
 
 def offload_windows(graph: Graph, plan: Plan, storages: Iterable[int],
@@ -200,132 +203,173 @@ def _windows(graph: Graph, uses: _Uses, storages: Iterable[int], before_s: list[
     return out
 
 
-def offload_plan(graph: Graph, plan: Plan, storages: Iterable[int],
-                 cost_model: CostModel) -> Plan:
-    """``plan`` with each of ``storages`` offloaded across its longest gap (see the module doc).
-    Deterministic; the result peaks no higher than ``plan`` in the simulator."""
-    uses = _uses(graph, plan)
-    base = simulate(graph, plan, cost_model)
-    before_s, after_s = _clocks(base)
-    windows = _windows(graph, uses, storages, before_s, after_s)
-    return _place(graph, plan, uses, windows, cost_model)
-
-
 # -- placement -------------------------------------------------------------------------------
-# NOTE: instructions are inserted around the plan's own: ``before[pc]`` runs just before
-# instruction pc (prefetches, then the Waits of prefetches), ``after[pc]`` just after it
-# (offloads, then the Waits that release). The rank orders kinds inside one slot.
-_BEFORE, _OWN, _AFTER = 0, 1, 2
+class _Clock:
+    """The plan's compute clock once the offloads are in: the clock of the plan shifted, after
+    each release Wait, by the time it stalls for its copy (as the simulator's Wait does)."""
+
+    def __init__(self, before_s: list[float], after_s: list[float]) -> None:
+        self.before_s, self.after_s = before_s, after_s
+        self.from_pc: list[int] = []    # the shift grows from these plan indices on
+        self.shift: list[float] = []    # the shift from there
+
+    def shift_at(self, pc: int) -> float:
+        k = bisect.bisect_right(self.from_pc, pc) - 1
+        return self.shift[k] if k >= 0 else 0.0
+
+    def before(self, pc: int) -> float:
+        return self.before_s[pc] + self.shift_at(pc)
+
+    def stall(self, pc: int, seconds: float) -> None:
+        """Add a stall after instruction ``pc`` (the clock of every later one moves)."""
+        total = self.shift_at(pc + 1) + seconds
+        if self.from_pc and self.from_pc[-1] == pc + 1:
+            self.shift[-1] = total
+        else:
+            self.from_pc.append(pc + 1)
+            self.shift.append(total)
 
 
-def _assemble(plan: Plan, before: dict[int, list[tuple[int, int, Instruction]]],
-              after: dict[int, list[tuple[int, int, Instruction]]]) -> tuple[Plan, list[int]]:
-    """The plan with the insertions, and where each original instruction ended up."""
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    window: OffloadWindow
+    prefetch: int       # plan index the Prefetch goes before
+    release_s: float    # compute clock after the release Wait
+    prefetch_s: float   # compute clock at the Prefetch's issue
+    stall_s: float      # compute waiting at the two Waits
+
+
+def _stage(graph: Graph, windows: list[OffloadWindow], clock: _Clock, cost_model: CostModel
+           ) -> tuple[CopyStream, dict[int, float]]:
+    """Offloads and releases on the clock: the copy stream's busy intervals, and each release
+    Wait's stall (the clock is shifted by them)."""
+    events = sorted([(w.write, 0, w.storage) for w in windows]
+                    + [(w.release, 1, w.storage) for w in windows])
+    t_copy, done, stalls, spans = 0.0, {}, {}, []
+    for pc, kind, st in events:
+        now = clock.after_s[pc] + clock.shift_at(pc + 1)
+        if kind == 0:  # NOTE: FIFO, like the simulator: a copy starts when the stream is free
+            start = max(t_copy, now)
+            t_copy = done[st] = start + cost_model.copy_seconds(graph.storages[st].nbytes)
+            spans.append((start, t_copy))
+        else:
+            stalls[st] = max(0.0, done[st] - now)
+            if stalls[st] > 0:
+                clock.stall(pc, stalls[st])
+    return CopyStream(spans), stalls
+
+
+def _fit_prefetches(graph: Graph, uses: _Uses, windows: list[OffloadWindow], clock: _Clock,
+                    stream: CopyStream, stalls: dict[int, float], cost_model: CostModel
+                    ) -> list[_Placed]:
+    """Each prefetch at the latest node it is hidden before, latest deadline first (so each
+    fits in before the ones already placed); with no such node, right after the release."""
+    points = uses.compute_pcs
+
+    def issue_at(i: int) -> float:
+        return clock.before(points[i])
+
+    out = []
+    for w in sorted(windows, key=lambda w: (-w.reader, w.storage)):
+        secs = cost_model.copy_seconds(graph.storages[w.storage].nbytes)
+        deadline = clock.before(w.reader)
+        lo = bisect.bisect_right(points, w.release)
+        hi = bisect.bisect_right(points, w.reader)
+        i = stream.latest_fit(issue_at, lo, hi, secs, deadline)
+        start = issue_at(lo if i is None else i)
+        if i is None:  # NOTE: not hidden anywhere: start as early as possible, stall the least
+            start = stream.queued_start(start)
+        stream.add(start, secs)
+        p = points[lo if i is None else i]
+        release_s = clock.after_s[w.release] + clock.shift_at(w.release + 1)
+        stall = stalls[w.storage] + max(0.0, start + secs - deadline)
+        out.append(_Placed(w, p, release_s, clock.before(p), stall))
+    return out
+
+
+def _assemble(plan: Plan, placed: list[_Placed]) -> Plan:
+    """The plan with the copies: after instruction pc its offloads then its release Waits, before
+    it its prefetches then their Waits; each sorted by storage."""
+    before: dict[int, list[tuple[int, int, Instruction]]] = {}
+    after: dict[int, list[tuple[int, int, Instruction]]] = {}
+    for x in placed:
+        w = x.window
+        after.setdefault(w.write, []).append((0, w.storage, Offload(w.storage)))
+        after.setdefault(w.release, []).append((1, w.storage, Wait(w.storage)))
+        before.setdefault(x.prefetch, []).append((0, w.storage, Prefetch(w.storage)))
+        before.setdefault(w.reader, []).append((1, w.storage, Wait(w.storage)))
     out: list[Instruction] = []
-    pos = []
     for pc, ins in enumerate(plan):
         out.extend(i for _, _, i in sorted(before.get(pc, ()), key=_slot_key))
-        pos.append(len(out))
         out.append(ins)
         out.extend(i for _, _, i in sorted(after.get(pc, ()), key=_slot_key))
-    return Plan(tuple(out), meta=dict(plan.meta)), pos
+    meta = dict(plan.meta, offloaded=tuple(sorted(x.window.storage for x in placed)))
+    return Plan(tuple(out), meta=meta)
 
 
 def _slot_key(entry: tuple[int, int, Instruction]) -> tuple[int, int]:
     return entry[0], entry[1]
 
 
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    key: tuple[int, int, int]  # (plan index, slot, storage): the copy stream's FIFO order
-    issue_s: float             # compute clock when it is issued
-    seconds: float
-    deadline_s: float          # when the compute stream waits for it
+def _place(graph: Graph, uses: _Uses, windows: list[OffloadWindow], before_s: list[float],
+           after_s: list[float], cost_model: CostModel) -> list[_Placed]:
+    clock = _Clock(before_s, after_s)
+    stream, stalls = _stage(graph, windows, clock, cost_model)
+    return _fit_prefetches(graph, uses, windows, clock, stream, stalls, cost_model)
 
 
-def _lateness(copies: list[_Copy]) -> float:
-    """Total time copies end after their deadlines, on a FIFO copy stream (like the simulator:
-    a copy starts when issued and the stream is free)."""
-    t = late = 0.0
-    for c in sorted(copies, key=_copy_key):
-        t = max(t, c.issue_s) + c.seconds
-        late += max(0.0, t - c.deadline_s)
-    return late
-
-
-def _copy_key(c: _Copy) -> tuple[int, int, int]:
-    return c.key
-
-
-def _place(graph: Graph, plan: Plan, uses: _Uses, windows: list[OffloadWindow],
-           cost_model: CostModel) -> Plan:
-    before: dict[int, list[tuple[int, int, Instruction]]] = {}
-    after: dict[int, list[tuple[int, int, Instruction]]] = {}
-    for w in windows:
-        after.setdefault(w.write, []).append((0, w.storage, Offload(w.storage)))
-        after.setdefault(w.release, []).append((1, w.storage, Wait(w.storage)))
-    # NOTE: simulate the offloads first: their release Waits may stall compute, which moves
-    # every deadline after them; prefetches that are hidden stall nothing
-    staged, pos = _assemble(plan, before, after)
-    sim = simulate(graph, staged, cost_model)
-    t_after = sim.time_after
-    t_before = [t_after[p - 1] if p else 0.0 for p in pos]  # clock just before instruction pc
-    t_done = [t_after[p] for p in pos]                      # ... and just after it
-    inf = float("inf")
-    copies = [_Copy((pc, _OWN, ins.storage), t_before[pc],
-                    cost_model.copy_seconds(graph.storages[ins.storage].nbytes), inf)
-              for pc, ins in enumerate(plan) if isinstance(ins, (Offload, Prefetch))]
-    for w in windows:
-        copies.append(_Copy((w.write, _AFTER, w.storage), t_done[w.write],
-                            cost_model.copy_seconds(graph.storages[w.storage].nbytes),
-                            t_done[w.release]))
-    late = _lateness(copies)
-    points = uses.compute_pcs
-    starts = [t_before[pc] for pc in points]
-    # NOTE: latest deadline first, so each prefetch is fitted in before the ones already placed
-    # (a copy issued earlier delays, on a FIFO stream, every copy issued after it)
-    for w in sorted(windows, key=lambda w: (-w.reader, w.storage)):
-        secs = cost_model.copy_seconds(graph.storages[w.storage].nbytes)
-        deadline = t_before[w.reader]
-        lo = bisect.bisect_right(points, w.release)
-        hi = bisect.bisect_right(points, w.reader)
-        latest = bisect.bisect_right(starts, deadline - secs + TIME_EPS_S, lo, hi)
-        chosen = points[lo]  # NOTE: no point hides the copy: start it as early as possible
-        for i in range(latest - 1, lo - 1, -1):
-            trial = _Copy((points[i], _BEFORE, w.storage), starts[i], secs, deadline)
-            if _lateness([*copies, trial]) <= late + TIME_EPS_S:
-                chosen = points[i]
-                break
-        copies.append(_Copy((chosen, _BEFORE, w.storage), t_before[chosen], secs, deadline))
-        late = _lateness(copies)
-        before.setdefault(chosen, []).append((0, w.storage, Prefetch(w.storage)))
-        before.setdefault(w.reader, []).append((1, w.storage, Wait(w.storage)))
-    out, _ = _assemble(plan, before, after)
-    out.meta["offloaded"] = tuple(w.storage for w in windows)
-    return out
+def offload_plan(graph: Graph, plan: Plan, storages: Iterable[int],
+                 cost_model: CostModel) -> Plan:
+    """``plan`` with each of ``storages`` offloaded across its longest gap (see the module doc).
+    Deterministic; the result peaks no higher than ``plan`` in the simulator."""
+    uses = _uses(graph, plan)
+    before_s, after_s = _clocks(simulate(graph, plan, cost_model))
+    windows = _windows(graph, uses, storages, before_s, after_s)
+    return _assemble(plan, _place(graph, uses, windows, before_s, after_s, cost_model))
 
 
 def offload_gains(graph: Graph, plan: Plan, cost_model: CostModel,
                   storages: Iterable[int] | None = None) -> dict[int, OffloadGain]:
     """Per storage (default: every candidate), what offloading it alone in ``plan`` gains and
-    costs in the simulator; sorted by storage id."""
+    costs, placed as ``offload_plan(graph, plan, [storage], cost_model)`` places it; sorted by
+    storage id. One simulation of ``plan``, then a few lookups per storage."""
     uses = _uses(graph, plan)
     base = simulate(graph, plan, cost_model)
     before_s, after_s = _clocks(base)
     chosen = offload_candidates(graph, plan) if storages is None else storages
+    peaks = _RangeMax(base.peak_during)
     out: dict[int, OffloadGain] = {}
     for w in _windows(graph, uses, chosen, before_s, after_s):
-        one = _place(graph, plan, uses, [w], cost_model)
-        sim = simulate(graph, one, cost_model)
-        released = next(pc for pc, i in enumerate(one) if isinstance(i, Wait)
-                        and i.storage == w.storage)
-        fetched = next(pc for pc, i in enumerate(one) if isinstance(i, Prefetch)
-                       and i.storage == w.storage)
-        off = sim.time_after[fetched - 1] - sim.time_after[released]
+        x = _place(graph, uses, [w], before_s, after_s, cost_model)[0]
         nbytes = graph.storages[w.storage].nbytes
+        # NOTE: only the plan's instructions strictly between the release and the prefetch run
+        # without the storage; what is inserted never tops its neighbours
+        inside = peaks.max(w.release + 1, x.prefetch) - nbytes
+        outside = max(peaks.max(0, w.release + 1), peaks.max(x.prefetch, len(plan)))
+        peak = max(base.resident_bytes, inside, outside)
+        off = x.prefetch_s - x.release_s
         out[w.storage] = OffloadGain(
             storage=w.storage, nbytes=nbytes, off_device_s=off, byte_seconds=nbytes * off,
-            peak_saving=base.peak_bytes - sim.peak_bytes,
-            exposed_s=max(0.0, sim.latency_s - base.latency_s),
-            copy_s=sim.copy_s - base.copy_s)
+            peak_saving=base.peak_bytes - peak, exposed_s=x.stall_s,
+            copy_s=2 * cost_model.copy_seconds(nbytes))
     return out
+
+
+class _RangeMax:
+    """max(values[lo:hi]) in O(1) after an O(n log n) sparse table (numpy)."""
+
+    def __init__(self, values) -> None:
+        table = [np.asarray(values, dtype=np.int64)]
+        k = 1
+        while 2 * k <= len(values):
+            prev = table[-1]
+            table.append(np.maximum(prev[:-k], prev[k:]))
+            k *= 2
+        self.table = table
+
+    def max(self, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return -1
+        level = (hi - lo).bit_length() - 1
+        row = self.table[level]
+        return int(max(row[lo], row[hi - (1 << level)]))
