@@ -228,7 +228,23 @@ def test_hotspot_remat_in_backward_bitwise_and_simulated_exactly():
         graph, plan, b, case.batch, ob, repeats=0).peak_bytes
 
 
-def test_optimize_option():
+def test_parameters_outside_the_optimizer_keep_their_grad():
+    model, batch, loss_fn = _mlp()
+    a, b = model, copy.deepcopy(model)
+    make = OPTIMIZERS["sgd-momentum"]
+    oa, ob = make(a[1:].parameters()), make(b[1:].parameters())  # NOTE: not the first layer
+    la = eager_step(a, batch, loss_fn, oa)
+    graph = optimizer_in_backward(fitgraph.capture(b, batch, loss_fn, ob))
+    assert sorted(k for k in graph.outputs if k.startswith("grad:")) == [
+        "grad:0.0.bias", "grad:0.0.weight"]
+    lb = execute(graph, fitgraph.eager_plan(graph), b, batch, ob)
+    assert torch.equal(la, lb)
+    for p in a[1:].parameters():
+        p.grad = None
+    assert_bitwise_equal_models(a, b, oa, ob)  # NOTE: the first layer's .grad as eager's
+
+
+def test_optimize_option(tmp_path):
     model, batch, loss_fn = _mlp()
     a, b = model, copy.deepcopy(model)
     oa, ob = OPTIMIZERS["adamw"](a.parameters()), OPTIMIZERS["adamw"](b.parameters())
@@ -242,6 +258,18 @@ def test_optimize_option():
     r = step.report()
     assert r.notes["optimizer_in_backward"] == "on"
     assert r.measured_peak_bytes == r.planned_peak_bytes
+    b[0][0].weight.grad = torch.zeros_like(b[0][0].weight)
+    with pytest.raises(ValueError, match="0.0.weight has a .grad"):
+        step(batch)
+    b[0][0].weight.grad = None
+    step.save(str(tmp_path / "plan.fg"))
+    loaded = fitgraph.load(str(tmp_path / "plan.fg"), b, ob, loss_fn, batch)
+    assert loaded.report().notes["optimizer_in_backward"] == "on"
+    la = eager_step(a, batch, loss_fn, oa, seed=2)
+    torch.manual_seed(2)
+    assert torch.equal(la, loaded(batch))
+    oa.zero_grad(set_to_none=True)
+    assert_bitwise_equal_models(a, b, oa, ob)
     with pytest.raises(OptimizerInBackwardError, match="node stack"):
         fitgraph.optimize(b, batch, loss_fn, ob, budget=1.0, clip_grad_norm=0.05,
                           optimizer_in_backward=True, cost_model="rtx3090")

@@ -206,6 +206,14 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         planned = self.plan_for(batch)
         self._last = self._key(batch)
+        updated = set(planned.graph.meta.get("optimizer_in_backward", ()))
+        stale = next((n for n, p in self.model.named_parameters()
+                      if p.grad is not None and n in updated), None)
+        if stale is not None:
+            # NOTE: eager would add this .grad into the update; the in-backward step never reads it
+            raise ValueError(f"parameter {stale} has a .grad, which an optimizer-in-backward "
+                             "step would ignore: call optimizer.zero_grad(set_to_none=True) "
+                             "before the step")
         if planned.executor is None:
             from .measure import resident_bytes
 

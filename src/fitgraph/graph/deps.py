@@ -26,13 +26,9 @@ from __future__ import annotations
 from .analysis import GraphError
 from .ir import Graph, Phase
 
-_FORWARD = (Phase.FORWARD, Phase.LOSS)
-
-
-def _storages_of(graph: Graph, values) -> set[int]:
-    return {graph.values[v].storage for v in values}
-
 __all__ = ["dependencies", "respects_dependencies"]
+
+_FORWARD = (Phase.FORWARD, Phase.LOSS)
 
 
 def dependencies(graph: Graph) -> dict[int, set[int]]:
@@ -89,9 +85,10 @@ def _guard_recomputes(graph: Graph, deps: dict[int, set[int]]) -> None:
         if not seen:
             continue
         latest[n.id] = max(seen)
-        if not n.mutates and all(graph.values[o].storage in _storages_of(graph, n.inputs)
-                                 for o in n.outputs if o is not None):
-            origin.update((o, latest[n.id]) for o in n.outputs if o is not None)  # a view
+        outs = [o for o in n.outputs if o is not None]
+        bases = {graph.values[v].storage for v in n.inputs}
+        if not n.mutates and all(graph.values[o].storage in bases for o in outs):
+            origin.update((o, latest[n.id]) for o in outs)  # NOTE: a view, re-made on recompute
     for n in graph.nodes:
         if n.phase is not Phase.OPTIMIZER:
             continue
