@@ -81,8 +81,8 @@ def why_not(graph: Graph, deps: dict[int, set[int]] | None = None) -> str | None
         for d in deps[n.id]:
             r |= reach[d]
         if n.id not in own:
-            for v in n.inputs:
-                r |= 1 << bit[graph.values[v].storage] if graph.values[v].storage in bit else 0
+            for st in {graph.values[v].storage for v in n.inputs} & bit.keys():
+                r |= 1 << bit[st]
         reach[n.id] = r
     blocked = next((u for u in updates if reach[u.id] & ~own[u.id]), None)
     if blocked is None:
