@@ -1,0 +1,244 @@
+"""Fission regions: the connected nodes through which one split dimension flows.
+
+``grow_region(graph, value, dim)`` starts from a dim of a value and adds, one neighbour at a time,
+every producer and user whose dimension rule has a split that agrees with the dims assigned so
+far. It stops at ops without a rule, random and listed boundary ops, ops that would need a
+value already split in the region whole (or the reverse), and readers of a partial sum. Inputs
+a node needs whole (``None``) must not depend on the region: the region stays *convex* (no path
+leaves it and comes back), so it can run as one block in k parts. Units: a value's ``units``
+entry is how many of its elements along its dim make one unit of the region's split axis;
+values reached through a convolution's halo have none (their ranges follow the windows).
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, ValueRef
+    >>> from fitgraph.graph.dim_region import grow_region
+    >>> b = GraphBuilder()
+    >>> x = b.add_input("x", (8, 4), "float32", Role.INPUT)
+    >>> w = b.add_input("w", (4, 6), "float32", Role.PARAMETER)
+    >>> h = b.add_node("aten.mm.default", [x, w], [((8, 6), "float32")])[0]
+    >>> y = b.add_node("aten.relu.default", [h], [((8, 6), "float32")])[0]
+    >>> s = b.add_node("aten.sum.dim_IntList", [y], [((6,), "float32")], args=(ValueRef(y), [0]))[0]
+    >>> r = grow_region(b.finish({"loss": s}), x, 0)
+    >>> r.nodes, r.dims[w], r.dims[s], r.length
+    ((0, 1, 2), None, Reduced('sum'), 8)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from fractions import Fraction
+from math import lcm
+
+from .dim_convex import convexity_cut, order_edges
+from .dim_types import Along, Entry, Reduced, Split
+from .dims import boundary_reason, node_splits, operands, value_entries
+from .ir import Graph, Role
+
+__all__ = ["Region", "grow_region", "regions"]
+
+_MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A convex set of nodes that can run in parts along one split axis.
+
+    ``dims``: value id -> split dim, None (read whole by every part) or Reduced (a partial
+    result: combined where it leaves the region). ``splits``: node id -> the split it runs.
+    ``boundary``: neighbouring nodes left out -> why.
+    """
+
+    start: tuple[int, int]
+    nodes: tuple[int, ...]
+    splits: dict[int, Split]
+    dims: dict[int, int | None | Reduced]
+    units: dict[int, int]
+    boundary: dict[int, str] = field(default_factory=dict)
+    length: int = 0               # units of the split axis (0: the axis is halo-only)
+    anchor: int = -1              # the first node that joined: convexity cuts keep its side
+
+    @property
+    def halo(self) -> bool:
+        """True when a part reads extra rows (a convolution or pooling split spatially)."""
+        return any(isinstance(e, Along) and e.window is not None
+                   for s in self.splits.values() for e in s.operands)
+
+
+def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independent",
+                exclude: dict[int, str] | None = None) -> Region:
+    """The maximal convex region through which ``dim`` of ``value_id`` flows.
+
+    ``whole``: which inputs a part may read whole — "independent": any value that does not
+    depend on the region (attention's keys when its queries are split, a loss's scale);
+    "weights": only values that do not depend on the batch (weights, masks, constants).
+    """
+    if whole not in ("independent", "weights"):
+        raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
+    nd = len(graph.values[value_id].shape)
+    dim = dim + nd if dim < 0 else dim
+    batch_dep = _batch_dependent(graph) if whole == "weights" else None
+    excluded = dict(exclude or {})
+    succ, pred = order_edges(graph)
+    options: dict[int, list[tuple[Split, dict, set]] | str] = {}
+    while True:
+        region = _grow(graph, value_id, dim, excluded, batch_dep, options)
+        if not region.nodes:
+            return region
+        cut = convexity_cut(set(region.nodes), region.anchor, succ, pred)
+        if not cut:
+            return region
+        for nid, via in cut.items():
+            excluded.setdefault(nid, region.boundary.get(nid) or (
+                f"on the far side of {graph.nodes[via].name}, which is outside the region but "
+                "depends on it and feeds it: the region would not be convex"))
+
+
+def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:
+    """Regions grown from each (value id, dim) start, skipping starts inside an earlier one."""
+    out: list[Region] = []
+    for vid, dim in starts:
+        if any(r.dims.get(vid) == dim for r in out):
+            continue
+        r = grow_region(graph, vid, dim, **kw)
+        if r.nodes:
+            out.append(r)
+    return out
+
+
+def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
+          batch_dep: set[int] | None, options: dict) -> Region:
+    dims: dict[int, Entry] = {start: Along(dim)}
+    units: dict[int, Fraction | None] = {start: Fraction(1)}
+    chosen: dict[int, Split] = {}
+    boundary: dict[int, str] = {}
+    users = _users(graph)
+    # NOTE: candidates join in captured order (a heap of node ids), not in discovery order: a
+    # producer decides its outputs' dims before a later reader can ask for them whole (the
+    # loss joins before the backward that reads its total weight)
+    heap: list[int] = []
+    first = None
+
+    def offer(v: int) -> None:
+        producer = graph.values[v].producer
+        for nid in ([producer] if producer is not None else []) + users[v]:
+            if nid not in chosen and nid not in boundary:
+                heapq.heappush(heap, nid)
+
+    offer(start)
+    while heap:
+        nid = heapq.heappop(heap)
+        if nid in chosen or nid in boundary:
+            continue
+        if nid in excluded:
+            boundary[nid] = excluded[nid]
+            continue
+        got = _join(graph, nid, dims, units, batch_dep, options)
+        if isinstance(got, str):
+            boundary[nid] = got
+            continue
+        chosen[nid] = got[0]
+        first = nid if first is None else first
+        for v2, e in got[1].items():
+            if isinstance(e, Along):
+                offer(v2)
+    return _finish(graph, start, dim, chosen, dims, units, boundary, first)
+
+
+def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set]] | str:
+    """The splits of a node with their value tables, or why it has none (cached: regrowing
+    asks again)."""
+    if nid not in cache:
+        node = graph.nodes[nid]
+        why = boundary_reason(graph, node)
+        if why is not None:
+            cache[nid] = why
+        else:
+            ops = set(operands(node))
+            cache[nid] = [(s, t, ops) for s in node_splits(graph, node)
+                          if (t := value_entries(node, s)) is not None]
+    return cache[nid]
+
+
+def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] | None,
+          cache: dict) -> tuple[Split, dict] | str:
+    """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not."""
+    opts = _options(graph, nid, cache)
+    if isinstance(opts, str):
+        return opts
+    for split, table, ops in opts:
+        ratio = _agree(table, dims, units, ops, batch_dep)
+        if ratio is _MISSING:
+            continue
+        for vid, e in table.items():
+            if vid in dims:
+                continue
+            dims[vid] = e
+            if isinstance(e, Along):
+                units[vid] = None if ratio is None or e.window is not None else ratio * e.unit
+        return split, table
+    node = graph.nodes[nid]
+    partial = [graph.values[v].name for v in node.inputs if isinstance(dims.get(v), Reduced)]
+    if partial:
+        return (f"reads {partial[0]}, a partial result of the region: it exists whole only "
+                "after the region, once its parts are combined")
+    seen = {graph.values[v].name: dims[v] for v in node.inputs + node.outputs if v in dims}
+    return f"no split of {node.target} agrees with the region's dims {seen}"
+
+
+def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[int] | None):
+    """The ratio region-units / op-units if ``table`` agrees with ``dims`` (None: no unit
+    fixed yet, through a halo), else _MISSING."""
+    ratio: Fraction | None = None
+    linked = False
+    for vid, e in table.items():
+        have = dims.get(vid, _MISSING)
+        if have is _MISSING:
+            if e is None and batch_dep is not None and vid in batch_dep:
+                return _MISSING  # NOTE: "weights" mode: a batch-dependent value read whole
+            continue
+        if isinstance(have, Reduced) and vid in ops:
+            return _MISSING  # NOTE: a partial sum exists only where the region ends
+        if isinstance(have, Along):
+            if not isinstance(e, Along) or e.dim != have.dim:
+                return _MISSING
+            linked = True
+            if units.get(vid) is not None and e.window is None:
+                r = units[vid] / e.unit
+                if ratio is not None and r != ratio:
+                    return _MISSING
+                ratio = r
+        elif have != e:
+            return _MISSING
+    return ratio if linked else _MISSING
+
+
+def _finish(graph: Graph, start: int, dim: int, chosen: dict[int, Split], dims: dict,
+            units: dict, boundary: dict[int, str], anchor: int | None) -> Region:
+    """Integer units (the region's unit is the smallest block every value can be cut in)."""
+    fracs = [u for u in units.values() if u is not None]
+    scale = lcm(*(u.denominator for u in fracs)) if fracs else 1
+    int_units = {v: int(u * scale) for v, u in units.items() if u is not None}
+    out_dims = {v: (e.dim if isinstance(e, Along) else e) for v, e in dims.items()}
+    size = graph.values[start].shape[dim]
+    length = size // int_units[start] if start in int_units else 0
+    return Region((start, dim), tuple(sorted(chosen)), dict(sorted(chosen.items())),
+                  out_dims, int_units, dict(sorted(boundary.items())), length,
+                  -1 if anchor is None else anchor)
+
+
+def _users(graph: Graph) -> dict[int, list[int]]:
+    table: dict[int, list[int]] = {v.id: [] for v in graph.values}
+    for n in graph.nodes:
+        for v in n.inputs:
+            table[v].append(n.id)
+    return table
+
+
+def _batch_dependent(graph: Graph) -> set[int]:
+    """Values computed from the batch (Role.INPUT), transitively."""
+    dep = {v for v in graph.inputs if graph.values[v].role == Role.INPUT}
+    for n in graph.nodes:
+        if any(v in dep for v in n.inputs):
+            dep.update(o for o in n.outputs if o is not None)
+    return dep

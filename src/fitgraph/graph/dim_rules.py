@@ -1,0 +1,146 @@
+"""The table of dimension rules: ATen target -> rule, and the targets that are boundaries.
+
+Every target a zoo graph contains is either here with a rule or in ``BOUNDARY`` with the reason
+it cannot be split; a test holds that, so a new op shows up as a failing test, never as a guess.
+
+Example:
+    >>> from fitgraph.graph.dim_rules import BOUNDARY, RULES
+    >>> "aten.mm.default" in RULES, BOUNDARY["aten.bernoulli_.float"][:6]
+    (True, 'random')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import dim_rules_linalg as la
+from . import dim_rules_norm as nm
+from . import dim_rules_pointwise as pw
+from . import dim_rules_views as vw
+from . import dim_rules_window as wn
+
+__all__ = ["BOUNDARY", "BOUNDARY_PREFIXES", "RANDOM_CHECKED", "RULES", "SHAPE_ONLY"]
+
+Rule = Callable  # rule(node, operand shapes, output shapes) -> list[Split]
+
+_ELEMENTWISE = [
+    # unary
+    "abs", "alias", "clone", "contiguous", "cos", "detach", "exp", "gelu", "hardtanh", "log",
+    "neg", "reciprocal", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "square", "tanh",
+    "_to_copy", "fill",
+    # binary / ternary with broadcasting
+    "add", "sub", "mul", "div", "pow", "rsub", "maximum", "minimum", "where", "masked_fill",
+    "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+    # backward of pointwise ops
+    "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward",
+    "tanh_backward", "native_dropout_backward",
+]
+_OVERLOADS = ["default", "Tensor", "Scalar", "self", "Tensor_Scalar", "Tensor_Tensor",
+              "Scalar_Tensor", "ScalarOther", "Tensor_mode", "Scalar_mode"]
+
+RULES: dict[str, Rule] = {}
+for _name in _ELEMENTWISE:
+    for _ov in _OVERLOADS:
+        RULES[f"aten.{_name}.{_ov}"] = pw.elementwise
+        RULES[f"aten.{_name}_.{_ov}"] = pw.elementwise  # NOTE: in place: output = operand 0
+
+RULES.update({
+    "aten.sum.dim_IntList": pw.sum_dim,
+    "aten.sum.default": pw.sum_dim,
+    "aten.mean.dim": pw.mean_dim,
+    "aten.mean.default": pw.mean_dim,
+    "aten._softmax.default": pw.log_softmax_like,
+    "aten._log_softmax.default": pw.log_softmax_like,
+    "aten._safe_softmax.default": pw.log_softmax_like,
+    "aten.softmax.int": pw.log_softmax_like,
+    "aten.log_softmax.int": pw.log_softmax_like,
+    "aten._softmax_backward_data.default": pw.softmax_backward,
+    "aten._log_softmax_backward_data.default": pw.softmax_backward,
+    "aten.mm.default": la.mm,
+    "aten.addmm.default": la.addmm,
+    "aten.bmm.default": la.bmm,
+    "aten.matmul.default": la.matmul,
+    "aten.linear.default": la.linear,
+    "aten.embedding.default": la.embedding,
+    "aten.embedding_dense_backward.default": la.embedding_dense_backward,
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": la.sdpa_flash,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": la.sdpa_flash_backward,
+    "aten.native_layer_norm.default": nm.native_layer_norm,
+    "aten.native_layer_norm_backward.default": nm.native_layer_norm_backward,
+    "aten.native_batch_norm.default": nm.native_batch_norm,
+    "aten.native_batch_norm_backward.default": nm.native_batch_norm_backward,
+    "aten.native_group_norm.default": nm.native_group_norm,
+    "aten.native_group_norm_backward.default": nm.native_group_norm_backward,
+    "aten.nll_loss_forward.default": nm.nll_loss,
+    "aten.nll_loss2d_forward.default": nm.nll_loss,
+    "aten.nll_loss_backward.default": nm.nll_loss_backward,
+    "aten.nll_loss2d_backward.default": nm.nll_loss_backward,
+    "aten.convolution.default": wn.convolution,
+    "aten.convolution_backward.default": wn.convolution_backward,
+    "aten.max_pool2d_with_indices.default": wn.max_pool2d,
+    "aten.max_pool2d_with_indices_backward.default": wn.max_pool2d_backward,
+    "aten.upsample_bilinear2d.default": wn.spatial_resample,
+    "aten.upsample_nearest2d.default": wn.spatial_resample,
+    "aten.upsample_bilinear2d_backward.default": wn.upsample_backward,
+    "aten.upsample_nearest2d_backward.default": wn.upsample_backward,
+    "aten.view.default": vw.view,
+    "aten._unsafe_view.default": vw.view,
+    "aten.reshape.default": vw.view,
+    "aten.expand.default": vw.expand,
+    "aten.permute.default": vw.permute,
+    "aten.transpose.int": vw.transpose,
+    "aten.t.default": vw.t,
+    "aten.unsqueeze.default": vw.unsqueeze,
+    "aten.squeeze.dim": vw.squeeze,
+    "aten.squeeze.dims": vw.squeeze,
+    "aten.squeeze.default": vw.squeeze,
+    "aten.slice.Tensor": vw.slice_,
+    "aten.select.int": vw.select,
+    "aten.select_backward.default": vw.select_backward,
+    "aten.split.Tensor": vw.split,
+    "aten.split_with_sizes.default": vw.split,
+    "aten.unbind.int": vw.unbind,
+    "aten.cat.default": vw.cat,
+    "aten.stack.default": vw.stack,
+})
+
+_RANDOM = "random: a part would draw other numbers than the whole op (law 1)"
+_SOURCE = ("reads no tensor (a constant or a fresh buffer): nothing to split; it is computed "
+           "whole before any region that reads it")
+
+_SHAPE = ("reads only its input's shape, not its values: computed whole outside any region "
+          "(no data edge from its input; see SHAPE_ONLY)")
+
+# NOTE: ops whose tensor argument gives only a shape: their input is not a data dependence.
+# Dropout draws its mask into empty_like(x); with that edge the mask would depend on x and
+# every dropout would cut a batch region in two.
+SHAPE_ONLY = frozenset({
+    "aten.empty_like.default", "aten.ones_like.default", "aten.zeros_like.default",
+    "aten.full_like.default",
+})
+
+BOUNDARY: dict[str, str] = {
+    **{t: _SHAPE for t in SHAPE_ONLY},
+    "aten.bernoulli_.float": _RANDOM,
+    "aten.bernoulli.default": _RANDOM,
+    "aten.native_dropout.default": _RANDOM,
+    "aten.rand_like.default": _RANDOM,
+    "aten.randn_like.default": _RANDOM,
+    "aten.arange.default": _SOURCE,
+    "aten.arange.start": _SOURCE,
+    "aten.scalar_tensor.default": _SOURCE,
+    "aten.empty.memory_format": _SOURCE,
+    "aten.full.default": _SOURCE,
+    "aten.zeros.default": _SOURCE,
+    "aten.ones.default": _SOURCE,
+}
+
+# NOTE: fitgraph's optimizer nodes read whole parameters, gradients and state
+BOUNDARY_PREFIXES: dict[str, str] = {
+    "fitgraph.optimizer.": "an optimizer update: reads whole parameters, gradients and state",
+}
+
+# NOTE: ops tagged random whose rule itself refuses to split when they would draw (dropout_p>0)
+RANDOM_CHECKED = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+})

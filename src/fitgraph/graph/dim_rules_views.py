@@ -1,0 +1,188 @@
+"""Dimension rules of views and shape ops: which dim of the input each output dim comes from.
+
+A reshape groups dims whose products match (``[B, S, D] -> [B*S, D]``: {B, S} -> {B*S}); only the
+outermost dim of a group can be cut into contiguous blocks, and a block of the axis may be
+several elements on each side: here one unit is 1 row of B and S rows of B*S.
+
+Example:
+    >>> from fitgraph.graph.ir import Node, Phase, ValueRef
+    >>> from fitgraph.graph.dim_rules_views import view
+    >>> n = Node(0, "view", "aten.view.default", (ValueRef(0), [16, 8]), {}, (0,), (1,), (),
+    ...          Phase.FORWARD, "")
+    >>> [(s.operands[0].unit, s.outputs[0].unit) for s in view(n, [(2, 8, 8)], [(16, 8)])]
+    [(1, 8), (1, 1)]
+"""
+
+from __future__ import annotations
+
+from math import lcm, prod
+
+from .dim_types import Along, SizeArg, Split, arg_of, norm_dim
+
+__all__ = ["cat", "expand", "identity_dims", "permute", "select", "select_backward", "slice_", "split",
+           "squeeze", "stack", "t", "transpose", "unbind", "unsqueeze", "view"]
+
+Shape = tuple[int, ...]
+
+
+def _mapped(pairs: list[tuple[int, int]], ins, outs, n_out: int = 1) -> list[Split]:
+    """Splits for (input dim, output dim) pairs of a one-operand op; every output follows."""
+    return [Split((Along(i),), (Along(o),) * n_out) for i, o in pairs if ins[0][i] >= 2]
+
+
+def _groups(a: Shape, b: Shape) -> list[tuple[list[int], list[int]]]:
+    """Dims of ``a`` and ``b`` (size-1 dims left out) grouped by equal products."""
+    ia = [i for i, s in enumerate(a) if s != 1]
+    ib = [i for i, s in enumerate(b) if s != 1]
+    out, i, j = [], 0, 0
+    while i < len(ia) and j < len(ib):
+        ga, gb = [ia[i]], [ib[j]]
+        pa, pb = a[ia[i]], b[ib[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                ga.append(ia[i])
+                pa *= a[ia[i]]
+                i += 1
+            else:
+                gb.append(ib[j])
+                pb *= b[ib[j]]
+                j += 1
+        out.append((ga, gb))
+    return out
+
+
+def view(node, ins, outs) -> list[Split]:
+    """view/_unsafe_view/reshape(x, size): the outermost dims of matching groups, in blocks."""
+    a, b = ins[0], outs[0]
+    if 0 in a:
+        return []
+    splits = []
+    for ga, gb in _groups(a, b):
+        total = prod(a[i] for i in ga)
+        ta, tb = total // a[ga[0]], total // b[gb[0]]  # elements per row of each outer dim
+        block = lcm(ta, tb)
+        if total // block < 2:
+            continue
+        size = SizeArg((1, gb[0]), ("out", 0), gb[0])
+        splits.append(Split((Along(ga[0], block // ta),), (Along(gb[0], block // tb),),
+                            sizes=(size,)))
+    return splits
+
+
+def expand(node, ins, outs) -> list[Split]:
+    """expand(x, size): new or size-1 dims are read whole (broadcast) by every part."""
+    x, out = ins[0], outs[0]
+    sizes = arg_of(node, 1, "size")
+    splits = []
+    for d, s in enumerate(out):
+        if s < 2:
+            continue
+        k = d - (len(out) - len(x))
+        src = Along(k) if k >= 0 and x[k] == s else None
+        fix = () if sizes[d] == -1 else (SizeArg((1, d), ("out", 0), d),)
+        splits.append(Split((src,), (Along(d),), sizes=fix))
+    return splits
+
+
+def identity_dims(node, ins, outs) -> list[Split]:
+    """Ops whose outputs have their input's shape dim for dim (clone, detach, alias)."""
+    return _mapped([(i, i) for i in range(len(ins[0]))], ins, outs, len(outs))
+
+
+def permute(node, ins, outs) -> list[Split]:
+    nd = len(ins[0])
+    order = [norm_dim(d, nd) for d in arg_of(node, 1, "dims")]
+    return _mapped([(i, o) for o, i in enumerate(order)], ins, outs)
+
+
+def transpose(node, ins, outs) -> list[Split]:
+    nd = len(ins[0])
+    d0, d1 = norm_dim(arg_of(node, 1, "dim0"), nd), norm_dim(arg_of(node, 2, "dim1"), nd)
+    swap = {d0: d1, d1: d0}
+    return _mapped([(i, swap.get(i, i)) for i in range(nd)], ins, outs)
+
+
+def t(node, ins, outs) -> list[Split]:
+    nd = len(ins[0])
+    return _mapped([(i, nd - 1 - i) for i in range(nd)], ins, outs)
+
+
+def unsqueeze(node, ins, outs) -> list[Split]:
+    d = norm_dim(arg_of(node, 1, "dim"), len(ins[0]) + 1)
+    return _mapped([(i, i if i < d else i + 1) for i in range(len(ins[0]))], ins, outs)
+
+
+def squeeze(node, ins, outs) -> list[Split]:
+    """squeeze.dim / squeeze.dims / squeeze.default: size-1 dims go, the others keep order."""
+    x = ins[0]
+    dims = arg_of(node, 1, "dim", None)
+    if dims is None:
+        gone = {i for i, s in enumerate(x) if s == 1}
+    else:
+        dims = [dims] if isinstance(dims, int) else dims
+        gone = {norm_dim(d, len(x)) for d in dims if x[norm_dim(d, len(x))] == 1}
+    kept = [i for i in range(len(x)) if i not in gone]
+    return _mapped([(i, o) for o, i in enumerate(kept)], ins, outs)
+
+
+def select(node, ins, outs) -> list[Split]:
+    """select(x, dim, index): the selected dim goes; the others follow."""
+    nd = len(ins[0])
+    d = norm_dim(arg_of(node, 1, "dim"), nd)
+    return _mapped([(i, i if i < d else i - 1) for i in range(nd) if i != d], ins, outs)
+
+
+def select_backward(node, ins, outs) -> list[Split]:
+    """select_backward(grad, input_sizes, dim, index): the gradient's dims, the selected one
+    re-inserted (zeros elsewhere)."""
+    out = outs[0]
+    d = norm_dim(arg_of(node, 2, "dim"), len(out))
+    splits = []
+    for o in range(len(out)):
+        if o != d and out[o] >= 2:
+            i = o if o < d else o - 1
+            splits.append(Split((Along(i),), (Along(o),), sizes=(SizeArg((1, o), ("out", 0), o),)))
+    return splits
+
+
+def slice_(node, ins, outs) -> list[Split]:
+    """slice(x, dim, start, end, step): every other dim follows; the sliced dim too when the
+    slice is the whole dim."""
+    x = ins[0]
+    d = norm_dim(arg_of(node, 1, "dim", 0), len(x))
+    start, end, step = arg_of(node, 2, "start"), arg_of(node, 3, "end"), arg_of(node, 4, "step", 1)
+    whole = start in (None, 0) and (end is None or end >= x[d]) and step == 1
+    return _mapped([(i, i) for i in range(len(x)) if i != d or whole], ins, outs)
+
+
+def split(node, ins, outs) -> list[Split]:
+    """split.Tensor / split_with_sizes(x, sizes, dim): every output follows the other dims."""
+    x = ins[0]
+    d = norm_dim(arg_of(node, 2, "dim", 0), len(x))
+    return _mapped([(i, i) for i in range(len(x)) if i != d], ins, outs, len(outs))
+
+
+def unbind(node, ins, outs) -> list[Split]:
+    x = ins[0]
+    d = norm_dim(arg_of(node, 1, "dim", 0), len(x))
+    return _mapped([(i, i if i < d else i - 1) for i in range(len(x)) if i != d], ins, outs,
+                   len(outs))
+
+
+def cat(node, ins, outs) -> list[Split]:
+    """cat(tensors, dim): every operand follows the dims other than the joined one."""
+    out = outs[0]
+    d = norm_dim(arg_of(node, 1, "dim", 0), len(out))
+    if any(len(s) != len(out) for s in ins):
+        return []  # NOTE: legacy cat skips empty 1-D operands; not offered
+    return [Split((Along(i),) * len(ins), (Along(i),))
+            for i in range(len(out)) if i != d and out[i] >= 2]
+
+
+def stack(node, ins, outs) -> list[Split]:
+    """stack(tensors, dim): the new dim is not split; the others follow."""
+    out = outs[0]
+    d = norm_dim(arg_of(node, 1, "dim", 0), len(out))
+    return [Split((Along(i if i < d else i - 1),) * len(ins), (Along(i),))
+            for i in range(len(out)) if i != d and out[i] >= 2]

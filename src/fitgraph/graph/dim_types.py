@@ -1,0 +1,148 @@
+"""The vocabulary of dimension rules: how one node can run in k parts along a dimension.
+
+A ``Split`` is one way to run a node in parts. The parts partition one *split axis* of ``L``
+units; every tensor the node touches either follows the axis (``Along``: part ``[a, b)`` of the
+axis is elements ``[a*unit, b*unit)`` of that tensor's ``dim``), is needed whole by every part
+(``None``: weights, masks, a loss scale), or — for outputs — is a partial result the parts
+combine (``Reduced``). A windowed operand (convolution, pooling along a spatial dim) reads a
+halo: its range follows from the partition through its ``Window``, not from ``unit``.
+
+Plain data, no torch: the planner reasons on these; the fission executor follows them.
+
+Example:
+    >>> from fitgraph.graph.dim_types import Window
+    >>> w = Window(kernel=3, stride=1, padding=1, dilation=1)
+    >>> w.input_range(0, 4, in_size=8)    # output rows 0..3 read input rows 0..4, one pad row
+    (0, 5, 1, 0)
+    >>> w.input_range(4, 8, in_size=8)
+    (3, 8, 0, 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .analysis import flatten_refs
+
+__all__ = ["Along", "Entry", "Reduced", "SizeArg", "Split", "Window", "arg_of", "norm_dim", "per_arg"]
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A sliding window along one spatial dim (convolution, pooling).
+
+    ``pad_path`` locates this dim's padding inside the node's args: a part runs with that
+    padding set to 0 and its input explicitly padded by ``pad_lo``/``pad_hi`` rows of ``fill``
+    (the op's own padding is symmetric, a part's is not).
+    """
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int
+    fill: str = "zero"                      # "zero" (convolution) or "-inf" (max pooling)
+    pad_path: tuple[int, ...] = ()
+
+    def input_range(self, out_start: int, out_stop: int, in_size: int) -> tuple[int, int, int, int]:
+        """Input rows ``[start, stop)`` (clipped to the tensor) that output rows
+        ``[out_start, out_stop)`` read, and the pad rows ``(pad_lo, pad_hi)`` a part adds."""
+        lo = out_start * self.stride - self.padding
+        hi = (out_stop - 1) * self.stride - self.padding + self.dilation * (self.kernel - 1) + 1
+        return max(lo, 0), min(hi, in_size), max(-lo, 0), max(hi - in_size, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Along:
+    """The tensor is cut along ``dim``; one unit of the split axis is ``unit`` elements of it.
+
+    ``window``: the range is read with a halo (see Window). ``rebase``: the values are flat
+    positions in the part's (haloed, padded) input plane — max pooling's indices: combining
+    unravels them with the part's plane shape, shifts the split coordinate by the part's
+    ``start - pad_lo`` and ravels them with the whole plane's shape.
+    """
+
+    dim: int
+    unit: int = 1
+    window: Window | None = None
+    rebase: bool = False
+
+    def __repr__(self) -> str:  # NOTE: short: rules and regions print many of these
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in
+                        (("unit", 1), ("window", None), ("rebase", False))
+                        if getattr(self, k) != default)
+        return f"Along({self.dim}{extra})"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """Each part's output is a partial result over the split axis; the parts are combined.
+
+    how="sum": summed (a weight gradient split along tokens). how="weighted_mean": each part is a
+    mean over its own elements, combined as ``sum(out_i * w_i) / sum(w_i)`` with ``w_i`` the
+    part's output ``weight`` (the mean-reduced loss and its total weight). ``overlap``: parts
+    cover overlapping haloed ranges along ``overlap.dim`` and add where they overlap (the input
+    gradient of a convolution split along a spatial dim).
+    """
+
+    how: str = "sum"
+    weight: int | None = None
+    overlap: Along | None = None
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k in ("weight", "overlap")
+                        if getattr(self, k) is not None)
+        return f"Reduced({self.how!r}{extra})"
+
+
+Entry = Along | Reduced | None
+
+
+@dataclass(frozen=True, slots=True)
+class SizeArg:
+    """An argument that is the size of a split dim (a view's target shape, group norm's C):
+    a part runs with ``part_shape[dim] // per`` there.
+
+    ``path`` indexes into ``node.args`` (a str first element names a kwarg); ``tensor`` is
+    ("in", operand index) or ("out", output index).
+    """
+
+    path: tuple[int | str, ...]
+    tensor: tuple[str, int]
+    dim: int
+    per: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One way to run a node in parts. ``operands`` follow ``dims.operands(node)`` (tensor
+    arguments in argument order, repeats included); ``outputs`` follow ``node.outputs``."""
+
+    operands: tuple[Along | None, ...]
+    outputs: tuple[Entry, ...]
+    sizes: tuple[SizeArg, ...] = ()
+    note: str = ""
+
+
+def arg_of(node, index: int, name: str, default=None):
+    """A node's argument by position, else by keyword, else ``default`` (rules read ops' scalar
+    arguments — dims, strides — through this, as make_fx may pass either way)."""
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """A possibly negative dim as a position (a 0-d tensor's dim -1 stays 0)."""
+    return d + max(ndim, 1) if d < 0 else d
+
+
+def per_arg(node, table: dict, default: Along | None = None) -> tuple[Along | None, ...]:
+    """Operand entries from entries per argument: ``table`` maps an arg position (or a kwarg's
+    name) to one entry for every tensor in it, or to a list (one per tensor of a tensor list)."""
+    out: list[Along | None] = []
+    keyed = [(i, a) for i, a in enumerate(node.args)] + list(node.kwargs.items())
+    for key, a in keyed:
+        n = len(flatten_refs(a))
+        e = table.get(key, default)
+        out.extend(e[:n] if isinstance(e, list) else [e] * n)
+    return tuple(out)
