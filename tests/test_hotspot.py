@@ -5,17 +5,24 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from synthetic_graphs import transformer_like
+from test_graph_plan_sim import random_graphs
 
 from fitgraph.cost.base import NodeCost
 from fitgraph.cost.devices import get_device
 from fitgraph.cost.roofline import RooflineCostModel
 from fitgraph.graph.deps import respects_dependencies
 from fitgraph.graph.ir import GraphBuilder, Phase, Role
+from fitgraph.plan.remat import remat_plan, remat_tables
 from fitgraph.plan.verify import verify_plan
+from fitgraph.sim.remat_eval import RematEvaluator
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
+from fitgraph.solvers.greedy import LOCAL_MAX_EVALS, LOCAL_NODE_EVALS, Run, Search, local_evals
 from fitgraph.solvers.hotspot import solve_hotspot
+from fitgraph.solvers.moves import build_moves
 
 RTX3090 = RooflineCostModel(get_device("rtx3090"))
 
@@ -143,3 +150,33 @@ def test_gpt2_paper_64_layers_plans_within_the_default_budget():
     assert time.perf_counter() - t0 < 30
     check(g, RTX3090, s, budget)
     assert not s.notes["timed_out"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_graphs(), st.floats(0.3, 1.0), st.integers(1, 300))
+def test_local_search_keeps_the_budget_and_never_slows_the_plan(case, frac, evals):
+    """exchange and add_prune start from grow + prune and only ever accept a faster plan
+    within the budget, whatever their evaluation budget."""
+    g, cost = case
+    budget = int(frac * eager_peak(g, cost))
+    tables = remat_tables(g)
+    ev = RematEvaluator(g, cost, tables=tables)
+    moves = build_moves(g, cost, tables)
+    search = Search(budget, float("inf"), time.perf_counter() + 60)
+    run = Run(ev.evaluate(()), ev, "captured")
+    run = search.prune(search.grow(run, moves), moves.blocks + run.added, moves)
+    start = run.result
+    for step in (search.exchange, search.add_prune):
+        run = step(run, moves, evals)
+        r = run.result
+        assert (r.latency_s, r.peak_bytes) <= (start.latency_s, start.peak_bytes)
+        if search.fits_peak(start.peak_bytes):
+            assert search.fits_peak(r.peak_bytes)
+        start = r
+    sim = simulate(g, remat_plan(g, r.drop, tables=tables), cost)
+    assert (sim.peak_bytes, sim.latency_s) == (r.peak_bytes, r.latency_s)
+
+
+def test_local_search_budget_shrinks_with_the_graph():
+    assert local_evals(10) == LOCAL_MAX_EVALS
+    assert local_evals(10_000) == LOCAL_NODE_EVALS // 10_000 < local_evals(1_000)

@@ -27,7 +27,7 @@ from ..plan.remat import RematError
 from ..sim.remat_eval import RematEval, RematEvaluator
 from .moves import Moves
 
-__all__ = ["MIN_BATCH", "Run", "Search"]
+__all__ = ["MIN_BATCH", "Run", "Search", "local_evals"]
 
 # NOTE: copies of one move (same ops, same sizes, e.g. in each layer) that tie are tried
 # together from this many on: ~10x fewer evaluations on 64-250-layer models, where it gave the
@@ -36,6 +36,16 @@ __all__ = ["MIN_BATCH", "Run", "Search"]
 MIN_BATCH = 32
 # NOTE: members of a tied group that cannot be undropped, in a row, before the rest is given up
 SKIPS = int(__import__("os").environ.get("SKIPS", "3"))
+# NOTE: evaluations a local search step (exchange, add_prune) may spend: up to
+# LOCAL_NODE_EVALS / (graph nodes), at most LOCAL_MAX_EVALS — an evaluation costs about O(nodes),
+# so this bounds the added planning time (~0.2 s on BERT-base paper) whatever the graph size
+LOCAL_MAX_EVALS = 2000
+LOCAL_NODE_EVALS = 100_000
+
+
+def local_evals(nodes: int) -> int:
+    """The evaluation budget of one local search step on a graph of ``nodes`` nodes."""
+    return max(1, min(LOCAL_MAX_EVALS, LOCAL_NODE_EVALS // max(nodes, 1)))
 
 
 @dataclass
@@ -87,10 +97,11 @@ class Search:
             return fa
         return (a.peak_bytes, a.latency_s) < (b.peak_bytes, b.latency_s)
 
-    def grow(self, run: Run, moves: Moves) -> Run:
-        """Add the best move until the budget holds, no move lowers the peak, or time's up."""
+    def grow(self, run: Run, moves: Moves, ban: frozenset[int] = frozenset()) -> Run:
+        """Add the best move until the budget holds, no move lowers the peak, or time's up.
+        Moves with a node in ``ban`` are never taken."""
         cur, ev = run.result, run.ev
-        banned = np.zeros(len(moves.keys), dtype=bool)
+        banned = np.array([bool(nodes & ban) for nodes in moves.nodes], dtype=bool)
         dropped = np.zeros(len(moves.candidate), dtype=bool)
         dropped[sorted(cur.drop)] = True
         while not self.fits_peak(cur.peak_bytes) and not self.out_of_time():
@@ -167,6 +178,89 @@ class Search:
                 done.add(sig[i])
                 cur = self._prefix_without(run.ev, cur, [u for u in group if u & cur.drop])
         run.result = cur
+        return run
+
+    def exchange(self, run: Run, moves: Moves, max_evals: int) -> Run:
+        """Local search after grow and prune: take one dropped unit back (most
+        recompute seconds first), forbid the moves that would drop it again, grow and prune;
+        keep the result when it is faster within the budget; repeat until a pass finds nothing
+        (or ``max_evals`` evaluations are spent). The greedy is myopic — a move
+        taken early can block a cheaper combination found later (on BERT's block, recomputing
+        the whole attention where the MLP's up-projection and one dropout mask would do).
+        NOTE: bounded by an evaluation count, not the clock, so the plan stays a function of
+        the inputs."""
+        if self.budget_bytes is None or not self.fits_peak(run.result.peak_bytes):
+            return run
+        stop = self.evaluations + max_evals
+        tried: set[frozenset[int]] = set()
+        while self.evaluations < stop and not self.out_of_time():
+            before = run.result
+            run = self._exchange_pass(run, moves, stop, tried)
+            if run.result is before:
+                break
+        return run
+
+    def _exchange_pass(self, run: Run, moves: Moves, stop: int, tried: set) -> Run:
+        units = _disjoint([u for u in run.added if u & run.result.drop] +
+                          [b for b in moves.blocks if b & run.result.drop])
+        units.sort(key=lambda u: (-float(moves.seconds[sorted(u)].sum()), min(u)))
+        for u in units:
+            if self.evaluations >= stop or self.out_of_time():
+                break
+            cur = run.result
+            if (key := cur.drop & u) in tried:
+                continue
+            tried.add(key)
+            back = u & cur.drop
+            if not back:
+                continue
+            base = self.evaluate(run.ev, cur.drop - back, cur)
+            if base is None:
+                continue
+            trial = Run(base, run.ev, run.label, [a - back for a in run.added if a - back],
+                        run.own_only)
+            trial = self.prune(self.grow(trial, moves, ban=back), moves.blocks + trial.added,
+                               moves)
+            r = trial.result
+            if self.fits_peak(r.peak_bytes) and (r.latency_s, r.peak_bytes) < (
+                    cur.latency_s, cur.peak_bytes):
+                run = trial
+                tried.clear()
+        return run
+
+    def add_prune(self, run: Run, moves: Moves, max_evals: int) -> Run:
+        """Local search by "add one move, then prune": drop one more single move (least
+        recompute seconds first) and undrop whatever the budget no longer needs; take the
+        first that is faster and start over, until none is or ``max_evals`` are spent. It
+        reaches what one-at-a-time greed bans for good: a move that did not lower the peak
+        when tried (the peak was elsewhere) but makes several earlier moves unnecessary."""
+        if self.budget_bytes is None or not self.fits_peak(run.result.peak_bytes):
+            return run
+        stop = self.evaluations + max_evals
+        singles = [k for k, key in enumerate(moves.keys) if key[0] == 0]
+        cost = {k: float(moves.seconds[sorted(moves.nodes[k])].sum()) for k in singles}
+        tried: set[frozenset[int]] = set()
+        improved = True
+        while improved and self.evaluations < stop and not self.out_of_time():
+            improved = False
+            cur = run.result
+            for k in sorted(singles, key=lambda k: (cost[k], k)):
+                if self.evaluations >= stop or self.out_of_time():
+                    return run
+                drop = cur.drop | moves.nodes[k]
+                if drop == cur.drop or drop in tried:
+                    continue
+                tried.add(drop)
+                r = self.evaluate(run.ev, drop, cur)
+                if r is None:
+                    continue
+                trial = Run(r, run.ev, run.label, [*run.added, r.drop - cur.drop], run.own_only)
+                trial = self.prune(trial, moves.blocks + trial.added, moves)
+                t = trial.result
+                if self.fits_peak(t.peak_bytes) and (t.latency_s, t.peak_bytes) < (
+                        cur.latency_s, cur.peak_bytes):
+                    run, improved = trial, True
+                    break
         return run
 
     def _prefix_without(self, ev: RematEvaluator, cur: RematEval,

@@ -15,7 +15,10 @@ The search, in budget mode (least latency within ``budget_bytes``):
 
 1. two starts in the captured order — nothing dropped, and every block checkpointed (single
    moves cannot always undo a recompute cascade) — each grown greedily until the budget holds,
-   then pruned (moves no longer needed are undropped, most recompute time first);
+   then pruned (moves no longer needed are undropped, most recompute time first), then
+   improved by local search (``Search.exchange``: take a move back and regrow without it;
+   ``Search.add_prune``: add one move and prune what it makes unnecessary), within an evaluation
+   budget that shrinks with the graph's size;
 2. joint reordering: the best drop set is re-planned over memory-aware orders that know what is
    dropped (``plan.reorder``, e.g. a backward node that frees a recomputed activation runs
    before one that allocates); each is grown and pruned again and kept if the simulator says it
@@ -57,7 +60,7 @@ from ..plan.reorder import STRATEGIES, memory_aware_order
 from ..sim.remat_eval import RematEvaluator
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .greedy import Run, Search
+from .greedy import Run, Search, local_evals
 from .moves import build_moves
 
 __all__ = ["solve_hotspot"]
@@ -95,6 +98,8 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
         run = search.prune(search.grow(run, moves), blocks + run.added, moves)
         if search.better(run.result, best.result):
             best = run
+    local = local_evals(len(g.nodes))
+    best = search.add_prune(search.exchange(best, moves, local), moves, local)
     if reorder:
         best = _reorder(g, search, moves, blocks, best)
     r = best.result
