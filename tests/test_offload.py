@@ -213,8 +213,8 @@ def test_a_prefetch_is_hidden_when_compute_allows_and_as_late_as_it_can_be(case,
             # as late as possible: one node later and it would not be hidden any more
             if len(computes) > 1:
                 assert r.time_after[computes[1] - 1] + secs > reader_start - EPS
-        else:  # no point hides it: it starts right after the release
-            assert all(not isinstance(plan[pc], Compute) for pc in range(rel + 1, pre))
+        else:  # no point hides it: it starts as soon as the storage is released
+            assert fetch.start == r.time_after[rel] == r.time_after[pre - 1]
         assert base[win.reader] == plan[wait + 1]
 
 

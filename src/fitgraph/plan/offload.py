@@ -8,7 +8,7 @@ simulated compute time) between two consecutive uses, ``offload_plan`` places:
 * ``Wait(s)`` right after the last use before the gap: the device bytes are released there;
 * ``Prefetch(s)`` as late as its copy can still be hidden under compute before the next reader
   (node times from ``cost_model.node_cost``, copy times from ``cost_model.copy_seconds``, in idle
-  time of the copy stream), or right after the release when no point hides it;
+  time of the copy stream); where nothing hides it, so that it starts as early as it can;
 * ``Wait(s)`` right before the next reader.
 
 Placing takes one simulation of the plan: its clock, shifted after each release Wait by the time
@@ -56,7 +56,7 @@ from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
 from ..sim.simulate import SimResult, simulate
-from .copy_stream import CopyStream
+from .copy_stream import TIME_EPS_S, CopyStream
 from .instructions import Compute, Free, Instruction, Offload, Plan, Prefetch, Recompute, Wait
 
 __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates", "offload_gains",
@@ -263,7 +263,7 @@ def _fit_prefetches(graph: Graph, uses: _Uses, windows: list[OffloadWindow], clo
                     stream: CopyStream, stalls: dict[int, float], cost_model: CostModel
                     ) -> list[_Placed]:
     """Each prefetch at the latest node it is hidden before, latest deadline first (so each
-    fits in before the ones already placed); with no such node, right after the release."""
+    fits in before the ones already placed); with no such node, so that it starts earliest."""
     points = uses.compute_pcs
 
     def issue_at(i: int) -> float:
@@ -276,11 +276,14 @@ def _fit_prefetches(graph: Graph, uses: _Uses, windows: list[OffloadWindow], clo
         lo = bisect.bisect_right(points, w.release)
         hi = bisect.bisect_right(points, w.reader)
         i = stream.latest_fit(issue_at, lo, hi, secs, deadline)
-        start = issue_at(lo if i is None else i)
-        if i is None:  # NOTE: not hidden anywhere: start as early as possible, stall the least
-            start = stream.queued_start(start)
+        if i is None:
+            # NOTE: hidden nowhere: the copy starts as early as it can (the least stall), and is
+            # issued at the latest node that still lets it start then (the least memory)
+            first = stream.queued_start(issue_at(lo))
+            i = bisect.bisect_right(range(hi), first + TIME_EPS_S, lo, hi, key=issue_at) - 1
+        start = stream.queued_start(issue_at(i))
         stream.add(start, secs)
-        p = points[lo if i is None else i]
+        p = points[i]
         release_s = clock.after_s[w.release] + clock.shift_at(w.release + 1)
         stall = stalls[w.storage] + max(0.0, start + secs - deadline)
         out.append(_Placed(w, p, release_s, clock.before(p), stall))
