@@ -15,9 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-
-from .deps import dependencies
 from .dim_rules import SHAPE_ONLY
 from .ir import Graph
 
@@ -25,21 +22,36 @@ __all__ = ["convexity_cut", "order_edges"]
 
 
 def order_edges(graph: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """(successors, predecessors) of every node under the dependencies a region must keep.
+    """(successors, predecessors) of every node: the orders a region must keep.
 
-    NOTE: the draw-order edges between random ops are left out: a region holds no drawing op
-    (sdpa is tagged random but splits only with dropout_p=0), so it never reorders draws. So are
-    the edges into shape-only ops (empty_like): they read no values (dim_rules.SHAPE_ONLY)."""
-    quiet = dataclasses.replace(graph, nodes=[
-        dataclasses.replace(n, random=False, inputs=() if n.target in SHAPE_ONLY else n.inputs)
-        for n in graph.nodes])
+    A node follows the producers of what it reads, and a write in place follows every earlier
+    access to its storage (a read, the last write before it). Left out, unlike
+    ``deps.dependencies``: the draw order of random ops (a region holds no drawing op: sdpa is
+    tagged random but splits only with dropout_p=0) and the inputs of shape-only ops
+    (empty_like reads no values: dim_rules.SHAPE_ONLY)."""
+    pred: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
+    accesses: dict[int, list[int]] = {}   # storage -> nodes touching it so far
+    last_write: dict[int, int] = {}
+    for n in graph.nodes:
+        reads = () if n.target in SHAPE_ONLY else n.inputs
+        pred[n.id].update(p for v in reads if (p := graph.values[v].producer) is not None)
+        written = {graph.values[v].storage for v in n.mutates}
+        touched = {graph.values[v].storage for v in reads}
+        touched |= {graph.values[o].storage for o in n.outputs if o is not None}
+        for st in sorted(touched):
+            if st in written:
+                pred[n.id].update(accesses.get(st, ()))
+            elif st in last_write:
+                pred[n.id].add(last_write[st])
+            accesses.setdefault(st, []).append(n.id)
+        for st in written:
+            last_write[st] = n.id
+        pred[n.id].discard(n.id)
     succ: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
-    pred: dict[int, list[int]] = {n.id: [] for n in graph.nodes}
-    for nid, before in dependencies(quiet).items():
-        for p in sorted(before):
+    for nid in sorted(pred):
+        for p in sorted(pred[nid]):
             succ[p].append(nid)
-            pred[nid].append(p)
-    return succ, pred
+    return succ, {nid: sorted(ps) for nid, ps in pred.items()}
 
 
 def _reach(starts, edges: dict[int, list[int]], through=None) -> set[int]:

@@ -35,7 +35,7 @@ from .dim_types import Along, Entry, Reduced, Split
 from .dims import boundary_reason, node_splits, operands, value_entries
 from .ir import Graph, Role
 
-__all__ = ["Region", "grow_region", "regions"]
+__all__ = ["Region", "RegionIndex", "grow_region", "regions"]
 
 _MISSING = object()
 
@@ -65,13 +65,26 @@ class Region:
                    for s in self.splits.values() for e in s.operands)
 
 
+class RegionIndex:
+    """What growing regions of one graph needs, computed once: the order edges, the readers of
+    each value, and each node's splits (filled as asked)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.succ, self.pred = order_edges(graph)
+        self.users = _users(graph)
+        self.options: dict[int, list[tuple[Split, dict, set]] | str] = {}
+
+
 def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independent",
-                exclude: dict[int, str] | None = None) -> Region:
+                exclude: dict[int, str] | None = None, index: RegionIndex | None = None) -> Region:
     """The maximal convex region through which ``dim`` of ``value_id`` flows.
 
     ``whole``: which inputs a part may read whole — "independent": any value that does not
     depend on the region (attention's keys when its queries are split, a loss's scale);
     "weights": only values that do not depend on the batch (weights, masks, constants).
+    ``exclude``: node id -> why it must stay out. ``index``: a ``RegionIndex`` of ``graph``,
+    to share when growing many regions of one graph.
     """
     if whole not in ("independent", "weights"):
         raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
@@ -79,13 +92,15 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     dim = dim + nd if dim < 0 else dim
     batch_dep = _batch_dependent(graph) if whole == "weights" else None
     excluded = dict(exclude or {})
-    succ, pred = order_edges(graph)
-    options: dict[int, list[tuple[Split, dict, set]] | str] = {}
+    if index is None:
+        index = RegionIndex(graph)
+    elif index.graph is not graph:
+        raise ValueError("index was built for another graph")
     while True:
-        region = _grow(graph, value_id, dim, excluded, batch_dep, options)
+        region = _grow(graph, value_id, dim, excluded, batch_dep, index)
         if not region.nodes:
             return region
-        cut = convexity_cut(set(region.nodes), region.anchor, succ, pred)
+        cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred)
         if not cut:
             return region
         for nid, via in cut.items():
@@ -97,6 +112,7 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
 def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:
     """Regions grown from each (value id, dim) start, skipping starts inside an earlier one."""
     out: list[Region] = []
+    kw.setdefault("index", RegionIndex(graph))
     for vid, dim in starts:
         if any(r.dims.get(vid) == dim for r in out):
             continue
@@ -107,12 +123,12 @@ def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:
 
 
 def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
-          batch_dep: set[int] | None, options: dict) -> Region:
+          batch_dep: set[int] | None, index: RegionIndex) -> Region:
+    users = index.users
     dims: dict[int, Entry] = {start: Along(dim)}
     units: dict[int, Fraction | None] = {start: Fraction(1)}
     chosen: dict[int, Split] = {}
     boundary: dict[int, str] = {}
-    users = _users(graph)
     # NOTE: candidates join in captured order (a heap of node ids), not in discovery order: a
     # producer decides its outputs' dims before a later reader can ask for them whole (the
     # loss joins before the backward that reads its total weight)
@@ -133,7 +149,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        got = _join(graph, nid, dims, units, batch_dep, options)
+        got = _join(graph, nid, dims, units, batch_dep, index.options)
         if isinstance(got, str):
             boundary[nid] = got
             continue
@@ -154,9 +170,9 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
         if why is not None:
             cache[nid] = why
         else:
-            ops = set(operands(node))
-            cache[nid] = [(s, t, ops) for s in node_splits(graph, node)
-                          if (t := value_entries(node, s)) is not None]
+            ops = operands(node)
+            cache[nid] = [(s, t, set(ops)) for s in node_splits(graph, node)
+                          if (t := value_entries(node, s, ops)) is not None]
     return cache[nid]
 
 

@@ -77,11 +77,12 @@ def node_splits(graph: Graph, node: Node) -> list[Split]:
     return RULES[node.target](node, ins, outs)
 
 
-def value_entries(node: Node, split: Split) -> dict[int, Entry] | None:
+def value_entries(node: Node, split: Split, ops: list[int] | None = None) -> dict[int, Entry] | None:
     """value id -> entry of one split of ``node``; None when a value repeated among the
-    operands would need two different entries (``mul(x, x.t())``-like)."""
+    operands would need two different entries (``mul(x, x.t())``-like). ``ops``: the node's
+    ``operands`` if already known."""
     table: dict[int, Entry] = {}
-    for vid, e in zip(operands(node), split.operands):
+    for vid, e in zip(operands(node) if ops is None else ops, split.operands):
         if vid in table and table[vid] != e:
             return None
         table[vid] = e
