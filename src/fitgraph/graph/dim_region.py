@@ -45,8 +45,10 @@ class Region:
     """A convex set of nodes that can run in parts along one split axis.
 
     ``dims``: value id -> split dim, None (read whole by every part) or Reduced (a partial
-    result: combined where it leaves the region). ``splits``: node id -> the split it runs.
-    ``boundary``: neighbouring nodes left out -> why.
+    result: combined where it leaves the region). ``units``: value id -> its elements along
+    its dim per unit of the axis (absent behind a halo). ``splits``: node id -> the split it
+    runs (op-level detail: units, windows, size arguments). ``boundary``: neighbouring nodes
+    left out -> why.
     """
 
     start: tuple[int, int]
