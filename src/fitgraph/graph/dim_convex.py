@@ -80,12 +80,15 @@ def convexity_cut(inside: set[int], anchor: int, succ: dict[int, list[int]],
     between = sorted(below & above)       # outside nodes on a path out of and back into it
     if not between:
         return {}
-    downstream = anchor in _reach(between, succ)
-    edges = pred if downstream else succ
+    # NOTE: the side is chosen per re-entry node: an outside node upstream of the anchor loses
+    # its producers, one downstream of it its users (one choice for all cut the anchor's side
+    # when a region re-entered both above and below it)
+    upstream = _reach([anchor], pred)
     cut: dict[int, int] = {}
     for x in between:  # NOTE: sorted, and first come first named: deterministic causes
         if x in cut:
             continue
+        edges = pred if x in upstream else succ
         cut[x] = x
         stack = [x]
         while stack:
