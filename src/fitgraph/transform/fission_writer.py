@@ -1,0 +1,208 @@
+"""Writing a rewritten graph: fresh node, value and storage lists, old ids mapped to new ones.
+
+Fission rebuilds the whole graph (nodes renumbered in their new order, values and storages of
+the removed region dropped), so that every planner, the simulator and the executor see a plain
+captured-like Graph. ``GraphWriter`` copies untouched nodes with their references remapped and
+adds new ones from layouts (``fission_meta.Meta``).
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role
+    >>> from fitgraph.transform.fission_writer import GraphWriter
+    >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.INPUT)
+    >>> y = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]
+    >>> g = b.finish({"loss": y})
+    >>> w = GraphWriter(g)
+    >>> w.copy_node(g.nodes[0])
+    0
+    >>> w.finish().nodes[0].name
+    'relu_0'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..graph.ir import (
+    DTYPE_BYTES,
+    Graph,
+    Node,
+    Phase,
+    Role,
+    Storage,
+    Value,
+    ValueRef,
+    contiguous_strides,
+    storage_bytes,
+)
+from .fission_meta import Meta
+
+__all__ = ["GraphWriter", "OutSpec", "substitute_refs"]
+
+# NOTE: shape-only ops (dim_rules.SHAPE_ONLY) -> the op making the same tensor from a shape, and
+# which of the original args follow the size ("stride": the output's strides)
+_LIKE = {
+    "aten.empty_like.default": ("aten.new_empty_strided.default", ("stride",)),
+    "aten.zeros_like.default": ("aten.new_zeros.default", ()),
+    "aten.ones_like.default": ("aten.new_ones.default", ()),
+    "aten.full_like.default": ("aten.new_full.default", (1,)),
+}
+
+
+def substitute_refs(obj: Any, new_ids: Iterator[int]) -> Any:
+    """``obj`` with its ValueRefs replaced, in ``flatten_refs`` order, by refs to ``new_ids``."""
+    if isinstance(obj, ValueRef):
+        return ValueRef(next(new_ids))
+    if isinstance(obj, tuple):
+        return tuple(substitute_refs(o, new_ids) for o in obj)
+    if isinstance(obj, list):
+        return [substitute_refs(o, new_ids) for o in obj]
+    if isinstance(obj, dict):
+        return {k: substitute_refs(v, new_ids) for k, v in obj.items()}
+    return obj
+
+
+class OutSpec:
+    """One output of a new node: its name, layout, dtype, and the storage it lives in (None: a
+    fresh storage of ``role``)."""
+
+    __slots__ = ("name", "meta", "dtype", "storage", "role")
+
+    def __init__(self, name: str, meta: Meta, dtype: str, storage: int | None = None,
+                 role: Role = Role.TEMPORARY) -> None:
+        self.name, self.meta, self.dtype, self.storage, self.role = name, meta, dtype, storage, role
+
+
+class GraphWriter:
+    """Builds the rewritten graph of ``old``. ``whole``: old value id -> new value id of the
+    same (whole) tensor; ``storage_map``: old storage id -> new storage id."""
+
+    def __init__(self, old: Graph) -> None:
+        self.old = old
+        self.nodes: list[Node] = []
+        self.values: list[Value] = []
+        self.storages: list[Storage] = []
+        self.whole: dict[int, int] = {}
+        self.storage_map: dict[int, int] = {}
+        for vid in old.inputs:
+            v = old.values[vid]
+            self.whole[vid] = self._value(v.name, Meta(v.shape, v.stride, v.storage_offset),
+                                          v.dtype, self.mapped_storage(v.storage), v.role,
+                                          v.phase, v.module, None)
+
+    # -- storages and values --------------------------------------------------------------------
+    def mapped_storage(self, old_storage: int) -> int:
+        if old_storage not in self.storage_map:
+            s = self.old.storages[old_storage]
+            self.storage_map[old_storage] = self.new_storage(s.nbytes, s.device, s.role, s.name)
+        return self.storage_map[old_storage]
+
+    def new_storage(self, nbytes: int, device: str, role: Role, name: str) -> int:
+        self.storages.append(Storage(len(self.storages), nbytes, device, role, name))
+        return len(self.storages) - 1
+
+    def _value(self, name: str, meta: Meta, dtype: str, storage: int, role: Role, phase: Phase,
+               module: str, producer: int | None) -> int:
+        self.values.append(Value(len(self.values), name, tuple(meta.shape), tuple(meta.stride),
+                                 dtype, storage, meta.offset, role, phase, module, producer))
+        return len(self.values) - 1
+
+    def meta(self, vid: int) -> Meta:
+        v = self.values[vid]
+        return Meta(v.shape, v.stride, v.storage_offset)
+
+    def device_of(self, vid: int) -> str:
+        return self.storages[self.values[vid].storage].device
+
+    # -- nodes ----------------------------------------------------------------------------------
+    def add_node(self, name: str, target: str, args: tuple, kwargs: dict, outs: list[OutSpec | None],
+                 *, phase: Phase, module: str, device: str, mutates: tuple[int, ...] = (),
+                 random: bool = False, flops: float = 0.0, out_is_tuple: bool = False) -> list[int | None]:
+        """Add a node reading the refs in ``args``/``kwargs``; returns its output value ids."""
+        from ..graph.analysis import flatten_refs  # NOTE: local: analysis imports ir only
+
+        nid = len(self.nodes)
+        out_ids: list[int | None] = []
+        for spec in outs:
+            if spec is None:
+                out_ids.append(None)
+                continue
+            st = spec.storage
+            if st is None:
+                nbytes = storage_bytes(spec.meta.shape, spec.meta.stride, spec.meta.offset,
+                                       DTYPE_BYTES[spec.dtype])
+                st = self.new_storage(nbytes, device, spec.role, spec.name)
+            out_ids.append(self._value(spec.name, spec.meta, spec.dtype, st, spec.role, phase,
+                                       module, nid))
+        inputs = tuple(dict.fromkeys(flatten_refs((args, kwargs))))
+        moved = sum(self.values[v].nbytes for v in inputs)
+        moved += sum(self.values[o].nbytes for o in out_ids if o is not None)
+        self.nodes.append(Node(nid, name, target, tuple(args), dict(kwargs), inputs,
+                               tuple(out_ids), tuple(mutates), phase, module, random, flops,
+                               moved, out_is_tuple))
+        return out_ids
+
+    def copy_node(self, node: Node) -> int:
+        """Copy an untouched node: its refs remapped through ``whole``, its outputs new values
+        in the mapped storages."""
+        nid = len(self.nodes)
+        remap = lambda vid: self.whole[vid]  # noqa: E731
+        from ..graph.analysis import flatten_refs
+
+        refs = flatten_refs((node.args, node.kwargs))
+        missing = [self.old.values[v].name for v in refs if v not in self.whole]
+        if missing and node.target in _LIKE:
+            return self._shape_only(node)
+        if missing:
+            raise RuntimeError(f"fission: node {node.name} reads {missing[0]}, which the "
+                               "rewritten graph has not produced yet (a bug in the node order)")
+        args = substitute_refs(node.args, iter([remap(v) for v in flatten_refs(node.args)]))
+        kwargs = substitute_refs(node.kwargs, iter([remap(v) for v in flatten_refs(node.kwargs)]))
+        outs = []
+        for o in node.outputs:
+            if o is None:
+                outs.append(None)
+                continue
+            v = self.old.values[o]
+            new = self._value(v.name, Meta(v.shape, v.stride, v.storage_offset), v.dtype,
+                              self.mapped_storage(v.storage), v.role, v.phase, v.module, nid)
+            self.whole[o] = new
+            outs.append(new)
+        self.nodes.append(Node(nid, node.name, node.target, args, kwargs,
+                               tuple(remap(v) for v in node.inputs), tuple(outs),
+                               tuple(remap(v) for v in node.mutates), node.phase, node.module,
+                               node.random, node.flops, node.bytes_moved, node.out_is_tuple))
+        return nid
+
+    def _shape_only(self, node: Node) -> int:
+        """``empty_like(x)`` (a dropout's mask) whose ``x`` the region now makes later, in parts:
+        the same fresh tensor made from shape and strides, with the dtype and device of a graph
+        input (``new_empty_strided`` / ``new_zeros`` / ``new_ones`` / ``new_full``)."""
+        out = self.old.values[node.outputs[0]]
+        dev = self.old.storages[out.storage].device
+        base = next((new for vid, new in self.whole.items()
+                     if self.old.values[vid].producer is None and self.old.values[vid].dtype ==
+                     out.dtype and self.old.storages[self.old.values[vid].storage].device == dev),
+                    None)
+        if base is None:
+            raise RuntimeError(f"fission: {node.name} must run before the region but reads its "
+                               f"shape from it, and no graph input has its dtype {out.dtype}")
+        new_target, extra = _LIKE[node.target]
+        args = (ValueRef(base), list(out.shape)) + tuple(
+            list(out.stride) if a == "stride" else node.args[a] for a in extra)
+        if new_target != "aten.new_empty_strided.default" and out.stride != contiguous_strides(
+                out.shape):
+            raise RuntimeError(f"fission: {node.name} makes a non-contiguous tensor")
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+        meta = Meta(out.shape, out.stride, out.storage_offset)
+        self.whole[node.outputs[0]] = self.add_node(
+            node.name, new_target, args, kwargs,
+            [OutSpec(out.name, meta, out.dtype, self.mapped_storage(out.storage), out.role)],
+            phase=node.phase, module=node.module, device=dev, random=node.random)[0]
+        return len(self.nodes) - 1
+
+    def finish(self, meta: dict | None = None) -> Graph:
+        old = self.old
+        outputs = {k: self.whole[v] for k, v in old.outputs.items()}
+        return Graph(self.nodes, self.values, self.storages, [self.whole[v] for v in old.inputs],
+                     list(old.input_names), outputs, dict(old.meta if meta is None else meta))
