@@ -86,7 +86,10 @@ class Executor:
         for v in graph.values:
             members.setdefault(v.storage, []).append(v.id)
         self.storage_members = members
-        self.steps = [getattr(self, "run_" + ins.op) for ins in plan]
+        # NOTE: unbound methods: bound ones would make a cycle (self -> steps -> self), and an
+        # executor dropped would hold its host buffers until the garbage collector runs, maybe
+        # inside a later measured step (whose meter would then see their frees)
+        self.steps = [getattr(type(self), "run_" + ins.op) for ins in plan]
         self.env: list = []
         # NOTE: random nodes recomputed later replay the RNG state they first drew from (law 1)
         self.replayed = {ins.node for ins in plan if isinstance(ins, Recompute)
@@ -175,7 +178,7 @@ class Executor:
         del inputs
         with torch.no_grad():
             for step, ins in zip(self.steps, self.plan.instructions):
-                step(ins)
+                step(self, ins)
             self._write_back(params)
         loss = env[g.outputs["loss"]]
         self.env = []

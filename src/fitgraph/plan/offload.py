@@ -56,7 +56,7 @@ from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
 from ..sim.simulate import SimResult, simulate
-from .copy_stream import TIME_EPS_S, CopyStream
+from .copy_stream import CopyStream
 from .instructions import Compute, Free, Instruction, Offload, Plan, Prefetch, Recompute, Wait
 
 __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates", "offload_gains",
@@ -280,7 +280,7 @@ def _fit_prefetches(graph: Graph, uses: _Uses, windows: list[OffloadWindow], clo
             # NOTE: hidden nowhere: the copy starts as early as it can (the least stall), and is
             # issued at the latest node that still lets it start then (the least memory)
             first = stream.queued_start(issue_at(lo))
-            i = bisect.bisect_right(range(hi), first + TIME_EPS_S, lo, hi, key=issue_at) - 1
+            i = bisect.bisect_right(range(hi), first, lo, hi, key=issue_at) - 1
         start = stream.queued_start(issue_at(i))
         stream.add(start, secs)
         p = points[i]
