@@ -11,11 +11,11 @@ simulated compute time) between two consecutive uses, ``offload_plan`` places:
   time of the copy stream); where nothing hides it, so that it starts as early as it can;
 * ``Wait(s)`` right before the next reader.
 
-Placing takes one simulation of the plan: its clock, shifted after each release Wait by the time
-that Wait stalls for its copy, and the copy stream's busy intervals (``plan.copy_stream``), with
-prefetches placed latest deadline first. The plan given must not offload yet: offload every
-storage in one call. Only device memory inside the gaps changes, so the offloaded plan never
-peaks above the plan it came from.
+Placing takes one simulation of the plan (``plan.offload_place``: its clock, shifted after each
+release Wait by the time that Wait stalls, and the copy stream's busy intervals, prefetches placed
+latest deadline first). The plan given must not offload yet: offload every storage in one call.
+Only device memory inside the gaps changes, so the offloaded plan never peaks above the plan it
+came from.
 
 ``offload_gains`` scores each storage offloaded alone (bytes × seconds off device, the peak it
 saves, the latency it exposes), all of them in about the time of one simulation, so that a
@@ -56,8 +56,8 @@ from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
 from ..sim.simulate import SimResult, simulate
-from .copy_stream import CopyStream
-from .instructions import Compute, Free, Instruction, Offload, Plan, Prefetch, Recompute, Wait
+from .instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
+from .offload_place import OffloadWindow, assemble, place
 
 __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates", "offload_gains",
            "offload_plan", "offload_windows"]
@@ -65,16 +65,6 @@ __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates",
 
 class OffloadError(ValueError):
     """A storage was asked to be offloaded that cannot be (resident, recomputed, no gap...)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadWindow:
-    """Where one storage's offload goes, as indices into the plan it is placed in."""
-
-    storage: int
-    write: int    # last write before the gap: Offload right after it
-    release: int  # last use before the gap: Wait (device bytes released) right after it
-    reader: int   # first use after the gap: Wait (prefetch done) right before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,124 +193,6 @@ def _windows(graph: Graph, uses: _Uses, storages: Iterable[int], before_s: list[
     return out
 
 
-# -- placement -------------------------------------------------------------------------------
-class _Clock:
-    """The plan's compute clock once the offloads are in: the clock of the plan shifted, after
-    each release Wait, by the time it stalls for its copy (as the simulator's Wait does)."""
-
-    def __init__(self, before_s: list[float], after_s: list[float]) -> None:
-        self.before_s, self.after_s = before_s, after_s
-        self.from_pc: list[int] = []    # the shift grows from these plan indices on
-        self.shift: list[float] = []    # the shift from there
-
-    def shift_at(self, pc: int) -> float:
-        k = bisect.bisect_right(self.from_pc, pc) - 1
-        return self.shift[k] if k >= 0 else 0.0
-
-    def before(self, pc: int) -> float:
-        return self.before_s[pc] + self.shift_at(pc)
-
-    def stall(self, pc: int, seconds: float) -> None:
-        """Add a stall after instruction ``pc`` (the clock of every later one moves)."""
-        total = self.shift_at(pc + 1) + seconds
-        if self.from_pc and self.from_pc[-1] == pc + 1:
-            self.shift[-1] = total
-        else:
-            self.from_pc.append(pc + 1)
-            self.shift.append(total)
-
-
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    window: OffloadWindow
-    prefetch: int       # plan index the Prefetch goes before
-    release_s: float    # compute clock after the release Wait
-    prefetch_s: float   # compute clock at the Prefetch's issue
-    stall_s: float      # compute waiting at the two Waits
-
-
-def _stage(graph: Graph, windows: list[OffloadWindow], clock: _Clock, cost_model: CostModel
-           ) -> tuple[CopyStream, dict[int, float]]:
-    """Offloads and releases on the clock: the copy stream's busy intervals, and each release
-    Wait's stall (the clock is shifted by them)."""
-    events = sorted([(w.write, 0, w.storage) for w in windows]
-                    + [(w.release, 1, w.storage) for w in windows])
-    t_copy, done, stalls, spans = 0.0, {}, {}, []
-    for pc, kind, st in events:
-        now = clock.after_s[pc] + clock.shift_at(pc + 1)
-        if kind == 0:  # NOTE: FIFO, like the simulator: a copy starts when the stream is free
-            start = max(t_copy, now)
-            t_copy = done[st] = start + cost_model.copy_seconds(graph.storages[st].nbytes)
-            spans.append((start, t_copy))
-        else:
-            stalls[st] = max(0.0, done[st] - now)
-            if stalls[st] > 0:
-                clock.stall(pc, stalls[st])
-    return CopyStream(spans), stalls
-
-
-def _fit_prefetches(graph: Graph, uses: _Uses, windows: list[OffloadWindow], clock: _Clock,
-                    stream: CopyStream, stalls: dict[int, float], cost_model: CostModel
-                    ) -> list[_Placed]:
-    """Each prefetch at the latest node it is hidden before, latest deadline first (so each
-    fits in before the ones already placed); with no such node, so that it starts earliest."""
-    points = uses.compute_pcs
-
-    def issue_at(i: int) -> float:
-        return clock.before(points[i])
-
-    out = []
-    for w in sorted(windows, key=lambda w: (-w.reader, w.storage)):
-        secs = cost_model.copy_seconds(graph.storages[w.storage].nbytes)
-        deadline = clock.before(w.reader)
-        lo = bisect.bisect_right(points, w.release)
-        hi = bisect.bisect_right(points, w.reader)
-        i = stream.latest_fit(issue_at, lo, hi, secs, deadline)
-        if i is None:
-            # NOTE: hidden nowhere: the copy starts as early as it can (the least stall), and is
-            # issued at the latest node that still lets it start then (the least memory)
-            first = stream.queued_start(issue_at(lo))
-            i = bisect.bisect_right(range(hi), first, lo, hi, key=issue_at) - 1
-        start = stream.queued_start(issue_at(i))
-        stream.add(start, secs)
-        p = points[i]
-        release_s = clock.after_s[w.release] + clock.shift_at(w.release + 1)
-        stall = stalls[w.storage] + max(0.0, start + secs - deadline)
-        out.append(_Placed(w, p, release_s, clock.before(p), stall))
-    return out
-
-
-def _assemble(plan: Plan, placed: list[_Placed]) -> Plan:
-    """The plan with the copies: after instruction pc its offloads then its release Waits, before
-    it its prefetches then their Waits; each sorted by storage."""
-    before: dict[int, list[tuple[int, int, Instruction]]] = {}
-    after: dict[int, list[tuple[int, int, Instruction]]] = {}
-    for x in placed:
-        w = x.window
-        after.setdefault(w.write, []).append((0, w.storage, Offload(w.storage)))
-        after.setdefault(w.release, []).append((1, w.storage, Wait(w.storage)))
-        before.setdefault(x.prefetch, []).append((0, w.storage, Prefetch(w.storage)))
-        before.setdefault(w.reader, []).append((1, w.storage, Wait(w.storage)))
-    out: list[Instruction] = []
-    for pc, ins in enumerate(plan):
-        out.extend(i for _, _, i in sorted(before.get(pc, ()), key=_slot_key))
-        out.append(ins)
-        out.extend(i for _, _, i in sorted(after.get(pc, ()), key=_slot_key))
-    meta = dict(plan.meta, offloaded=tuple(sorted(x.window.storage for x in placed)))
-    return Plan(tuple(out), meta=meta)
-
-
-def _slot_key(entry: tuple[int, int, Instruction]) -> tuple[int, int]:
-    return entry[0], entry[1]
-
-
-def _place(graph: Graph, uses: _Uses, windows: list[OffloadWindow], before_s: list[float],
-           after_s: list[float], cost_model: CostModel) -> list[_Placed]:
-    clock = _Clock(before_s, after_s)
-    stream, stalls = _stage(graph, windows, clock, cost_model)
-    return _fit_prefetches(graph, uses, windows, clock, stream, stalls, cost_model)
-
-
 def offload_plan(graph: Graph, plan: Plan, storages: Iterable[int],
                  cost_model: CostModel) -> Plan:
     """``plan`` with each of ``storages`` offloaded across its longest gap (see the module doc).
@@ -328,7 +200,8 @@ def offload_plan(graph: Graph, plan: Plan, storages: Iterable[int],
     uses = _uses(graph, plan)
     before_s, after_s = _clocks(simulate(graph, plan, cost_model))
     windows = _windows(graph, uses, storages, before_s, after_s)
-    return _assemble(plan, _place(graph, uses, windows, before_s, after_s, cost_model))
+    placed = place(graph, uses.compute_pcs, windows, before_s, after_s, cost_model)
+    return assemble(plan, placed)
 
 
 def offload_gains(graph: Graph, plan: Plan, cost_model: CostModel,
@@ -343,7 +216,7 @@ def offload_gains(graph: Graph, plan: Plan, cost_model: CostModel,
     peaks = _RangeMax(base.peak_during)
     out: dict[int, OffloadGain] = {}
     for w in _windows(graph, uses, chosen, before_s, after_s):
-        x = _place(graph, uses, [w], before_s, after_s, cost_model)[0]
+        x = place(graph, uses.compute_pcs, [w], before_s, after_s, cost_model)[0]
         nbytes = graph.storages[w.storage].nbytes
         # NOTE: only the plan's instructions strictly between the release and the prefetch run
         # without the storage; what is inserted never tops its neighbours
