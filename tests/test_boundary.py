@@ -10,7 +10,10 @@ TORCH_FREE = [
     "fitgraph.plan.eager", "fitgraph.plan.verify", "fitgraph.sim.simulate", "fitgraph.sim",
     "fitgraph.cost.base", "fitgraph.cost.devices", "fitgraph.cost.roofline",
     "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.solvers.candidates", "fitgraph.units",
-    "fitgraph.graph.deps", "fitgraph.plan.reorder",
+    "fitgraph.graph.deps", "fitgraph.plan.reorder", "fitgraph.plan.offload",
+    "fitgraph.plan.offload_place", "fitgraph.plan.copy_stream", "fitgraph.graph.dims",
+    "fitgraph.graph.dim_region", "fitgraph.transform.optimizer_in_backward",
+    "fitgraph.solvers.ilp", "fitgraph.solvers.hotspot", "fitgraph.plan.staged",
 ]
 
 def _import_without_torch(module: str) -> subprocess.CompletedProcess:
