@@ -42,7 +42,7 @@ from ..graph.analysis import new_storages, users, verify_graph
 from ..graph.dim_region import Region
 from ..graph.dim_types import Along, Reduced
 from ..graph.dims import operands, part_args
-from ..graph.ir import Graph, Phase, Role
+from ..graph.ir import Graph, Phase, Role, contiguous_strides
 from .fission_meta import VIEW_TARGETS, Meta, dense_like, narrow, view_meta
 from .fission_order import FissionError, block_order, part_bounds
 from .fission_writer import GraphWriter, OutSpec, substitute_refs
@@ -50,6 +50,16 @@ from .fission_writer import GraphWriter, OutSpec, substitute_refs
 __all__ = ["FissionError", "part_bounds", "split_region"]
 
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+
+# NOTE: kernels that read these operands (``dims.operands`` positions) as flat contiguous arrays
+# without checking: a part's strided slice gives wrong numbers (layer norm backward's mean/rstd)
+# or an error (group norm); the part gets a contiguous copy of its slice. Found by running
+# every zoo split on uncopied slices.
+MUST_BE_CONTIGUOUS = {
+    "aten.native_layer_norm_backward.default": (2, 3),
+    "aten.native_group_norm.default": (0,),
+    "aten.native_group_norm_backward.default": (0, 1, 2, 3),
+}
 
 
 def split_region(graph: Graph, region: Region, k: int) -> Graph:
@@ -174,6 +184,8 @@ class _Splitter:
                 ins.append(w.whole[vid])
             else:
                 ins.append(self._input_part(vid, i, a, b, n.phase, n.module))
+        for q in MUST_BE_CONTIGUOUS.get(n.target, ()):
+            ins[q] = self._contiguous(ins[q], n, i)
         in_shapes = [w.values[v].shape for v in ins]
         out_shapes = []
         for o, e in zip(n.outputs, split.outputs):
@@ -203,6 +215,18 @@ class _Splitter:
         for o, new in zip(n.outputs, outs):
             if o is not None:
                 self.part[(o, i)] = new
+
+    def _contiguous(self, vid: int, n, i: int) -> int:
+        """``vid`` itself if contiguous, else a contiguous copy made just before ``n``'s part."""
+        w = self.w
+        v = w.values[vid]
+        want = contiguous_strides(v.shape)
+        if all(a == b for a, b, size in zip(v.stride, want, v.shape) if size != 1):
+            return vid
+        spec = OutSpec(f"{v.name}.contiguous", Meta(v.shape, want, 0), v.dtype,
+                       role=_part_role(n.phase))
+        return w.add_node(f"{v.name}.contiguous", "aten.contiguous.default", (_ref(vid),), {},
+                          [spec], phase=n.phase, module=n.module, device=w.device_of(vid))[0]
 
     def _device(self, n) -> str:
         vids = [o for o in n.outputs if o is not None] or list(n.inputs)
