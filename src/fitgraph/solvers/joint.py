@@ -60,6 +60,7 @@ REFINE_STEPS = 2          # bisections of B' around the fastest rung
 HOTSPOT_SHARE = 0.5       # the first hotspot run may use this share of the time budget
 RUNG_SHARE = 0.1          # each later hotspot run, this share
 FINAL_SHARE = 0.05        # kept for building the solution
+LEAST_PEAK = 1e9          # a latency limit that lets hotspot lower the peak as far as it can
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,21 @@ def solve_joint(problem: Problem) -> Solution:
 
 def _key(problem: Problem, c: _Cand):
     if problem.budget_bytes is not None:
-        return (c.sim.peak_bytes > problem.budget_bytes, c.sim.latency_s, c.sim.peak_bytes)
+        if c.sim.peak_bytes <= problem.budget_bytes:
+            return (0, c.sim.latency_s, c.sim.peak_bytes)
+        return (1, c.sim.peak_bytes, c.sim.latency_s)  # NOTE: none fits: report the least peak
     return (c.sim.peak_bytes, c.sim.latency_s)
 
 
-def _hotspot(problem: Problem, share: float, deadline: float, **kw) -> tuple[Plan, SimResult,
-                                                                             bool] | None:
-    """hotspot on ``problem`` with the settings in ``kw``; None when it cannot fit them."""
+def _hotspot(problem: Problem, share: float, deadline: float, **kw
+             ) -> tuple[Plan, SimResult, bool] | BudgetInfeasible:
+    """hotspot on ``problem`` with the settings in ``kw``: (plan, sim, timed out), or the
+    BudgetInfeasible it raised."""
     budget = min(share * problem.time_budget_s, max(0.0, deadline - time.perf_counter()))
     try:
         s = solve_hotspot(Problem(problem.graph, problem.cost_model, time_budget_s=budget, **kw))
-    except BudgetInfeasible:
-        return None
+    except BudgetInfeasible as e:
+        return e
     return s.plan, s.sim, bool(s.notes.get("timed_out"))
 
 
@@ -132,27 +136,32 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         return cands, False
     tried: dict[int, float] = {}  # B' -> latency reached from it (inf: hotspot cannot fit B')
 
-    def rung(b: int, share: float) -> None:
+    def rung(b: int, share: float) -> int | None:
+        """Remat at B' = b, offloaded to fit B; the smallest peak hotspot reached if not b."""
         if b in tried or time.perf_counter() > deadline:
-            return
+            return None
         r = _hotspot(problem, share, deadline, budget_bytes=b)
-        if r is None:
+        if isinstance(r, BudgetInfeasible):
             tried[b] = inf
-            return
+            return r.smallest_peak_bytes
         c = _offloaded(problem, *r[:2], f"hotspot at {b:,} B", b, B, inf, deadline, r[2])
         cands.append(c)
         tried[b] = c.sim.latency_s if c.sim.peak_bytes <= B else inf
+        return None
 
-    rung(B, HOTSPOT_SHARE)
-    if tried.get(B) == inf:  # NOTE: remat alone cannot fit: offload its least-peak plan
-        r = _hotspot(problem, RUNG_SHARE, deadline, latency_limit=1e9)
-        if r is not None:
-            cands.append(_offloaded(problem, *r[:2], "hotspot, least peak", None, B, inf,
-                                    deadline, r[2]))
+    lowest = rung(B, HOTSPOT_SHARE)
+    if lowest is not None:  # NOTE: remat alone cannot fit B: offload its least-peak plan
+        if rung(lowest, RUNG_SHARE) is not None:
+            r = _hotspot(problem, RUNG_SHARE, deadline, latency_limit=LEAST_PEAK)
+            if not isinstance(r, BudgetInfeasible):
+                cands.append(_offloaded(problem, *r[:2], "hotspot, least peak", None, B, inf,
+                                        deadline, r[2]))
     for f in LADDER[1:]:
         rung(B + int(f * (E - B)), RUNG_SHARE)
     for _ in range(REFINE_STEPS):  # NOTE: bisect B' on both sides of the fastest rung
         keys = sorted(tried)
+        if all(tried[b] == inf for b in keys):
+            break
         best = min(keys, key=lambda b: (tried[b], b))
         i = keys.index(best)
         for j in (i - 1, i + 1):
@@ -166,7 +175,7 @@ def _latency_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: flo
     cap = problem.latency_limit * eager_sim.latency_s
     cands = [_offloaded(problem, eager, eager_sim, "eager plan", None, 0, cap, deadline, False)]
     r = _hotspot(problem, HOTSPOT_SHARE, deadline, latency_limit=problem.latency_limit)
-    if r is not None:
+    if not isinstance(r, BudgetInfeasible):
         cands.append(_offloaded(problem, *r[:2], "hotspot, least peak in the limit", None, 0,
                                 cap, deadline, r[2]))
         low, high = r[1].peak_bytes, eager_sim.peak_bytes
@@ -175,7 +184,7 @@ def _latency_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: flo
                 break
             b = low + int(f * (high - low))
             rb = _hotspot(problem, RUNG_SHARE, deadline, budget_bytes=b)
-            if rb is not None and rb[1].latency_s <= cap:
+            if not isinstance(rb, BudgetInfeasible) and rb[1].latency_s <= cap:
                 cands.append(_offloaded(problem, *rb[:2], f"hotspot at {b:,} B", b, 0, cap,
                                         deadline, rb[2]))
     return cands, time.perf_counter() > deadline
