@@ -100,9 +100,10 @@ def graph_fingerprint(graph: Graph) -> str:
 
 @dataclass
 class _Planned:
-    graph: Graph
+    graph: Graph                   # what the plan runs on (a solver may have rewritten it)
     solution: Solution
     eager: SimResult
+    fingerprint: str | None = None  # of the captured graph, which ``load`` captures again
     executor: Executor | None = None
     measured_peak_bytes: int | None = None
     step_times: list[float] = field(default_factory=list)
@@ -173,7 +174,8 @@ class TrainStep:
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
             sol = solve(Problem(graph, cm, budget_bytes=budget, latency_limit=self.latency_limit,
                                 time_budget_s=self.time_budget), self.solver)
-        return _Planned(graph, sol, eager.sim)
+        # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
+        return _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
 
     def _capture(self, batch: Any) -> Graph:
         graph = capture(self.model, batch, self.loss_fn, self.optimizer,
@@ -286,7 +288,7 @@ class TrainStep:
         meta = {k: v for k, v in p.graph.meta.items() if k != "batch_spec"}
         graph = Graph(p.graph.nodes, p.graph.values, p.graph.storages, p.graph.inputs,
                       p.graph.input_names, p.graph.outputs, meta)
-        blob = {"format": SAVE_FORMAT, "fingerprint": graph_fingerprint(p.graph),
+        blob = {"format": SAVE_FORMAT, "fingerprint": p.fingerprint or graph_fingerprint(p.graph),
                 "graph": graph, "batch_spec": treespec_dumps(p.graph.meta["batch_spec"]), "plan": p.solution.plan, "solver": p.solution.solver,
                 "budget": self.budget, "latency_limit": self.latency_limit,
                 "optimizer_in_backward": self.in_backward, "clip_grad_norm": self.clip_grad_norm,
@@ -368,6 +370,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
             raise ValueError(f"{path}: the plan was made for another graph (the step captured "
                              "from this model and batch differs); optimize it again")
     planned = step._plan(None, graph=graph, plan=blob["plan"], solver=blob["solver"])
+    planned.fingerprint = blob["fingerprint"]
     step._last = step._graph_key(graph)
     step._plans[step._last] = planned
     return step

@@ -56,6 +56,9 @@ class Problem:
 
 @dataclass(frozen=True)
 class Solution:
+    """A plan and its simulation. ``graph``: the graph the plan runs on when the solver rewrote
+    the problem's graph (operator fission); None means ``problem.graph``."""
+
     plan: Plan
     sim: SimResult
     solver: str
@@ -63,6 +66,11 @@ class Solution:
     optimal: bool | None = None      # proven optimal (exact solvers), None when unknown
     gap: float | None = None         # relative optimality gap reported by exact solvers
     notes: dict = field(default_factory=dict)
+    graph: Graph | None = None
+
+    def graph_for(self, problem_graph: Graph) -> Graph:
+        """The graph to run ``plan`` on: the rewritten one if any, else ``problem_graph``."""
+        return problem_graph if self.graph is None else self.graph
 
 
 SOLVERS: dict[str, Callable[[Problem], Solution]] = {}

@@ -55,6 +55,11 @@ _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.def
 # without checking: a part's strided slice gives wrong numbers (layer norm backward's mean/rstd)
 # or an error (group norm); the part gets a contiguous copy of its slice. Found by running
 # every zoo split on uncopied slices.
+# NOTE: products whose partial sums a part adds in place into the first part's result
+# (``acc.addmm_(a, b)``): no second whole-size partial (a tied LM head's weight gradient is as
+# large as the embedding)
+ACCUMULATE = {"aten.mm.default": "aten.addmm_.default", "aten.bmm.default": "aten.baddbmm_.default"}
+
 MUST_BE_CONTIGUOUS = {
     "aten.native_layer_norm_backward.default": (2, 3),
     "aten.native_group_norm.default": (0,),
@@ -209,9 +214,19 @@ class _Splitter:
             specs.append(spec)
         mutated = [ins[ops.index(v)] for v in n.mutates]
         flops = n.flops * (b - a) / r.length
+        o = n.outputs[0]
+        if i > 0 and n.target in ACCUMULATE and self._accumulated(o):
+            acc = self.acc[o]
+            target, args = ACCUMULATE[n.target], (_ref(acc),) + tuple(args)
+            mutated = [acc]
+            specs = [OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
+                             storage=w.values[acc].storage, role=w.values[acc].role)]
         outs = w.add_node(f"{n.name}.part{i}", target, args, kwargs, specs, phase=n.phase,
                           module=n.module, device=self._device(n), mutates=tuple(mutated),
                           random=n.random, flops=flops, out_is_tuple=n.out_is_tuple)
+        if target in ACCUMULATE.values():
+            self.acc[o] = outs[0]
+            return
         for o, new in zip(n.outputs, outs):
             if o is not None:
                 self.part[(o, i)] = new
@@ -273,10 +288,14 @@ class _Splitter:
                 raise FissionError(f"{n.name}: a part's view must be a copy, and "
                                    f"{self.g.nodes[nid].name} writes through it")
 
-    def _is_acc(self, o: int, i: int) -> bool:
+    def _accumulated(self, o: int | None) -> bool:
+        """True for a partial sum the parts add up (it leaves, or weighs a mean that does)."""
         e = self.r.dims.get(o)
-        return i == 0 and isinstance(e, Reduced) and e.how == "sum" and (
+        return isinstance(e, Reduced) and e.how == "sum" and (
             o in self.leaving or o in self.mean_weights.values())
+
+    def _is_acc(self, o: int, i: int) -> bool:
+        return i == 0 and self._accumulated(o)
 
     # -- combining the parts --------------------------------------------------------------------
     def _after_part_node(self, nid: int, i: int, a: int, b: int) -> None:
@@ -293,10 +312,10 @@ class _Splitter:
                 continue
             if o in self.mean_weights:
                 self._mean_term(o, i, n, dev)
-            elif e.how == "sum" and (o in self.leaving or o in self.mean_weights.values()):
+            elif self._accumulated(o):
                 if i == 0:
                     self.acc[o] = self.part[(o, 0)]
-                else:
+                elif n.target not in ACCUMULATE:
                     acc = self.acc[o]
                     spec = OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
                                    storage=w.values[acc].storage, role=w.values[acc].role)

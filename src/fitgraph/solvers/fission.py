@@ -1,0 +1,169 @@
+"""``fission``: operator fission chosen by the simulator, then rematerialization on top.
+
+Simulate the eager plan, look at what is live at the peak, grow fission regions from those
+tensors along each of their dims (``solvers.fission_regions``: whole and trimmed to their large
+tensors), split each in k parts for k in ``FissionConfig.ks`` (``transform.split_region``) and
+simulate the split graph's eager plan; take the candidate that the simulator says is best —
+within the budget at least latency, else the lowest peak (with a ``latency_limit``: the lowest
+peak within it) — and repeat on the split graph, which may split a part again along another
+dim (nested fission), until the budget holds or nothing lowers the peak. Mean-reduced losses
+count their targets apart first (``transform.fission_loss``), so the logits, the loss and its
+gradient can run chunk by chunk in one region. What is still over budget goes to ``hotspot``
+(remat and reordering on the split graph). The Solution carries the split graph
+(``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties keep the
+first; only the deadline (``time_budget_s``) cuts the search short (``notes["timed_out"]``).
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> from fitgraph.solvers import Problem, solve
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4096))
+    >>> batch = (torch.randn(512, 16), torch.randint(0, 4096, (512,)))
+    >>> loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    >>> g = fitgraph.capture(model, batch, loss_fn)
+    >>> cm = RooflineCostModel(get_device("rtx3090"))
+    >>> eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    >>> s = solve(Problem(g, cm, budget_bytes=eager.sim.peak_bytes // 2), "fission")
+    >>> s.sim.peak_bytes <= eager.sim.peak_bytes // 2, s.notes["splits"]
+    (True, ['11 nodes from _log_softmax dim 0 in 4 parts'])
+    >>> s.graph is not None   # the plan runs on the split graph
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..graph.ir import Graph
+from ..plan.eager import eager_plan
+from ..sim.simulate import SimResult, simulate
+from ..transform.fission import FissionError, split_region
+from ..transform.fission_loss import count_targets_apart, counting_nodes
+from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from .fission_regions import candidate_regions, peak_starts
+from .hotspot import solve_hotspot
+
+__all__ = ["FissionConfig", "solve_fission"]
+
+
+@dataclass(frozen=True)
+class FissionConfig:
+    """How far the search looks. ``ks``: part counts tried per region; ``max_storages``: the
+    largest tensors live at the peak that regions are grown from; ``shares``: region trims
+    tried (0: the whole region; 0.25: only nodes touching a tensor >= 1/4 of its largest);
+    ``max_splits``: splits applied in sequence (nested included); ``remat``: hand what is
+    still over budget (or the latency left) to ``hotspot``."""
+
+    ks: tuple[int, ...] = (2, 4, 8, 16, 32)
+    max_storages: int = 6
+    shares: tuple[float, ...] = (0.0, 1 / 16, 1 / 4)
+    max_splits: int = 6
+    remat: bool = True
+
+
+@dataclass(frozen=True)
+class _Step:
+    graph: Graph
+    sim: SimResult
+    what: str
+
+
+def _simulate(graph: Graph, cost_model) -> SimResult:
+    if hasattr(cost_model, "profile"):
+        cost_model.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
+    return simulate(graph, eager_plan(graph), cost_model)
+
+
+@register("fission")
+def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig()) -> Solution:
+    """Plan ``problem`` with fission and then remat (see the module doc)."""
+    t0 = time.perf_counter()
+    deadline = t0 + problem.time_budget_s
+    cm, budget = problem.cost_model, problem.budget_bytes
+    eager = _simulate(problem.graph, cm)
+    limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
+             else float("inf"))
+    graph = count_targets_apart(problem.graph)
+    cur = _Step(graph, eager if graph is problem.graph else _simulate(graph, cm), "")
+    steps: list[_Step] = []
+    timed_out = False
+    while len(steps) < config.max_splits and (budget is None or cur.sim.peak_bytes > budget):
+        best, timed_out = _best_split(cur, cm, budget, limit, config, deadline)
+        if best is None:
+            break
+        steps.append(best)
+        cur = best
+    if not steps:
+        cur = _Step(problem.graph, eager, "")
+    sol = _remat(problem, cur, eager, limit, config, t0)
+    if budget is not None and sol.sim.peak_bytes > budget:
+        raise BudgetInfeasible(budget, sol.sim.peak_bytes, dominated_by(sol.sim), "fission")
+    notes = dict(sol.notes, splits=[s.what for s in steps], timed_out=timed_out or bool(
+        sol.notes.get("timed_out")), eager_latency_s=eager.latency_s,
+        fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s)
+    sol.plan.meta["solver"] = "fission"
+    return Solution(sol.plan, sol.sim, "fission", time.perf_counter() - t0, notes=notes,
+                    graph=None if cur.graph is problem.graph else cur.graph)
+
+
+def _better(sim: SimResult, than: SimResult | None, budget: int | None) -> bool:
+    def key(s: SimResult):
+        if budget is not None and s.peak_bytes <= budget:
+            return (0, s.latency_s, s.peak_bytes)
+        return (1, s.peak_bytes, s.latency_s)
+    return than is None or key(sim) < key(than)
+
+
+def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
+                deadline: float) -> tuple[_Step | None, bool]:
+    """The best split of one region of ``cur.graph`` that lowers its peak (None: none does)."""
+    g = cur.graph
+    starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
+    best: _Step | None = None
+    for region in candidate_regions(g, starts, config.shares, counting_nodes(g)):
+        last_peak = cur.sim.peak_bytes
+        for k in config.ks:
+            if time.perf_counter() > deadline:
+                return best, True
+            if k > region.length:
+                break
+            try:
+                g2 = split_region(g, region, k)
+            except FissionError:
+                break  # NOTE: the reason does not depend on k
+            sim = _simulate(g2, cm)
+            if sim.peak_bytes >= last_peak:
+                break  # NOTE: more parts no longer help this region
+            last_peak = sim.peak_bytes
+            if sim.latency_s > limit:
+                break
+            if _better(sim, best.sim if best else None, budget):
+                start = g.values[region.start[0]].name
+                best = _Step(g2, sim, f"{len(region.nodes)} nodes from {start} dim "
+                                      f"{region.start[1]} in {k} parts")
+    return best, False
+
+
+def _remat(problem: Problem, cur: _Step, eager: SimResult, limit: float, config: FissionConfig,
+           t0: float) -> Solution:
+    """The plan on the split graph: its eager plan, or hotspot's where remat is still needed
+    (over budget) or allowed (latency left under the limit)."""
+    budget, cm = problem.budget_bytes, problem.cost_model
+    plain = Solution(eager_plan(cur.graph), cur.sim, "fission", 0.0)
+    left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
+    if not config.remat:
+        return plain
+    if budget is not None:
+        if cur.sim.peak_bytes <= budget:
+            return plain
+        try:
+            return solve_hotspot(Problem(cur.graph, cm, budget_bytes=budget, time_budget_s=left))
+        except BudgetInfeasible as e:
+            raise BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by,
+                                   "fission") from e
+    factor = limit / cur.sim.latency_s
+    if factor <= 1.0:
+        return plain
+    sol = solve_hotspot(Problem(cur.graph, cm, latency_limit=factor, time_budget_s=left))
+    return sol if sol.sim.peak_bytes < cur.sim.peak_bytes else plain

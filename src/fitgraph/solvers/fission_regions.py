@@ -1,0 +1,119 @@
+"""Candidate fission regions for a simulated peak: grown from what is live there, and trimmed.
+
+A region grown by ``grow_region`` is maximal: along the tokens of a transformer it spans the
+loss and the last blocks, whose small tensors gain nothing from parts but pay a kernel launch
+per part. ``trimmed`` keeps the nodes that touch a large tensor (a share of the region's
+largest) and the region nodes between them, so the search can weigh the classic small regions
+(logits + loss + its gradient) against the whole.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role
+    >>> from fitgraph.graph.dim_region import grow_region
+    >>> from fitgraph.solvers.fission_regions import trimmed
+    >>> b = GraphBuilder()
+    >>> x = b.add_input("x", (64, 4), "float32", Role.INPUT)
+    >>> w = b.add_input("w", (4, 1024), "float32", Role.PARAMETER)
+    >>> h = b.add_node("aten.relu.default", [x], [((64, 4), "float32")])[0]
+    >>> y = b.add_node("aten.mm.default", [h, w], [((64, 1024), "float32")])[0]
+    >>> z = b.add_node("aten.exp.default", [y], [((64, 1024), "float32")])[0]
+    >>> g = b.finish({"loss": z})
+    >>> r = grow_region(g, x, 0)
+    >>> r.nodes, trimmed(g, r, 0.5).nodes           # relu touches only small tensors
+    ((0, 1, 2), (1, 2))
+"""
+
+from __future__ import annotations
+
+from ..graph.dim_convex import order_edges
+from ..graph.dim_region import Region, RegionIndex, grow_region
+from ..graph.dim_types import Reduced
+from ..graph.ir import Graph
+from ..plan.instructions import Plan
+from ..sim.simulate import SimResult
+
+__all__ = ["candidate_regions", "peak_starts", "trimmed"]
+
+
+def _node_bytes(graph: Graph, region: Region, nid: int) -> int:
+    """The largest tensor a region node reads or writes in parts (or as a partial result)."""
+    n = graph.nodes[nid]
+    vids = list(n.inputs) + [o for o in n.outputs if o is not None]
+    sizes = [graph.values[v].nbytes for v in vids
+             if isinstance(region.dims.get(v), (int, Reduced))]
+    return max(sizes, default=0)
+
+
+def trimmed(graph: Graph, region: Region, share: float,
+            edges: tuple[dict, dict] | None = None) -> Region:
+    """The sub-region of nodes touching a tensor of at least ``share`` of the region's largest,
+    plus the region nodes on paths between them (so it stays convex); ``edges``: the graph's
+    ``order_edges`` if already known."""
+    sizes = {nid: _node_bytes(graph, region, nid) for nid in region.nodes}
+    big = max(sizes.values(), default=0)
+    keep = {nid for nid, s in sizes.items() if s >= share * big}
+    if not keep or keep == set(region.nodes):
+        return region
+    succ, pred = edges or order_edges(graph)
+    inside = set(region.nodes)
+    below = _reach(keep, succ, inside)
+    above = _reach(keep, pred, inside)
+    nodes = tuple(sorted(keep | (below & above)))
+    values = {v for nid in nodes for v in graph.nodes[nid].inputs}
+    values |= {o for nid in nodes for o in graph.nodes[nid].outputs if o is not None}
+    return Region(region.start, nodes, {nid: region.splits[nid] for nid in nodes},
+                  {v: d for v, d in region.dims.items() if v in values},
+                  {v: u for v, u in region.units.items() if v in values}, {},
+                  region.length, nodes[0])
+
+
+def _reach(starts: set[int], edges: dict, inside: set[int]) -> set[int]:
+    seen: set[int] = set()
+    stack = [m for s in sorted(starts) for m in edges[s] if m in inside]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(m for m in edges[n] if m in inside and m not in seen)
+    return seen
+
+
+def peak_starts(graph: Graph, plan: Plan, sim: SimResult,
+                max_storages: int) -> list[tuple[int, int]]:
+    """(value, dim) starts: every dim (of size >= 2) of the largest storages made during the
+    step that are live at the peak, largest first, and of what the peak's node makes."""
+    first_value: dict[int, int] = {}
+    for v in graph.values:
+        first_value.setdefault(v.storage, v.id)
+    made = [st for st in sim.peak_live if not graph.storages[st].role.resident]
+    ranked = sorted(made, key=lambda st: (-graph.storages[st].nbytes, st))[:max_storages]
+    pc = sim.peak_instruction
+    if pc >= 0:
+        nid = getattr(plan[pc], "node", None)
+        if nid is not None:
+            ranked += [graph.values[o].storage for o in graph.nodes[nid].outputs
+                       if o is not None and graph.values[o].storage not in ranked]
+    starts = []
+    for st in ranked:
+        v = graph.values[first_value[st]]
+        starts += [(v.id, d) for d, size in enumerate(v.shape) if size >= 2]
+    return starts
+
+
+def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple[float, ...],
+                      exclude: dict[int, str] | None = None) -> list[Region]:
+    """Regions grown from ``starts`` (deduplicated by their nodes), each whole and trimmed at
+    each share; regions of one node are left out (a part per node gains nothing)."""
+    index = RegionIndex(graph)
+    edges = (index.succ, index.pred)
+    seen: set[tuple[int, ...]] = set()
+    out: list[Region] = []
+    for vid, dim in starts:
+        r = grow_region(graph, vid, dim, exclude=exclude, index=index)
+        if len(r.nodes) < 2 or r.length < 2:
+            continue
+        for share in shares:
+            t = trimmed(graph, r, share, edges) if share > 0 else r
+            if len(t.nodes) >= 2 and t.nodes not in seen:
+                seen.add(t.nodes)
+                out.append(t)
+    return out
