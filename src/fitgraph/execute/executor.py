@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..graph.ir import Graph, Node
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
+from ..plan.remat import recompute_without_writes
 from .offload import HostStore
 from .ops import ArgBinder, resolve_target
 from .optimizer_ops import run_optimizer_node
@@ -95,6 +96,10 @@ class Executor:
         self.replayed = {ins.node for ins in plan if isinstance(ins, Recompute)
                          and graph.nodes[ins.node].random}
         self.rng_saved: dict[int, torch.Generator] = {}
+        # NOTE: recomputes that skip their in-place side effects (BatchNorm's running stats)
+        self.skip_writes = {ins.node: recompute_without_writes(graph, ins.node) for ins in plan
+                            if isinstance(ins, Recompute)
+                            and recompute_without_writes(graph, ins.node)}
         self.host = HostStore(graph, plan, members)
 
     def _callable(self, node: Node):
@@ -110,6 +115,10 @@ class Executor:
         env = self.env
         fn = self.fns[ins.node]
         args, kwargs = self.binders[ins.node](env)
+        if isinstance(ins, Recompute) and ins.node in self.skip_writes:
+            args = list(args)
+            for i in self.skip_writes[ins.node]:
+                args[i] = None
         if fn is None:
             result = run_optimizer_node(node, args[0], args[1], list(args[2]), self.optimizer)
         else:

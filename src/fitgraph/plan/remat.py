@@ -29,7 +29,8 @@ from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
 __all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "inplace_chains",
-           "is_view_node", "recomputable", "remat_plan", "remat_tables"]
+           "is_view_node", "recomputable", "recompute_without_writes", "remat_plan",
+           "remat_tables"]
 
 
 class RematError(ValueError):
@@ -65,13 +66,48 @@ def inplace_chains(graph: Graph) -> dict[int, tuple[int, ...]]:
     return out
 
 
+# NOTE: ops whose only in-place writes are side effects that do not change their outputs:
+# target -> (argument positions written in place, position of the flag that must be True).
+# A recompute passes None for those arguments (the executor: ``recompute_without_writes``), so
+# the write happens once, at the first compute. BatchNorm in training mode normalises with the
+# batch's statistics; the running statistics it updates do not enter its outputs.
+SIDE_EFFECT_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten.native_batch_norm.default": ((3, 4), 5),
+}
+
+
+def recompute_without_writes(graph: Graph, nid: int) -> tuple[int, ...]:
+    """Argument positions a recompute of node ``nid`` passes as None so that it does not write
+    in place again (its outputs are the same); () when the node writes nothing or must not be
+    recomputed for its writes.
+
+    Example:
+        >>> from fitgraph.graph.ir import GraphBuilder
+        >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32")
+        >>> y = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]
+        >>> recompute_without_writes(b.finish({"loss": y}), 0)
+        ()
+    """
+    n = graph.nodes[nid]
+    rule = SIDE_EFFECT_WRITES.get(n.target)
+    if rule is None or not n.mutates:
+        return ()
+    positions, flag = rule
+    args = n.args
+    if len(args) <= max(*positions, flag) or args[flag] is not True:
+        return ()
+    written = {getattr(args[i], "id", None) for i in positions}
+    return positions if set(n.mutates) <= written else ()
+
+
 def recomputable(graph: Graph) -> dict[int, str]:
     """node id -> "" if its outputs may be dropped and recomputed, else the reason why not.
 
     Random ops are recomputable: the executor replays the RNG state they drew from (law 1).
-    Never recomputed: ops that write in place (a recompute would apply the write twice, e.g.
-    BatchNorm's running stats) unless they belong to an in-place chain (``inplace_chains``,
-    recomputed as a unit), ops whose output storage is written in place later or that read a
+    Never recomputed: ops that write in place (a recompute would apply the write twice) unless
+    they belong to an in-place chain (``inplace_chains``, recomputed as a unit) or their writes
+    are side effects a recompute can skip (``recompute_without_writes``: BatchNorm's running
+    statistics), ops whose output storage is written in place later or that read a
     storage written in place later (outside such a chain), optimizer updates, and ops whose
     outputs are step outputs or views of resident storage. Optimizer updates do not count as
     later writes: ``graph.deps`` makes each wait for every recompute that may read its weight.
@@ -92,7 +128,7 @@ def recomputable(graph: Graph) -> dict[int, str]:
     out: dict[int, str] = {}
     for n in graph.nodes:
         why = ""
-        if n.mutates and n.id not in in_chain:
+        if n.mutates and n.id not in in_chain and not recompute_without_writes(graph, n.id):
             why = "writes in place"
         elif n.phase is Phase.OPTIMIZER:
             why = "optimizer update"
