@@ -10,8 +10,9 @@ before the next part starts:
 - an output the rest of the graph reads is assembled in a preallocated whole tensor
   (``new_empty_strided`` with the original layout, each part ``copy_``-ed into its slice right
   after its last write), or, for a partial result (``Reduced``), summed in place into the first
-  part's output (weight gradients), or re-weighted (a mean-reduced loss: ``sum(loss_i * w_i) /
-  sum(w_i)``, skipping parts whose weight is 0); views of those leave through ``as_strided``;
+  part's output (weight gradients; products accumulate with ``addmm_``), or re-weighted once
+  after the parts (a mean-reduced loss: ``sum(loss_i * w_i) / sum(w_i)``, skipping parts whose
+  weight is 0); views of those leave through ``as_strided``;
 - size arguments are rewritten per part (``dims.part_args``); FLOPs scale with the part.
 
 The region's peak drops to about 1/k of its activations. Calling ``split_region`` again on the
@@ -138,7 +139,6 @@ class _Splitter:
             w.copy_node(g.nodes[nid])
         self.buffers: dict[int, int] = {}             # storage -> new whole buffer value
         self.acc: dict[int, int] = {}                 # Reduced value -> accumulated new value
-        self.num: dict[int, int] = {}                 # weighted-mean loss -> numerator
         for i, (a, b) in enumerate(self.bounds):
             for nid in self.r.nodes:
                 self._emit_part(nid, i, a, b)
@@ -289,10 +289,11 @@ class _Splitter:
                                    f"{self.g.nodes[nid].name} writes through it")
 
     def _accumulated(self, o: int | None) -> bool:
-        """True for a partial sum the parts add up (it leaves, or weighs a mean that does)."""
+        """True for a partial sum the parts add up in place (one that leaves the region, and
+        does not weigh a mean: those are combined with it, see ``_combine_mean``)."""
         e = self.r.dims.get(o)
-        return isinstance(e, Reduced) and e.how == "sum" and (
-            o in self.leaving or o in self.mean_weights.values())
+        return isinstance(e, Reduced) and e.how == "sum" and o in self.leaving \
+            and o not in self.mean_weights.values()
 
     def _is_acc(self, o: int, i: int) -> bool:
         return i == 0 and self._accumulated(o)
@@ -310,9 +311,7 @@ class _Splitter:
         for o, e in zip(n.outputs, r.splits[nid].outputs):
             if not isinstance(e, Reduced):
                 continue
-            if o in self.mean_weights:
-                self._mean_term(o, i, n, dev)
-            elif self._accumulated(o):
+            if self._accumulated(o):
                 if i == 0:
                     self.acc[o] = self.part[(o, 0)]
                 elif n.target not in ACCUMULATE:
@@ -350,40 +349,44 @@ class _Splitter:
         w.add_node(f"{v.name}.copy{i}", "aten.copy_.default", (_ref(dst), _ref(src)), {}, [spec],
                    phase=n.phase, module=n.module, device=dev, mutates=(dst,))
 
-    def _mean_term(self, o: int, i: int, n, dev: str) -> None:
-        """sum_i where(w_i != 0, loss_i * w_i, 0): a part whose weight is 0 has a nan loss."""
+    def _combine_mean(self, o: int, wt: int) -> None:
+        """A mean-reduced loss from its parts' means and weights, once after the block:
+        ``sum(where(w != 0, l * w, 0)) / sum(w)`` over the stacked parts (a part whose weight
+        is 0 has a nan mean); the summed weights are the whole total weight."""
         g, w = self.g, self.w
-        v = g.values[o]
-        loss, weight = self.part[(o, i)], self.part[(self.mean_weights[o], i)]
-        scalar = Meta(v.shape, v.stride, 0)
-        kw = dict(phase=n.phase, module=n.module, device=dev)
-        role = _part_role(n.phase)
-        prod = w.add_node(f"{v.name}.weighted{i}", "aten.mul.Tensor", (_ref(loss), _ref(weight)),
-                          {}, [OutSpec(f"{v.name}.weighted{i}", scalar, v.dtype, role=role)], **kw)[0]
-        nz = w.add_node(f"{v.name}.nonzero{i}", "aten.ne.Scalar", (_ref(weight), 0), {},
-                        [OutSpec(f"{v.name}.nonzero{i}", scalar, "bool", role=role)], **kw)[0]
-        term = w.add_node(f"{v.name}.term{i}", "aten.where.ScalarOther", (_ref(nz), _ref(prod), 0.0),
-                          {}, [OutSpec(f"{v.name}.term{i}", scalar, v.dtype, role=role)], **kw)[0]
-        if i == 0:
-            self.num[o] = term
-            return
-        acc = self.num[o]
-        spec = OutSpec(f"{v.name}.num{i}", w.meta(acc), v.dtype, storage=w.values[acc].storage,
-                       role=w.values[acc].role)
-        self.num[o] = w.add_node(f"{v.name}.num{i}", "aten.add_.Tensor", (_ref(acc), _ref(term)),
-                                 {}, [spec], mutates=(acc,), **kw)[0]
+        v, n = g.values[o], g.nodes[g.values[o].producer]
+        if v.shape != () or g.values[wt].shape != ():
+            raise FissionError(f"{n.name}: only scalar weighted means are combined")
+        kw = dict(phase=n.phase, module=n.module, device=self._device(n))
+        stacked, scalar = Meta((self.k,), (1,), 0), Meta((), (), 0)
+        part_role = _part_role(n.phase)
+
+        def step(name, target, args, meta=stacked, dtype=v.dtype, role=part_role):
+            return w.add_node(f"{n.name}.{name}", target, args, {},
+                              [OutSpec(f"{v.name}.{name}", meta, dtype, role=role)], **kw)[0]
+
+        losses = step("losses", "aten.stack.default",
+                      ([_ref(self.part[(o, i)]) for i in range(self.k)],))
+        ws = step("weights", "aten.stack.default",
+                  ([_ref(self.part[(wt, i)]) for i in range(self.k)],))
+        prod = step("weighted", "aten.mul.Tensor", (_ref(losses), _ref(ws)))
+        kept = step("kept", "aten.ne.Scalar", (_ref(ws), 0), dtype="bool")
+        terms = step("terms", "aten.where.ScalarOther", (_ref(kept), _ref(prod), 0.0))
+        num = step("sum", "aten.sum.default", (_ref(terms),), meta=scalar)
+        total = step("total_weight", "aten.sum.default", (_ref(ws),), meta=scalar,
+                     role=g.storages[g.values[wt].storage].role)
+        w.whole[o] = step("mean", "aten.div.Tensor", (_ref(num), _ref(total)), meta=scalar,
+                          role=g.storages[v.storage].role)
+        w.storage_map[v.storage] = w.values[w.whole[o]].storage
+        if wt in self.leaving:
+            w.whole[wt] = total
+            w.storage_map[g.values[wt].storage] = w.values[total].storage
 
     def _finish_block(self) -> None:
         """Map every value that leaves the region to its whole tensor in the new graph."""
         g, w = self.g, self.w
         for o, wt in self.mean_weights.items():
-            v, n = g.values[o], g.nodes[g.values[o].producer]
-            spec = OutSpec(v.name, Meta(v.shape, v.stride, v.storage_offset), v.dtype,
-                           role=g.storages[v.storage].role)
-            w.whole[o] = w.add_node(f"{n.name}.mean", "aten.div.Tensor",
-                                    (_ref(self.num[o]), _ref(self.acc[wt])), {}, [spec],
-                                    phase=n.phase, module=n.module, device=self._device(n))[0]
-            w.storage_map[v.storage] = w.values[w.whole[o]].storage
+            self._combine_mean(o, wt)
         for o, acc in self.acc.items():
             if o in self.leaving:
                 w.whole[o] = acc
