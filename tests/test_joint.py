@@ -25,6 +25,8 @@ from fitgraph.plan.verify import verify_plan
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
 
+ROUNDING = 1e-12
+
 
 def _solve(problem, name):
     try:
@@ -57,7 +59,8 @@ def test_random_graphs_fit_deterministically_and_never_slower_than_hotspot(case,
     assert j.notes["recomputes"] == counts.get("recompute", 0)
     assert j.notes["host_peak_bytes"] == sim.host_peak_bytes
     if not isinstance(h, BudgetInfeasible):
-        assert j.sim.latency_s <= h.sim.latency_s
+        # NOTE: a reordered plan sums the same node times in another order (last-bit rounding)
+        assert j.sim.latency_s <= h.sim.latency_s * (1 + ROUNDING)
 
 
 @settings(max_examples=40, deadline=None)

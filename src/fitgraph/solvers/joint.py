@@ -119,11 +119,12 @@ def _hotspot(problem: Problem, share: float, deadline: float, **kw
 
 
 def _offloaded(problem: Problem, plan: Plan, sim: SimResult, label: str, at: int | None,
-               target: int, cap_s: float, deadline: float, remat_to: bool) -> _Cand:
+               target: int, cap_s: float, deadline: float, remat_to: bool,
+               give_up_s: float = float("inf")) -> _Cand:
     if sim.peak_bytes <= target:  # NOTE: fits already: no copy is worth any stall
         return _Cand(plan, sim, 0, label, at, remat_to)
     fit = offload_to_fit(problem.graph, plan, problem.cost_model, target_bytes=target,
-                         latency_cap_s=cap_s, deadline=deadline)
+                         latency_cap_s=cap_s, give_up_above_s=give_up_s, deadline=deadline)
     return _Cand(fit.plan, fit.sim, len(fit.offloaded), label, at, remat_to, fit.timed_out)
 
 
@@ -131,10 +132,14 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
                    deadline: float) -> tuple[list[_Cand], bool]:
     B, E = problem.budget_bytes, eager_sim.peak_bytes
     inf = float("inf")
-    cands = [_offloaded(problem, eager, eager_sim, "eager plan", None, B, inf, deadline, False)]
     if E <= B:
-        return cands, False
+        return [_Cand(eager, eager_sim, 0, "eager plan", None)], False
+    cands: list[_Cand] = []
     tried: dict[int, float] = {}  # B' -> latency reached from it (inf: hotspot cannot fit B')
+
+    def fastest() -> float:
+        """The incumbent: an offload search slower than it is given up at once."""
+        return min((c.sim.latency_s for c in cands if c.sim.peak_bytes <= B), default=inf)
 
     def rung(b: int, share: float) -> int | None:
         """Remat at B' = b, offloaded to fit B; the smallest peak hotspot reached if not b."""
@@ -144,7 +149,8 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         if isinstance(r, BudgetInfeasible):
             tried[b] = inf
             return r.smallest_peak_bytes
-        c = _offloaded(problem, *r[:2], f"hotspot at {b:,} B", b, B, inf, deadline, r[2])
+        c = _offloaded(problem, *r[:2], f"hotspot at {b:,} B", b, B, inf, deadline, r[2],
+                       fastest())
         cands.append(c)
         tried[b] = c.sim.latency_s if c.sim.peak_bytes <= B else inf
         return None
@@ -167,6 +173,9 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         for j in (i - 1, i + 1):
             if 0 <= j < len(keys):
                 rung((best + keys[j]) // 2, RUNG_SHARE)
+    if time.perf_counter() <= deadline:  # NOTE: offloading alone, the far end of the ladder
+        cands.append(_offloaded(problem, eager, eager_sim, "eager plan", None, B, inf, deadline,
+                                False, fastest()))
     return cands, time.perf_counter() > deadline
 
 

@@ -46,6 +46,9 @@ __all__ = ["OffloadFit", "offload_to_fit"]
 
 # NOTE: a copy exposing less than this is "hidden": float rounding of the placement's clock
 HIDDEN_S = 1e-12
+# NOTE: failed trials in a row, the last one past ``give_up_above_s``, before giving up: a
+# batch halves to one storage in log2(batch) of them, so a few single storages get a chance
+MAX_FAILS = 8
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class OffloadFit:
     base_peak_bytes: int
     simulations: int
     timed_out: bool
+    gave_up: bool = False  # a trial went past ``give_up_above_s``: the search stopped there
 
 
 @dataclass
@@ -68,12 +72,14 @@ class _Ctx:
     cost: CostModel
     target: int
     cap_s: float
+    give_up_s: float
     deadline: float
     gains: dict[int, OffloadGain]
     off_until: dict[int, tuple[int, float]]  # storage -> (release index, prefetch clock)
     before_s: list[float]
     simulations: int = 0
     timed_out: bool = False
+    gave_up: bool = False
 
     def out_of_time(self) -> bool:
         self.timed_out = self.timed_out or time.perf_counter() > self.deadline
@@ -85,26 +91,30 @@ class _Ctx:
         return plan, simulate(self.graph, plan, self.cost)
 
     def ok(self, sim: SimResult) -> bool:
-        return sim.latency_s <= self.cap_s
+        return sim.latency_s <= min(self.cap_s, self.give_up_s)
 
 
 def offload_to_fit(graph: Graph, base: Plan, cost_model: CostModel, *,
                    target_bytes: int = 0, latency_cap_s: float = float("inf"),
+                   give_up_above_s: float = float("inf"),
                    deadline: float = float("inf")) -> OffloadFit:
     """Offload storages of ``base`` (see the module doc) until the simulated peak is at most
-    ``target_bytes`` (0: as low as it goes), keeping the latency within ``latency_cap_s``."""
+    ``target_bytes`` (0: as low as it goes), keeping the latency within ``latency_cap_s``.
+    A trial slower than ``give_up_above_s`` (what a caller already has in hand) is refused like
+    one past the cap; ``MAX_FAILS`` refusals in a row stop the search (unpruned, ``gave_up``)."""
     base_sim = simulate(graph, base, cost_model)
     gains = offload_gains(graph, base, cost_model)
     before_s = [0.0, *base_sim.time_after[:-1]]
     off_until = {w.storage: (w.release, base_sim.time_after[w.release]
                              + gains[w.storage].off_device_s)
                  for w in offload_windows(graph, base, sorted(gains), cost_model)}
-    ctx = _Ctx(graph, base, cost_model, target_bytes, latency_cap_s, deadline, gains,
-               off_until, before_s, simulations=1)
+    ctx = _Ctx(graph, base, cost_model, target_bytes, latency_cap_s, give_up_above_s, deadline,
+               gains, off_until, before_s, simulations=1)
     chosen, plan, sim = _grow(ctx, base, base_sim)
-    chosen, plan, sim = _prune(ctx, chosen, plan, sim)
+    if not ctx.gave_up:
+        chosen, plan, sim = _prune(ctx, chosen, plan, sim)
     return OffloadFit(plan, sim, tuple(sorted(chosen)), base_sim.peak_bytes, ctx.simulations,
-                      ctx.timed_out)
+                      ctx.timed_out, ctx.gave_up)
 
 
 def _rank(ctx: _Ctx, storages: list[int]) -> list[int]:
@@ -135,7 +145,8 @@ def _base_index(plan: Plan, pc: int) -> int:
 def _grow(ctx: _Ctx, plan: Plan, sim: SimResult) -> tuple[list[int], Plan, SimResult]:
     chosen: list[int] = []
     rejected: set[int] = set()
-    while sim.peak_bytes > ctx.target and not ctx.out_of_time():
+    fails = 0  # failed trials since the last one kept
+    while sim.peak_bytes > ctx.target and not ctx.out_of_time() and not ctx.gave_up:
         ranked = _rank(ctx, _covering(ctx, plan, sim, set(chosen) | rejected))
         if not ranked:
             break
@@ -148,8 +159,12 @@ def _grow(ctx: _Ctx, plan: Plan, sim: SimResult) -> tuple[list[int], Plan, SimRe
         while batch and not ctx.out_of_time():
             p2, s2 = ctx.run(chosen + batch)
             if s2.peak_bytes <= sim.peak_bytes and ctx.ok(s2):
-                chosen, plan, sim = chosen + batch, p2, s2
+                chosen, plan, sim, fails = chosen + batch, p2, s2, 0
                 break
+            fails += 1
+            if fails >= MAX_FAILS and s2.latency_s > ctx.give_up_s:
+                ctx.gave_up = True
+                return chosen, plan, sim
             if len(batch) == 1:
                 rejected.add(batch[0])
             batch = batch[:len(batch) // 2]
