@@ -141,9 +141,9 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         """The incumbent: an offload search slower than it is given up at once."""
         return min((c.sim.latency_s for c in cands if c.sim.peak_bytes <= B), default=inf)
 
-    def rung(b: int, share: float) -> int | None:
+    def rung(b: int, share: float, first: bool = False) -> int | None:
         """Remat at B' = b, offloaded to fit B; the smallest peak hotspot reached if not b."""
-        if b in tried or time.perf_counter() > deadline:
+        if b in tried or (time.perf_counter() > deadline and not first):
             return None
         r = _hotspot(problem, share, deadline, budget_bytes=b)
         if isinstance(r, BudgetInfeasible):
@@ -155,7 +155,7 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         tried[b] = c.sim.latency_s if c.sim.peak_bytes <= B else inf
         return None
 
-    lowest = rung(B, HOTSPOT_SHARE)
+    lowest = rung(B, HOTSPOT_SHARE, first=True)  # NOTE: hotspot alone, however short the time
     if lowest is not None:  # NOTE: remat alone cannot fit B: offload its least-peak plan
         if rung(lowest, RUNG_SHARE) is not None:
             r = _hotspot(problem, RUNG_SHARE, deadline, latency_limit=LEAST_PEAK)
@@ -173,7 +173,7 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
         for j in (i - 1, i + 1):
             if 0 <= j < len(keys):
                 rung((best + keys[j]) // 2, RUNG_SHARE)
-    if time.perf_counter() <= deadline:  # NOTE: offloading alone, the far end of the ladder
+    if time.perf_counter() <= deadline or not cands:  # NOTE: offloading alone: the far end
         cands.append(_offloaded(problem, eager, eager_sim, "eager plan", None, B, inf, deadline,
                                 False, fastest()))
     return cands, time.perf_counter() > deadline
