@@ -267,13 +267,13 @@ def test_search_finds_the_chunked_loss_of_a_50k_vocabulary():
     assert again.plan.instructions == s.plan.instructions
 
 
-def _mlp_case(depth: int = 2, classes: int = 1000):
+def _mlp_case(depth: int = 2, classes: int = 1000, rows: int = 512):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(32, 256)]
     for _ in range(depth - 1):
         layers += [torch.nn.GELU(), torch.nn.Linear(256, 256)]
     model = torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(256, classes))
-    batch = (torch.randn(512, 32), torch.randint(0, classes, (512,)))
+    batch = (torch.randn(rows, 32), torch.randint(0, classes, (rows,)))
     return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
 
@@ -323,3 +323,13 @@ def test_graph_inputs_keep_their_order_and_roles():
     assert set(grads) == {Role.GRADIENT}
     phases = {n.phase for n in split.nodes if n.name.startswith("gelu_backward")}
     assert phases == {fitgraph.Phase.BACKWARD}
+
+
+def test_fission_modules_never_import_torch():
+    from test_boundary import _import_without_torch
+
+    for mod in ("fitgraph.transform.fission", "fitgraph.transform.fission_loss",
+                "fitgraph.solvers.fission"):
+        r = _import_without_torch(mod)
+        assert r.returncode == 0, r.stderr.strip().splitlines()[-1]
+

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from ..graph.analysis import new_storages
 from ..graph.dim_convex import order_edges
 from ..graph.dim_region import Region, RegionIndex, grow_region
 from ..graph.dim_types import Reduced
@@ -102,9 +103,10 @@ def peak_starts(graph: Graph, plan: Plan, sim: SimResult,
 def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple[float, ...],
                       exclude: dict[int, str] | None = None) -> list[Region]:
     """Regions grown from ``starts`` (deduplicated by their nodes), each whole and trimmed at
-    each share; regions of one node are left out (a part per node gains nothing)."""
+    each share; regions of one node or of views only are left out (parts would gain nothing)."""
     index = RegionIndex(graph)
     edges = (index.succ, index.pred)
+    fresh = new_storages(graph)
     seen: set[tuple[int, ...]] = set()
     out: list[Region] = []
     for vid, dim in starts:
@@ -113,7 +115,8 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
             continue
         for share in shares:
             t = trimmed(graph, r, share, edges) if share > 0 else r
-            if len(t.nodes) >= 2 and t.nodes not in seen:
+            # NOTE: a region of views allocates nothing: its parts could only add nodes
+            if len(t.nodes) >= 2 and t.nodes not in seen and any(fresh[n] for n in t.nodes):
                 seen.add(t.nodes)
                 out.append(t)
     return out
