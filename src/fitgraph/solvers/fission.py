@@ -3,15 +3,18 @@
 Simulate the eager plan, look at what is live at the peak, grow fission regions from those
 tensors along each of their dims (``solvers.fission_regions``: whole and trimmed to their large
 tensors), split each in k parts for k in ``FissionConfig.ks`` (``transform.split_region``) and
-simulate the split graph's eager plan; take the candidate that the simulator says is best —
-within the budget at least latency, else the lowest peak (with a ``latency_limit``: the lowest
-peak within it) — and repeat on the split graph, which may split a part again along another
-dim (nested fission), until the budget holds or nothing lowers the peak. Mean-reduced losses
-count their targets apart first (``transform.fission_loss``), so the logits, the loss and its
-gradient can run chunk by chunk in one region. What is still over budget goes to ``hotspot``
-(remat and reordering on the split graph). The Solution carries the split graph
-(``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties keep the
-first; only the deadline (``time_budget_s``) cuts the search short (``notes["timed_out"]``).
+simulate the split graph's eager plan; take the candidate the simulator says is best and repeat
+on the split graph, which may split a part again along another dim (nested fission), until the
+budget holds or nothing lowers the peak. Best is: within the budget, the least latency; over
+it, on one greedy path the most bytes saved per second added (among splits that close their
+share of the gap), on another the lowest peak; with a ``latency_limit``, the lowest peak
+within it. Mean-reduced losses count their targets apart first (``transform.fission_loss``),
+so the logits, the loss and its gradient can run chunk by chunk in one region. What is still
+over budget goes to ``hotspot`` (remat and reordering on the split graph); remat alone on the
+original graph is one more option, and the best option is returned. The Solution carries the
+split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties
+keep the first; only the deadline (``time_budget_s``) cuts the search short
+(``notes["timed_out"]``).
 
 Example:
     >>> import torch, fitgraph
@@ -85,20 +88,22 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig()) 
     limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
              else float("inf"))
     graph = count_targets_apart(problem.graph)
-    cur = _Step(graph, eager if graph is problem.graph else _simulate(graph, cm), "")
-    steps: list[_Step] = []
+    start = _Step(graph, eager if graph is problem.graph else _simulate(graph, cm), "")
+    unsplit = _Step(problem.graph, eager, "")
+    options: list[tuple[Solution | None, BudgetInfeasible | None, list[_Step], _Step]] = []
     timed_out = False
-    while len(steps) < config.max_splits and (budget is None or cur.sim.peak_bytes > budget):
-        best, timed_out = _best_split(cur, cm, budget, limit, config, deadline)
-        if best is None:
-            break
-        steps.append(best)
-        cur = best
-    if not steps:
-        cur = _Step(problem.graph, eager, "")
-    sol = _remat(problem, cur, eager, limit, config, t0)
-    if budget is not None and sol.sim.peak_bytes > budget:
-        raise BudgetInfeasible(budget, sol.sim.peak_bytes, dominated_by(sol.sim), "fission")
+    for strategy in (("least peak",) if budget is None else STRATEGIES):
+        steps, cur, out_of_time = _greedy(start, cm, budget, limit, config, deadline, strategy)
+        timed_out |= out_of_time
+        if steps:
+            options.append((*_remat(problem, cur, limit, config, t0), steps, cur))
+    if config.remat or not options:
+        # NOTE: fission is one option among others: remat alone may be faster at this budget
+        options.append((*_remat(problem, unsplit, limit, config, t0), [], unsplit))
+    done = [o for o in options if o[0] is not None]
+    if not done:
+        raise min((o[1] for o in options), key=lambda e: e.smallest_peak_bytes)
+    sol, _, steps, cur = min(done, key=lambda o: _final_key(o[0], budget))
     notes = dict(sol.notes, splits=[s.what for s in steps], timed_out=timed_out or bool(
         sol.notes.get("timed_out")), eager_latency_s=eager.latency_s,
         fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s)
@@ -107,16 +112,57 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig()) 
                     graph=None if cur.graph is problem.graph else cur.graph)
 
 
-def _better(sim: SimResult, than: SimResult | None, budget: int | None) -> bool:
+def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
+            deadline: float, strategy: str) -> tuple[list[_Step], _Step, bool]:
+    """Splits applied one after another while one lowers the peak: (steps, last, timed out)."""
+    steps: list[_Step] = []
+    cur = start
+    while len(steps) < config.max_splits and (budget is None or cur.sim.peak_bytes > budget):
+        best, timed_out = _best_split(cur, cm, budget, limit, config, deadline, strategy,
+                                      config.max_splits - len(steps))
+        if timed_out:
+            return steps + ([best] if best else []), best or cur, True
+        if best is None:
+            break
+        steps.append(best)
+        cur = best
+    return steps, cur, False
+
+
+def _final_key(sol: Solution, budget: int | None) -> tuple:
+    """Budget mode: least latency (all fit); latency mode: least peak."""
+    if budget is not None:
+        return (sol.sim.latency_s, sol.sim.peak_bytes)
+    return (sol.sim.peak_bytes, sol.sim.latency_s)
+
+
+# NOTE: the least latency a split is charged when comparing bytes saved per second added
+MIN_ADDED_S = 1e-7
+
+
+# NOTE: budget mode grows two greedy paths: "cheapest" buys memory at the least time per byte,
+# "deepest" at the least peak per split (fewer, larger splits); each gets remat on top
+STRATEGIES = ("cheapest", "deepest")
+
+
+def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int | None,
+            strategy: str, rounds_left: int) -> bool:
+    """Within the budget: least latency. Over it — "least peak" (latency mode) and
+    "deepest": least peak; "cheapest": among splits that close at least their share of the
+    gap to the budget (``1 / rounds_left``) the most bytes saved per second added, else the
+    least peak."""
     def key(s: SimResult):
         if budget is not None and s.peak_bytes <= budget:
             return (0, s.latency_s, s.peak_bytes)
-        return (1, s.peak_bytes, s.latency_s)
+        saved = cur.peak_bytes - s.peak_bytes
+        if strategy == "cheapest" and saved * rounds_left >= cur.peak_bytes - budget:
+            return (1, -saved / max(s.latency_s - cur.latency_s, MIN_ADDED_S), s.peak_bytes)
+        return (2, s.peak_bytes, s.latency_s)
     return than is None or key(sim) < key(than)
 
 
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
-                deadline: float) -> tuple[_Step | None, bool]:
+                deadline: float, strategy: str, rounds_left: int) -> tuple[_Step | None, bool]:
     """The best split of one region of ``cur.graph`` that lowers its peak (None: none does)."""
     g = cur.graph
     starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
@@ -138,32 +184,34 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
             last_peak = sim.peak_bytes
             if sim.latency_s > limit:
                 break
-            if _better(sim, best.sim if best else None, budget):
+            if _better(sim, best.sim if best else None, cur.sim, budget, strategy, rounds_left):
                 start = g.values[region.start[0]].name
                 best = _Step(g2, sim, f"{len(region.nodes)} nodes from {start} dim "
                                       f"{region.start[1]} in {k} parts")
     return best, False
 
 
-def _remat(problem: Problem, cur: _Step, eager: SimResult, limit: float, config: FissionConfig,
-           t0: float) -> Solution:
-    """The plan on the split graph: its eager plan, or hotspot's where remat is still needed
-    (over budget) or allowed (latency left under the limit)."""
+def _remat(problem: Problem, cur: _Step, limit: float, config: FissionConfig,
+           t0: float) -> tuple[Solution | None, BudgetInfeasible | None]:
+    """The plan on ``cur.graph``: its eager plan, or hotspot's where remat is still needed
+    (over budget) or allowed (latency left under the limit); (None, why) if over budget."""
     budget, cm = problem.budget_bytes, problem.cost_model
     plain = Solution(eager_plan(cur.graph), cur.sim, "fission", 0.0)
     left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
-    if not config.remat:
-        return plain
     if budget is not None:
         if cur.sim.peak_bytes <= budget:
-            return plain
+            return plain, None
+        if not config.remat:
+            return None, BudgetInfeasible(budget, cur.sim.peak_bytes, dominated_by(cur.sim),
+                                          "fission")
         try:
-            return solve_hotspot(Problem(cur.graph, cm, budget_bytes=budget, time_budget_s=left))
+            return solve_hotspot(Problem(cur.graph, cm, budget_bytes=budget,
+                                         time_budget_s=left)), None
         except BudgetInfeasible as e:
-            raise BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by,
-                                   "fission") from e
+            return None, BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by,
+                                          "fission")
     factor = limit / cur.sim.latency_s
-    if factor <= 1.0:
-        return plain
+    if not config.remat or factor <= 1.0:
+        return plain, None
     sol = solve_hotspot(Problem(cur.graph, cm, latency_limit=factor, time_budget_s=left))
-    return sol if sol.sim.peak_bytes < cur.sim.peak_bytes else plain
+    return (sol if sol.sim.peak_bytes < cur.sim.peak_bytes else plain), None
