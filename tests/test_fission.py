@@ -295,6 +295,9 @@ def test_remat_on_top_goes_below_what_fission_reaches_alone():
     s = solve(Problem(g, ROOFLINE, budget_bytes=budget), "fission")
     assert s.sim.peak_bytes <= budget and s.notes["splits"] and s.plan.counts()["recompute"]
     assert_same_as_eager(model, batch, loss_fn, s.graph_for(g))
+    again = solve(Problem(g, ROOFLINE, budget_bytes=budget), "fission")
+    assert again.plan.instructions == s.plan.instructions          # deterministic
+    assert graph_fingerprint(again.graph) == graph_fingerprint(s.graph)
 
 
 def test_optimize_with_fission_runs_the_split_graph():

@@ -182,6 +182,9 @@ class _Splitter:
         ops = operands(n)
         ins: list[int] = []
         for vid, e in zip(ops, split.operands):
+            if e is None and vid in n.mutates:
+                raise FissionError(f"{n.name} writes {g.values[vid].name} in place whole: "
+                                   "every part would write it again")
             if e is None:
                 if g.values[vid].producer in self.inside:
                     raise FissionError(f"{n.name} reads {g.values[vid].name} whole, but the "
