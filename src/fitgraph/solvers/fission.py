@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..graph.dim_region import Region
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
@@ -67,9 +68,15 @@ class FissionConfig:
 
 @dataclass(frozen=True)
 class _Step:
+    """A split graph and its simulation; ``base``, ``region``, ``k``: the split that made it
+    (so that a later round may make the same split with more parts instead)."""
+
     graph: Graph
     sim: SimResult
     what: str
+    base: Graph | None = None
+    region: Region | None = None
+    k: int = 0
 
 
 def _simulate(graph: Graph, cost_model) -> SimResult:
@@ -124,7 +131,10 @@ def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionC
             return steps + ([best] if best else []), best or cur, True
         if best is None:
             break
-        steps.append(best)
+        if best.base is cur.base and cur.base is not None:
+            steps[-1] = best  # NOTE: the last split again, with more parts
+        else:
+            steps.append(best)
         cur = best
     return steps, cur, False
 
@@ -163,19 +173,24 @@ def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int 
 
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
                 deadline: float, strategy: str, rounds_left: int) -> tuple[_Step | None, bool]:
-    """The best split of one region of ``cur.graph`` that lowers its peak (None: none does)."""
+    """The best split of one region of ``cur.graph`` that lowers its peak (None: none does);
+    the last split made again with more parts is a candidate too (rather than splitting its
+    parts one by one)."""
     g = cur.graph
     starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
+    tries = [(cur.base, cur.region, [k for k in config.ks if k > cur.k])] if cur.region else []
+    tries += [(g, r, list(config.ks))
+              for r in candidate_regions(g, starts, config.shares, counting_nodes(g))]
     best: _Step | None = None
-    for region in candidate_regions(g, starts, config.shares, counting_nodes(g)):
+    for base, region, ks in tries:
         last_peak = cur.sim.peak_bytes
-        for k in config.ks:
+        for k in ks:
             if time.perf_counter() > deadline:
                 return best, True
             if k > region.length:
                 break
             try:
-                g2 = split_region(g, region, k)
+                g2 = split_region(base, region, k)
             except FissionError:
                 break  # NOTE: the reason does not depend on k
             sim = _simulate(g2, cm)
@@ -185,9 +200,9 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
             if sim.latency_s > limit:
                 break
             if _better(sim, best.sim if best else None, cur.sim, budget, strategy, rounds_left):
-                start = g.values[region.start[0]].name
+                start = base.values[region.start[0]].name
                 best = _Step(g2, sim, f"{len(region.nodes)} nodes from {start} dim "
-                                      f"{region.start[1]} in {k} parts")
+                                      f"{region.start[1]} in {k} parts", base, region, k)
     return best, False
 
 
