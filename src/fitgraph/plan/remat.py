@@ -82,8 +82,8 @@ def recompute_without_writes(graph: Graph, nid: int) -> tuple[int, ...]:
     recomputed for its writes.
 
     Example:
-        >>> from fitgraph.graph.ir import GraphBuilder
-        >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32")
+        >>> from fitgraph.graph.ir import GraphBuilder, Role
+        >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.INPUT)
         >>> y = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]
         >>> recompute_without_writes(b.finish({"loss": y}), 0)
         ()
