@@ -6,9 +6,9 @@ Each graph is captured on the meta device (nothing is allocated or run) and cost
 RTX 3090 roofline model, so the numbers are deterministic and need no GPU. ``gpt2-50k`` is GPT-2
 with its real 50,257-token vocabulary at sequence 1024 (3 layers of width 256, batch 1, no
 dropout: the LM head and the loss dominate — the classic chunked cross-entropy case); the others
-are the zoo's paper configurations (no optimizer in the step). For each, the least peak within ``--latency`` × the eager
-step: remat alone (``hotspot``) and fission with remat on top (``fission``), and what the search
-split.
+are the zoo's paper configurations (no optimizer in the step). For each, the least peak within
+``--latency`` × the eager step: remat alone (``hotspot``) and fission with remat on top
+(``fission``), and what the search split.
 """
 
 from __future__ import annotations
