@@ -64,3 +64,15 @@ def check_same_as_eager(model, batch, loss_fn=None, make_optimizer=None, steps=1
             oa.zero_grad(set_to_none=True)
             ob.zero_grad(set_to_none=True)
     return graph
+
+
+def assert_runs_like_eager(a, b, graph, plan, case, seed=0):
+    """One step of ``a`` eagerly and of ``plan`` on ``b`` (no optimizer): the same loss, the
+    same gradients bitwise; ``b``'s gradients are cleared afterwards, ready to be measured."""
+    la = eager_step(a, case.batch, case.loss_fn, seed=seed)
+    torch.manual_seed(seed)
+    lb = execute(graph, plan, b, case.batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b)
+    for p in b.parameters():
+        p.grad = None

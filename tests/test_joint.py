@@ -7,8 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from helpers import assert_bitwise_equal_models, eager_step
+from helpers import assert_runs_like_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
@@ -18,7 +17,6 @@ import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel, RooflineCostModel
 from fitgraph.cost.devices import get_device
-from fitgraph.execute import execute
 from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan
 from fitgraph.plan.verify import verify_plan
@@ -114,13 +112,7 @@ def test_gpt2_joint_plan_runs_bitwise_eager_with_the_simulated_peak(gpt2):
     j = solve(Problem(g, cm, budget_bytes=int(0.6 * e.peak_bytes), time_budget_s=20), "joint")
     counts = j.plan.counts()
     assert counts.get("offload", 0) > 0 and counts.get("recompute", 0) > 0
-    la = eager_step(a, case.batch, case.loss_fn, seed=3)
-    torch.manual_seed(3)
-    lb = execute(g, j.plan, b, case.batch)
-    assert torch.equal(la, lb)
-    assert_bitwise_equal_models(a, b)
-    for p in b.parameters():
-        p.grad = None
+    assert_runs_like_eager(a, b, g, j.plan, case, seed=3)
     # NOTE: the plan is the roofline's; the CPU's peak counts the CPU's measured workspaces
     prof = ProfiledCostModel(repeats=1, warmup=0, progress=False)
     prof.profile(g)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from helpers import assert_bitwise_equal_models, eager_step
+from helpers import assert_runs_like_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
@@ -14,7 +13,6 @@ from test_graph_plan_sim import random_graphs
 import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel
-from fitgraph.execute import execute
 from fitgraph.measure import measure_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.solvers import SOLVERS, BudgetInfeasible, Problem, solve
@@ -72,13 +70,7 @@ def test_hotspot_budget_holds_when_executed(name):
     eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
     budget = int(0.85 * eager.sim.peak_bytes)
     s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=20), "hotspot")
-    la = eager_step(a, case.batch, case.loss_fn, seed=0)
-    torch.manual_seed(0)
-    lb = execute(g, s.plan, b, case.batch)
-    assert torch.equal(la, lb)
-    assert_bitwise_equal_models(a, b)
-    for p in b.parameters():
-        p.grad = None
+    assert_runs_like_eager(a, b, g, s.plan, case, seed=0)
     measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
     assert measured.peak_bytes == s.sim.peak_bytes <= budget
 
