@@ -97,9 +97,9 @@ class Executor:
                          and graph.nodes[ins.node].random}
         self.rng_saved: dict[int, torch.Generator] = {}
         # NOTE: recomputes that skip their in-place side effects (BatchNorm's running stats)
-        self.skip_writes = {ins.node: recompute_without_writes(graph, ins.node) for ins in plan
-                            if isinstance(ins, Recompute)
-                            and recompute_without_writes(graph, ins.node)}
+        recomputed = sorted({ins.node for ins in plan if isinstance(ins, Recompute)})
+        self.skip_writes = {nid: skip for nid in recomputed
+                            if (skip := recompute_without_writes(graph, nid))}
         self.host = HostStore(graph, plan, members)
 
     def _callable(self, node: Node):

@@ -35,7 +35,7 @@ __all__ = ["MIN_BATCH", "Run", "Search", "local_evals"]
 # time, which can be better: the peak moves, and the next best move is no longer a copy
 MIN_BATCH = 32
 # NOTE: members of a tied group that cannot be undropped, in a row, before the rest is given up
-SKIPS = int(__import__("os").environ.get("SKIPS", "3"))
+SKIPS = 3
 # NOTE: evaluations a local search step (exchange, add_prune) may spend: up to
 # LOCAL_NODE_EVALS / (graph nodes), at most LOCAL_MAX_EVALS — an evaluation costs about O(nodes),
 # so this bounds the added planning time (~0.2 s on BERT-base paper) whatever the graph size
@@ -208,12 +208,10 @@ class Search:
             if self.evaluations >= stop or self.out_of_time():
                 break
             cur = run.result
-            if (key := cur.drop & u) in tried:
-                continue
-            tried.add(key)
             back = u & cur.drop
-            if not back:
+            if not back or back in tried:
                 continue
+            tried.add(back)
             base = self.evaluate(run.ev, cur.drop - back, cur)
             if base is None:
                 continue
@@ -221,9 +219,7 @@ class Search:
                         run.own_only)
             trial = self.prune(self.grow(trial, moves, ban=back), moves.blocks + trial.added,
                                moves)
-            r = trial.result
-            if self.fits_peak(r.peak_bytes) and (r.latency_s, r.peak_bytes) < (
-                    cur.latency_s, cur.peak_bytes):
+            if self._faster_within(trial.result, cur):
                 run = trial
                 tried.clear()
         return run
@@ -256,12 +252,15 @@ class Search:
                     continue
                 trial = Run(r, run.ev, run.label, [*run.added, r.drop - cur.drop], run.own_only)
                 trial = self.prune(trial, moves.blocks + trial.added, moves)
-                t = trial.result
-                if self.fits_peak(t.peak_bytes) and (t.latency_s, t.peak_bytes) < (
-                        cur.latency_s, cur.peak_bytes):
+                if self._faster_within(trial.result, cur):
                     run, improved = trial, True
                     break
         return run
+
+    def _faster_within(self, r: RematEval, cur: RematEval) -> bool:
+        """``r`` fits the budget and is faster than ``cur`` (or as fast, lower)."""
+        return self.fits_peak(r.peak_bytes) and (r.latency_s, r.peak_bytes) < (
+            cur.latency_s, cur.peak_bytes)
 
     def _prefix_without(self, ev: RematEvaluator, cur: RematEval,
                         group: list[frozenset[int]]) -> RematEval:
