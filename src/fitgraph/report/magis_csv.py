@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = ["FITGRAPH_COLUMNS", "MAGIS_COLUMNS", "write_rows"]
 
@@ -27,9 +27,12 @@ FITGRAPH_COLUMNS = ["solver", "solve-s", "recomputes", "budget-bytes", "opt-memo
                     "cost-model"]
 
 
-def write_rows(path: str, rows: Iterable[dict]) -> None:
+def write_rows(path: str, rows: Iterable[dict], extra_columns: Sequence[str] = ()) -> None:
+    """Write ``rows`` under MAGIS's columns, then fitgraph's, then ``extra_columns``; a column
+    a row lacks is left empty, a key no column names is not written."""
+    cols = list(dict.fromkeys([*MAGIS_COLUMNS, *FITGRAPH_COLUMNS, *extra_columns]))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=MAGIS_COLUMNS + FITGRAPH_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=cols, restval="", extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)
