@@ -19,8 +19,9 @@ from .graph.ir import Graph, Phase, Role
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
 from .solvers import BudgetInfeasible
+from .transform.optimizer_in_backward import OptimizerInBackwardError
 
 __all__ = ["BackendReport", "BudgetInfeasible", "CaptureError", "FitgraphBackend", "Graph",
-           "OptimizeReport", "Phase", "Plan", "Role", "TrainStep", "backend", "capture",
-           "eager_plan", "load", "optimize"]
+           "OptimizeReport", "OptimizerInBackwardError", "Phase", "Plan", "Role", "TrainStep",
+           "backend", "capture", "eager_plan", "load", "optimize"]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
     fitgraph inspect MODEL [--config small|paper] [--batch N] [--json] [--plot FILE]
                            [--simulate-only] [--device-model NAME] [--optimizer adamw|adam|sgd|none]
     fitgraph optimize MODEL --budget 50% | --latency-limit 1.1 [--config small|paper] [--json]
-                            [--plot FILE] [--csv FILE]
+                            [--optimizer-in-backward off|on|auto] [--plot FILE] [--csv FILE]
     fitgraph bench [--models gpt2,unet] [--budgets 0.9,0.7,0.5] [--out DIR]
     fitgraph models
 

@@ -9,6 +9,7 @@ import time
 __all__ = ["add_parser", "cmd_optimize"]
 
 MIB = 2**20
+IN_BACKWARD = {"off": False, "on": True, "auto": "auto"}  # flag -> optimize(optimizer_in_backward=)
 
 
 def add_parser(sub) -> None:
@@ -21,7 +22,11 @@ def add_parser(sub) -> None:
     p.add_argument("--config", default="small", choices=["small", "paper"])
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
-    p.add_argument("--solver", default="hotspot")
+    p.add_argument("--solver", default="auto",
+                   help="auto (hotspot, and fission where it wins), hotspot, fission, ...")
+    p.add_argument("--optimizer-in-backward", default="off", choices=list(IN_BACKWARD),
+                   help="update each parameter as soon as its gradient is complete and free "
+                        "the gradient (on: an error if impossible; auto: only when possible)")
     p.add_argument("--time-budget", type=float, default=30.0, help="solver time (s)")
     p.add_argument("--device-model", default=None, help="roofline device (paper configs)")
     p.add_argument("--repeats", type=int, default=5)
@@ -45,7 +50,12 @@ def cmd_optimize(args) -> int:
     from .api import optimize
     from .cli import build_case
     from .measure import measure_eager, measure_plan
+    from .transform.optimizer_in_backward import OptimizerInBackwardError
 
+    if args.optimizer_in_backward == "on" and args.optimizer == "none":
+        raise OptimizerInBackwardError(
+            "--optimizer-in-backward on needs an optimizer update in the step: pass --optimizer "
+            "adamw|adam|sgd, or --optimizer-in-backward auto to plan without it")
     case, opt = build_case(args)
     paper = args.config == "paper"
     measured = not paper
@@ -53,10 +63,15 @@ def cmd_optimize(args) -> int:
     if measured:
         eager_m = measure_eager(case.model, case.batch, case.loss_fn, opt, repeats=args.repeats)
     t0 = time.perf_counter()
-    step = optimize(case.model, case.batch, case.loss_fn, opt, budget=_budget(args.budget),
-                    latency_limit=args.latency_limit, time_budget=args.time_budget,
-                    solver=args.solver,
-                    cost_model=args.device_model or ("cpu-generic" if paper else None))
+    try:
+        step = optimize(case.model, case.batch, case.loss_fn, opt, budget=_budget(args.budget),
+                        latency_limit=args.latency_limit, time_budget=args.time_budget,
+                        solver=args.solver,
+                        cost_model=args.device_model or ("cpu-generic" if paper else None),
+                        optimizer_in_backward=IN_BACKWARD[args.optimizer_in_backward])
+    except OptimizerInBackwardError as e:
+        raise OptimizerInBackwardError(f"--optimizer-in-backward on: {e} "
+                                       "(--optimizer-in-backward auto)") from e
     plan_s = time.perf_counter() - t0
     rep = step.report()
     planned = step._current()
@@ -77,6 +92,11 @@ def cmd_optimize(args) -> int:
                         "measured_peak_bytes": plan_m.peak_bytes if plan_m else None,
                         "measured_step_s": plan_m.step_s if plan_m else None,
                         "recomputes": rep.recomputes},
+           "optimizer_in_backward": {
+               "requested": args.optimizer_in_backward,
+               "status": rep.notes.get("optimizer_in_backward", "off"),
+               "parameters_updated_in_backward": len(
+                   planned.graph.meta.get("optimizer_in_backward", ()))},
            "cost_model": rep.cost_model, "simulate_only": not measured}
     if args.csv:
         from .report.magis_csv import write_rows
@@ -144,7 +164,12 @@ def _table(o: dict) -> str:
               else f"latency limit {o['latency_limit']:.2f}x")
     lines = [f"fitgraph optimize: {o['model']} ({o['config']}: {o['description']})",
              f"{target}; solver {o['solver']} in {o['solve_s']:.2f} s "
-             f"({f['recomputes']} recomputes); costs: {o['cost_model']}", ""]
+             f"({f['recomputes']} recomputes); costs: {o['cost_model']}"]
+    oib = o["optimizer_in_backward"]
+    if oib["requested"] != "off":
+        lines.append(f"optimizer-in-backward: {oib['status']} "
+                     f"({oib['parameters_updated_in_backward']} parameters updated in the backward)")
+    lines.append("")
     if o["simulate_only"]:
         lines.append("simulate-only: paper-size configuration on the meta device\n")
     lines.append(f"{'':12s}{'sim peak':>13s}{'meas. peak':>13s}{'sim step':>12s}"
