@@ -49,12 +49,15 @@ def test_table_has_every_constraint_and_solver(tmp_path, capsys):
 
 def test_paper_ranges_and_verdicts():
     lat10, lat05, mem8 = Constraint("latency", 1.10), Constraint("latency", 1.05), CONSTRAINTS[0]
-    assert paper_range("resnet50", lat10).per_model
+    assert paper_range("resnet50", lat10).model == ("ResNet-50 80–85% (“of baselines”)", 0.8, 0.85)
     assert "not in ANCHORS.md" in paper_range("llama", lat10).text
     assert "not in ANCHORS.md" in paper_range("unet", lat05).text
     bert = paper_range("bert-base", lat10)
-    assert verdict(lat10, bert, peak=0.6, latency=1.1).startswith("inside")
-    assert verdict(lat10, bert, peak=0.8, latency=1.1).startswith("outside")
+    assert verdict(lat10, bert, peak=0.55, latency=1.1) == (
+        "inside the paper’s 15–60%; per model: inside the paper’s 50–70%")
+    assert verdict(lat10, bert, peak=0.65, latency=1.1) == (
+        "outside: 65% > the paper’s 15–60%; per model: inside the paper’s 50–70%")
+    assert verdict(lat05, paper_range("gpt2", lat05), peak=0.2, latency=1.0).startswith("below")
     assert verdict(mem8, paper_range("bert-base", mem8), peak=0.8, latency=1.04).startswith("inside")
     assert verdict(mem8, paper_range("bert-base", mem8), peak=0.8, latency=1.2).startswith("outside")
     assert verdict(mem8, paper_range("bert-base", mem8), None, None).startswith("no fitgraph plan")

@@ -18,7 +18,7 @@ Example:
     >>> c.label, paper_range("unet", c).text
     ('latency ≤ 1.10× eager', 'peak 15–60% of PyTorch (all models); UNet/UNet++ 15–35%')
     >>> verdict(c, paper_range("unet", c), peak=0.083, latency=1.058)
-    'below the paper’s 15–35%: less memory than MAGIS reports'
+    'below the paper’s 15–60% (less memory); per model: below the paper’s 15–35% (less memory)'
 """
 
 from __future__ import annotations
@@ -61,25 +61,23 @@ CONSTRAINTS = (Constraint("memory", 0.8), Constraint("memory", 0.4),
 @dataclass(frozen=True)
 class PaperRange:
     """What the MAGIS paper reports for one constraint, as ANCHORS.md quotes it: ``text`` for
-    the table; ``lo``/``hi`` the range the verdict compares with (a latency factor at memory
-    constraints, a peak fraction at latency constraints); ``per_model`` whether it is the
-    model's own number or the all-model range."""
+    the table; ``lo``/``hi`` the all-model range the verdict compares with (a latency factor at
+    memory constraints, a peak fraction at latency constraints); ``model`` the model's own
+    range (its words, lo, hi) where ANCHORS.md has one."""
 
     text: str
     lo: float | None
     hi: float
-    per_model: bool
+    model: tuple[str, float, float] | None = None
 
 
 # NOTE: every number here is the MAGIS paper's, as ANCHORS.md quotes it (RTX 3090, fp32/tf32,
 # vs PyTorch eager); a model ANCHORS.md gives no number for says "not in ANCHORS.md"
 PAPER = {
-    ("memory", 0.8): PaperRange("overhead ≤5% (POFO ≤20%, DTR ≤15%, XLA ≤20%)", None, 1.05,
-                                False),
-    ("memory", 0.4): PaperRange("overhead ≤15% (POFO ≤40%, DTR ≤45–70%, XLA ≤70%)", None, 1.15,
-                                False),
-    ("latency", 1.05): PaperRange("peak 25–70% of PyTorch (all models)", 0.25, 0.70, False),
-    ("latency", 1.10): PaperRange("peak 15–60% of PyTorch (all models)", 0.15, 0.60, False),
+    ("memory", 0.8): PaperRange("overhead ≤5% (POFO ≤20%, DTR ≤15%, XLA ≤20%)", None, 1.05),
+    ("memory", 0.4): PaperRange("overhead ≤15% (POFO ≤40%, DTR ≤45–70%, XLA ≤70%)", None, 1.15),
+    ("latency", 1.05): PaperRange("peak 25–70% of PyTorch (all models)", 0.25, 0.70),
+    ("latency", 1.10): PaperRange("peak 15–60% of PyTorch (all models)", 0.15, 0.60),
 }
 # NOTE: ANCHORS.md: "Per model at 10%: ResNet-50 80–85% of baselines; BERT/ViT 50–70%;
 # UNet/UNet++ 15–35%" (ResNet-50's is "of baselines", which the table quotes as is)
@@ -95,34 +93,37 @@ PAPER_WORKLOADS = {"resnet50": "ResNet-50 b64", "bert-base": "BERT-base b32 s512
 
 
 def paper_range(model: str, c: Constraint) -> PaperRange:
-    """The MAGIS paper's range for ``model`` at ``c``: its own when ANCHORS.md has one."""
+    """The MAGIS paper's range for ``model`` at ``c``, with its own where ANCHORS.md has one."""
     base = PAPER[(c.kind, c.ratio)]
-    if (c.kind, c.ratio) == ("latency", 1.10):
-        if model in PAPER_PER_MODEL_10:
-            text, lo, hi = PAPER_PER_MODEL_10[model]
-            return PaperRange(f"{base.text}; {text}", lo, hi, True)
-        return PaperRange(f"{base.text}; {model}: not in ANCHORS.md", base.lo, base.hi, False)
-    if c.kind == "latency":
-        return PaperRange(f"{base.text}; per model: not in ANCHORS.md", base.lo, base.hi, False)
-    return base
+    if c.kind == "memory":
+        return base
+    own = PAPER_PER_MODEL_10.get(model) if c.ratio == 1.10 else None
+    if own is None:
+        return PaperRange(f"{base.text}; {model}: not in ANCHORS.md", base.lo, base.hi)
+    return PaperRange(f"{base.text}; {own[0]}", base.lo, base.hi, own)
+
+
+def _peak_verdict(peak: float, lo: float, hi: float) -> str:
+    rng = f"{lo * 100:.0f}–{hi:.0%}"
+    if peak < lo:
+        return f"below the paper’s {rng} (less memory)"
+    return f"inside the paper’s {rng}" if peak <= hi else f"outside: {peak:.0%} > the paper’s {rng}"
 
 
 def verdict(c: Constraint, paper: PaperRange, peak: float | None,
             latency: float | None) -> str:
     """Where fitgraph's best (``peak``, ``latency``: fractions of eager; None: infeasible)
-    stands against the paper's range."""
+    stands against the paper's all-model range, and its per-model one if any."""
     if peak is None:
         return "no fitgraph plan fits (the paper reports one)"
-    rng = (f"{paper.lo * 100:.0f}–{paper.hi:.0%}" if paper.lo is not None
-           else f"≤{paper.hi - 1:.0%}")
     if c.kind == "memory":
-        return (f"inside the paper’s overhead {rng}" if latency <= paper.hi
-                else f"outside: overhead {latency - 1:.1%} > the paper’s {rng}")
-    if peak < paper.lo:
-        return f"below the paper’s {rng}: less memory than MAGIS reports"
-    if peak <= paper.hi:
-        return f"inside the paper’s {rng}"
-    return f"outside: peak {peak:.0%} > the paper’s {rng}"
+        bound = f"≤{paper.hi - 1:.0%}"
+        return (f"inside the paper’s overhead {bound}" if latency <= paper.hi
+                else f"outside: overhead {latency - 1:.1%} > the paper’s {bound}")
+    out = _peak_verdict(peak, paper.lo, paper.hi)
+    if paper.model is not None:
+        out += f"; per model: {_peak_verdict(peak, *paper.model[1:])}"
+    return out
 
 
 class _CaptureTimeout(Exception):
