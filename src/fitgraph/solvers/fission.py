@@ -16,6 +16,12 @@ split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed
 keep the first; only the deadline (``time_budget_s``) cuts the search short
 (``notes["timed_out"]``).
 
+Measured costs (a cost model that must ``profile`` a graph before costing it): the search costs
+split graphs from the original graph's measurements (``cost.scaled.ScaledCostModel``), so it
+profiles nothing new; the split graph it picks is profiled once and planned again on its
+measured costs (remat on top where still needed), and kept only if it then fits and beats
+remat alone (else the next-best split option is measured).
+
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.cost import RooflineCostModel, get_device
@@ -38,6 +44,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..cost.scaled import ScaledCostModel
 from ..graph.dim_region import Region
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
@@ -57,13 +64,16 @@ class FissionConfig:
     largest tensors live at the peak that regions are grown from; ``shares``: region trims
     tried (0: the whole region; 0.25: only nodes touching a tensor >= 1/4 of its largest);
     ``max_splits``: splits applied in sequence (nested included); ``remat``: hand what is
-    still over budget (or the latency left) to ``hotspot``."""
+    still over budget (or the latency left) to ``hotspot``; ``scaled_costs``: with a measured
+    cost model, cost the search's split graphs from the original's (``ScaledCostModel``) and
+    profile only the chosen one (False: profile every candidate, slow)."""
 
     ks: tuple[int, ...] = (2, 4, 8, 16, 32)
     max_storages: int = 6
     shares: tuple[float, ...] = (0.0, 1 / 16, 1 / 4)
     max_splits: int = 6
     remat: bool = True
+    scaled_costs: bool = True
 
 
 @dataclass(frozen=True)
@@ -79,34 +89,59 @@ class _Step:
     k: int = 0
 
 
+def _measured(cost_model) -> bool:
+    """True for a cost model that must profile a graph before it can cost its nodes."""
+    return hasattr(cost_model, "profile")
+
+
 def _simulate(graph: Graph, cost_model) -> SimResult:
-    if hasattr(cost_model, "profile"):
+    if _measured(cost_model):
         cost_model.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
     return simulate(graph, eager_plan(graph), cost_model)
 
 
+# an option: (its plan or why there is none, the splits made, the graph it runs on)
+_Option = tuple[Solution | None, BudgetInfeasible | None, list[_Step], _Step]
+
+
 @register("fission")
-def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig()) -> Solution:
-    """Plan ``problem`` with fission and then remat (see the module doc)."""
+def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
+                  remat_alone: tuple[Solution | None, BudgetInfeasible | None] | None = None
+                  ) -> Solution:
+    """Plan ``problem`` with fission and then remat (see the module doc). ``remat_alone``:
+    hotspot's answer on ``problem`` itself (a plan, or why not), when the caller has it
+    already (the ``auto`` portfolio); it is the option without splits."""
     t0 = time.perf_counter()
     deadline = t0 + problem.time_budget_s
     cm, budget = problem.cost_model, problem.budget_bytes
     eager = _simulate(problem.graph, cm)
+    scaled = config.scaled_costs and _measured(cm)
+    search = ScaledCostModel(cm, problem.graph) if scaled else cm
     limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
              else float("inf"))
     graph = count_targets_apart(problem.graph)
-    start = _Step(graph, eager if graph is problem.graph else _simulate(graph, cm), "")
+    start = _Step(graph, eager if graph is problem.graph else _simulate(graph, search), "")
     unsplit = _Step(problem.graph, eager, "")
-    options: list[tuple[Solution | None, BudgetInfeasible | None, list[_Step], _Step]] = []
+    options: list[_Option] = []
     timed_out = False
+    memo: dict = {}
     for strategy in (("least peak",) if budget is None else STRATEGIES):
-        steps, cur, out_of_time = _greedy(start, cm, budget, limit, config, deadline, strategy)
+        steps, cur, out_of_time = _greedy(start, search, budget, limit, config, deadline,
+                                          strategy, memo)
         timed_out |= out_of_time
-        if steps:
-            options.append((*_remat(problem, cur, limit, config, t0), steps, cur))
+        if steps and not any(o[3] is cur for o in options):  # NOTE: both paths may end alike
+            options.append((*_remat(problem, search, cur, limit, config, t0), steps, cur))
     if config.remat or not options:
         # NOTE: fission is one option among others: remat alone may be faster at this budget
-        options.append((*_remat(problem, unsplit, limit, config, t0), [], unsplit))
+        alone = remat_alone or _remat(problem, cm, unsplit, limit, config, t0)
+        options.append((*alone, [], unsplit))
+    profiled = 0
+    if scaled:
+        options, profiled = _measure_best(problem, options, limit, config, t0)
+        if not any(o[0] is not None or o[3] is unsplit for o in options):
+            # NOTE: every split measured over the budget or the limit: remat alone still is
+            options.append((*(remat_alone or _remat(problem, cm, unsplit, limit, config, t0)),
+                            [], unsplit))
     done = [o for o in options if o[0] is not None]
     if not done:
         raise min((o[1] for o in options), key=lambda e: e.smallest_peak_bytes)
@@ -114,19 +149,49 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig()) 
     notes = dict(sol.notes, splits=[s.what for s in steps], timed_out=timed_out or bool(
         sol.notes.get("timed_out")), eager_latency_s=eager.latency_s,
         fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s)
+    if scaled:
+        notes["search_costs"] = search.name
+        notes["graphs_profiled"] = profiled
     sol.plan.meta["solver"] = "fission"
     return Solution(sol.plan, sol.sim, "fission", time.perf_counter() - t0, notes=notes,
                     graph=None if cur.graph is problem.graph else cur.graph)
 
 
+def _measure_best(problem: Problem, options: list[_Option], limit: float,
+                  config: FissionConfig, t0: float) -> tuple[list[_Option], int]:
+    """The options planned on estimated costs, replaced by the best of them measured: the
+    split graph with the best estimate is profiled and planned again on its measured costs;
+    if it no longer fits, the next one is (``options`` keeps the ones already exact).
+    Returns (exact options, graphs profiled)."""
+    cm, budget = problem.cost_model, problem.budget_bytes
+    exact = [o for o in options if o[3].graph is problem.graph]
+    guessed = [o for o in options if o[3].graph is not problem.graph]
+    fit = sorted((o for o in guessed if o[0] is not None),
+                 key=lambda o: _final_key(o[0], budget))
+    profiled = 0
+    for _, _, steps, cur in fit:
+        measured = _Step(cur.graph, _simulate(cur.graph, cm), cur.what, cur.base, cur.region,
+                         cur.k)
+        profiled += 1
+        if measured.sim.latency_s > limit:
+            continue  # NOTE: latency mode: measured, the split alone is over the limit
+        sol, why = _remat(problem, cm, measured, limit, config, t0)
+        exact.append((sol, why, steps, measured))
+        if sol is not None:
+            break
+    if not fit:
+        exact += [o for o in guessed if o[0] is None]  # NOTE: their reasons, for the error
+    return exact, profiled
+
+
 def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
-            deadline: float, strategy: str) -> tuple[list[_Step], _Step, bool]:
+            deadline: float, strategy: str, memo: dict) -> tuple[list[_Step], _Step, bool]:
     """Splits applied one after another while one lowers the peak: (steps, last, timed out)."""
     steps: list[_Step] = []
     cur = start
     while len(steps) < config.max_splits and (budget is None or cur.sim.peak_bytes > budget):
         best, timed_out = _best_split(cur, cm, budget, limit, config, deadline, strategy,
-                                      config.max_splits - len(steps))
+                                      config.max_splits - len(steps), memo)
         if timed_out:
             return steps + ([best] if best else []), best or cur, True
         if best is None:
@@ -171,16 +236,39 @@ def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int 
     return than is None or key(sim) < key(than)
 
 
+def _cached(memo: dict, key: tuple, keep, make):
+    """``make()``, once per ``key`` in one search (``keep``: the graphs whose ids are in the
+    key, held so that no id is reused): the greedy paths start alike and often stay alike."""
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (keep, make())
+    return hit[1]
+
+
+def _split(base: Graph, region: Region, k: int, cm) -> _Step | FissionError:
+    try:
+        g2 = split_region(base, region, k)
+    except FissionError as e:
+        return e
+    start = base.values[region.start[0]].name
+    return _Step(g2, _simulate(g2, cm), f"{len(region.nodes)} nodes from {start} dim "
+                                        f"{region.start[1]} in {k} parts", base, region, k)
+
+
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
-                deadline: float, strategy: str, rounds_left: int) -> tuple[_Step | None, bool]:
+                deadline: float, strategy: str, rounds_left: int,
+                memo: dict) -> tuple[_Step | None, bool]:
     """The best split of one region of ``cur.graph`` that lowers its peak (None: none does);
     the last split made again with more parts is a candidate too (rather than splitting its
     parts one by one)."""
     g = cur.graph
-    starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
+
+    def regions():
+        starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
+        return candidate_regions(g, starts, config.shares, counting_nodes(g))
+
     tries = [(cur.base, cur.region, [k for k in config.ks if k > cur.k])] if cur.region else []
-    tries += [(g, r, list(config.ks))
-              for r in candidate_regions(g, starts, config.shares, counting_nodes(g))]
+    tries += [(g, r, list(config.ks)) for r in _cached(memo, ("regions", id(g)), g, regions)]
     best: _Step | None = None
     for base, region, ks in tries:
         last_peak = cur.sim.peak_bytes
@@ -189,28 +277,27 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
                 return best, True
             if k > region.length:
                 break
-            try:
-                g2 = split_region(base, region, k)
-            except FissionError:
+            step = _cached(memo, ("split", id(base), region.start, region.nodes, k), base,
+                           lambda base=base, region=region, k=k: _split(base, region, k, cm))
+            if isinstance(step, FissionError):
                 break  # NOTE: the reason does not depend on k
-            sim = _simulate(g2, cm)
+            sim = step.sim
             if sim.peak_bytes >= last_peak:
                 break  # NOTE: more parts no longer help this region
             last_peak = sim.peak_bytes
             if sim.latency_s > limit:
                 break
             if _better(sim, best.sim if best else None, cur.sim, budget, strategy, rounds_left):
-                start = base.values[region.start[0]].name
-                best = _Step(g2, sim, f"{len(region.nodes)} nodes from {start} dim "
-                                      f"{region.start[1]} in {k} parts", base, region, k)
+                best = step
     return best, False
 
 
-def _remat(problem: Problem, cur: _Step, limit: float, config: FissionConfig,
+def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig,
            t0: float) -> tuple[Solution | None, BudgetInfeasible | None]:
-    """The plan on ``cur.graph``: its eager plan, or hotspot's where remat is still needed
-    (over budget) or allowed (latency left under the limit); (None, why) if over budget."""
-    budget, cm = problem.budget_bytes, problem.cost_model
+    """The plan on ``cur.graph`` (costs: ``cm``): its eager plan, or hotspot's where remat is
+    still needed (over budget) or allowed (latency left under the limit); (None, why) if over
+    budget."""
+    budget = problem.budget_bytes
     plain = Solution(eager_plan(cur.graph), cur.sim, "fission", 0.0)
     left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
     if budget is not None:
