@@ -1,0 +1,139 @@
+"""``auto``: the default solver — hotspot, and fission where the peak holds a region to split.
+
+Remat (``hotspot``) cannot cut what one region needs at once: a language model's logits, loss
+and their gradient over a large vocabulary stay the floor of its peak. Operator fission
+(``fission``) cuts that, but its search costs seconds and gains nothing where the peak is
+remat's to cut. ``auto`` runs hotspot first (``HOTSPOT_SHARE`` of the time budget); then, when
+the eager plan is over the budget and hotspot's plan is slower than it (or a latency limit is
+asked), the eager peak holds a region that fission can split
+(``fission_regions.candidate_regions``) and time is left, it runs fission, handing it hotspot's
+answer as the no-split option. Budget mode returns the faster plan within
+the budget, latency mode the lower peak within the limit; ties keep hotspot (no rewritten
+graph). ``notes["winner"]`` names the solver whose plan is returned, ``notes["why"]`` says why,
+``notes["hotspot"]`` / ``notes["fission"]`` what each reached. Deterministic as its two
+solvers are: only the deadline (``time_budget_s``) cuts them short.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> from fitgraph.solvers import Problem, solve
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4096))
+    >>> batch = (torch.randn(512, 16), torch.randint(0, 4096, (512,)))
+    >>> loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    >>> g = fitgraph.capture(model, batch, loss_fn)
+    >>> cm = RooflineCostModel(get_device("rtx3090"))
+    >>> eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    >>> s = solve(Problem(g, cm, budget_bytes=eager.sim.peak_bytes // 2), "auto")
+    >>> s.notes["winner"], s.graph is not None   # remat alone cannot halve a loss's peak
+    ('fission', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..plan.eager import eager_plan
+from ..sim.simulate import SimResult, simulate
+from .base import BudgetInfeasible, Problem, Solution, register
+from .fission import FissionConfig, solve_fission
+from .fission_regions import candidate_regions, peak_starts
+from .hotspot import solve_hotspot
+
+__all__ = ["solve_auto", "splittable_regions"]
+
+# NOTE: hotspot stops on its own evaluation budget well within half the time on every zoo
+# model; the rest (all that is left, in fact) goes to the fission search
+HOTSPOT_SHARE = 0.5
+# NOTE: a fission search given less than this only makes and simulates a few splits; its
+# measured final plan alone takes about this long on the zoo's small configs
+MIN_FISSION_S = 1.0
+
+_MIB = 2**20
+_SEARCH = FissionConfig()  # NOTE: what solve_fission searches by default
+
+
+def splittable_regions(problem: Problem, eager: SimResult,
+                       config: FissionConfig = _SEARCH) -> int:
+    """How many fission regions grow from what is live at the eager plan's peak (the first
+    round of the fission search; 0: fission has nothing to split)."""
+    g = problem.graph
+    starts = peak_starts(g, eager_plan(g), eager, config.max_storages)
+    return len(candidate_regions(g, starts, config.shares))
+
+
+def _key(sol: Solution, budget: int | None) -> tuple:
+    return ((sol.sim.latency_s, sol.sim.peak_bytes) if budget is not None
+            else (sol.sim.peak_bytes, sol.sim.latency_s))
+
+
+def _summary(sol: Solution | None, err: BudgetInfeasible | None) -> dict:
+    if sol is None:
+        return {"infeasible": str(err), "smallest_peak_bytes": err.smallest_peak_bytes}
+    return {"peak_bytes": sol.sim.peak_bytes, "latency_s": sol.sim.latency_s,
+            "solve_s": sol.solve_s, "splits": sol.notes.get("splits", [])}
+
+
+def _describe(sol: Solution) -> str:
+    return f"{sol.sim.peak_bytes / _MIB:,.1f} MiB in {sol.sim.latency_s * 1e3:,.1f} ms"
+
+
+@register("auto")
+def solve_auto(problem: Problem) -> Solution:
+    """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
+    t0 = time.perf_counter()
+    cm, budget = problem.cost_model, problem.budget_bytes
+    if hasattr(cm, "profile"):
+        cm.profile(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
+    hot, hot_err = None, None
+    try:
+        hot = solve_hotspot(dataclasses.replace(
+            problem, time_budget_s=HOTSPOT_SHARE * problem.time_budget_s))
+    except BudgetInfeasible as e:
+        hot_err = e
+    eager = simulate(problem.graph, eager_plan(problem.graph), cm)
+    left = problem.time_budget_s - (time.perf_counter() - t0)
+    skip = None
+    if budget is not None and eager.peak_bytes <= budget:
+        skip = "the eager plan fits the budget: nothing to split"
+    elif budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s:
+        # NOTE: k parts of a node cost at least the node (launches, whole inputs read again):
+        # no split plan can be faster than an eager-fast one
+        skip = "hotspot's plan is as fast as the eager plan: no split can be faster"
+    elif left < MIN_FISSION_S:
+        skip = f"no time left for fission ({max(left, 0.0):.1f} s of {problem.time_budget_s:g})"
+    elif not splittable_regions(problem, eager):
+        skip = "no region live at the eager peak can be split"
+    notes = {"hotspot": _summary(hot, hot_err)}
+    fis, fis_err = None, None
+    if skip is None:
+        try:
+            fis = solve_fission(dataclasses.replace(problem, time_budget_s=left),
+                                remat_alone=(hot, hot_err))
+        except BudgetInfeasible as e:
+            fis_err = e
+        notes["fission"] = _summary(fis, fis_err)
+    else:
+        notes["fission"] = f"not run: {skip}"
+    if fis is not None and fis.graph is not None and (hot is None or _key(fis, budget) < _key(
+            hot, budget)):
+        win, name = fis, "fission"
+        target = "within the budget" if budget is not None else "within the latency limit"
+        why = (f"fission {_describe(fis)} beats hotspot {_describe(hot)} {target}"
+               if hot is not None else
+               f"hotspot cannot reach the budget ({hot_err.smallest_peak_bytes / _MIB:,.1f} "
+               f"MiB at least); fission {_describe(fis)}")
+    elif hot is not None:
+        win, name = hot, "hotspot"
+        why = (f"hotspot {_describe(hot)}; " + (skip if skip is not None else
+               "fission found no split plan better " + ("within the budget" if budget is not None
+                                                        else "within the latency limit")))
+    else:
+        errors = [e for e in (hot_err, fis_err) if e is not None]
+        best = min(errors, key=lambda e: e.smallest_peak_bytes)
+        raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes, best.dominated_by,
+                               "auto")
+    win.plan.meta["solver"] = "auto"
+    notes = dict(win.notes, **notes, winner=name, why=why)
+    return Solution(win.plan, win.sim, "auto", time.perf_counter() - t0, win.optimal, win.gap,
+                    notes, win.graph)

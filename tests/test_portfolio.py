@@ -1,0 +1,167 @@
+"""The ``auto`` solver (hotspot, and fission where it wins) and ``optimize``'s default.
+
+- where the loss region is the floor of remat's peak, at the budget hotspot barely reaches,
+  ``auto`` picks fission and is faster than hotspot; its plan runs allclose to eager;
+- where nothing at the peak can be split (or the eager plan fits), it returns hotspot's plan
+  without running fission; where fission runs but does not win, hotspot's plan too;
+- ``fitgraph.optimize`` uses it by default: below hotspot's floor the split plan runs, allclose
+  to eager, at the measured peak it planned; it saves and loads with its split graph.
+(The random-graph property test in test_solvers.py covers ``auto`` with every solver.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import eager_step
+
+import fitgraph
+from fitgraph.api import graph_fingerprint
+from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
+from fitgraph.cost.base import NodeCost
+from fitgraph.execute import execute
+from fitgraph.graph.ir import GraphBuilder, Phase, Role
+from fitgraph.solvers import BudgetInfeasible, Problem, solve
+
+CPU = RooflineCostModel(get_device("cpu-generic"))
+
+
+def _lm_like(depth=6, width=512, classes=4096, rows=512):
+    """An MLP with a 4096-class cross-entropy: its layers' activations are remat's to drop,
+    the logits, loss and gradient are a floor only fission cuts."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, width)]
+    for _ in range(depth - 1):
+        layers += [torch.nn.GELU(), torch.nn.Linear(width, width)]
+    model = torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(width, classes))
+    batch = (torch.randn(rows, 32), torch.randint(0, classes, (rows,)))
+    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+def _hotspot_floor(g, cm) -> int:
+    resident = solve(Problem(g, cm, latency_limit=1.0), "eager").sim.resident_bytes
+    with pytest.raises(BudgetInfeasible) as e:
+        solve(Problem(g, cm, budget_bytes=resident), "hotspot")
+    return e.value.smallest_peak_bytes
+
+
+def assert_close_to_eager(model, batch, loss_fn, graph, plan, rtol=1e-4, atol=1e-5):
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    want = eager_step(ref, batch, loss_fn)
+    torch.manual_seed(0)
+    got = execute(graph, plan, m, batch)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol * (1 + q.grad.abs().max()))
+
+
+def test_auto_splits_the_loss_where_hotspot_barely_fits():
+    model, batch, loss_fn = _lm_like()
+    g = fitgraph.capture(model, batch, loss_fn)
+    budget = _hotspot_floor(g, CPU)
+    hot = solve(Problem(g, CPU, budget_bytes=budget), "hotspot")
+    auto = solve(Problem(g, CPU, budget_bytes=budget), "auto")
+    assert auto.solver == "auto" and auto.notes["winner"] == "fission", auto.notes["why"]
+    assert auto.graph is not None and "_log_softmax" in auto.notes["splits"][0]
+    assert auto.sim.peak_bytes <= budget
+    assert auto.sim.latency_s < hot.sim.latency_s
+    assert auto.notes["hotspot"]["latency_s"] == hot.sim.latency_s
+    assert "beats hotspot" in auto.notes["why"]
+    assert_close_to_eager(model, batch, loss_fn, auto.graph, auto.plan)
+    again = solve(Problem(g, CPU, budget_bytes=budget), "auto")
+    assert again.plan.instructions == auto.plan.instructions          # deterministic
+    assert graph_fingerprint(again.graph) == graph_fingerprint(auto.graph)
+
+
+def test_auto_latency_mode_lowest_peak_within_the_limit():
+    model, batch, loss_fn = _lm_like(depth=3, width=256)
+    g = fitgraph.capture(model, batch, loss_fn)
+    eager = solve(Problem(g, CPU, latency_limit=1.0), "eager").sim
+    hot = solve(Problem(g, CPU, latency_limit=1.05), "hotspot")
+    auto = solve(Problem(g, CPU, latency_limit=1.05), "auto")
+    assert auto.sim.latency_s <= 1.05 * eager.latency_s
+    assert auto.sim.peak_bytes <= hot.sim.peak_bytes
+    assert auto.notes["winner"] == ("fission" if auto.graph is not None else "hotspot")
+
+
+def test_auto_keeps_hotspot_where_fission_does_not_win():
+    # NOTE: on a GPU roofline the parts' kernel launches cost more than hotspot's recomputes
+    model, batch, loss_fn = _lm_like(depth=4, width=256)
+    g = fitgraph.capture(model, batch, loss_fn)
+    gpu = RooflineCostModel(get_device("rtx3090"))
+    budget = _hotspot_floor(g, gpu)
+    hot = solve(Problem(g, gpu, budget_bytes=budget), "hotspot")
+    auto = solve(Problem(g, gpu, budget_bytes=budget), "auto")
+    assert auto.notes["winner"] == "hotspot" and isinstance(auto.notes["fission"], dict)
+    assert "fission found no split plan better" in auto.notes["why"]
+    assert auto.graph is None and auto.plan == hot.plan
+
+
+class _Ms:
+    name = "1 ms per node"
+
+    def node_cost(self, g, n):
+        return NodeCost(1e-3, 0)
+
+    def copy_seconds(self, nbytes):
+        return 0.0
+
+
+def _opaque_chain():
+    """A forward and backward chain of an op no dimension rule knows: nothing can be split."""
+    b = GraphBuilder()
+    acts = [b.add_input("x", (64,), "float32", Role.PARAMETER)]
+    for _ in range(6):
+        acts.append(b.add_node("aten.op.default", [acts[-1]], [((4096,), "float32")])[0])
+    grads = [b.add_node("aten.op.default", [acts[-1]], [((), "float32")], phase=Phase.LOSS)[0]]
+    for a in reversed(acts[1:]):
+        grads.append(b.add_node("aten.op.default", [grads[-1], a], [((4096,), "float32")],
+                                phase=Phase.BACKWARD)[0])
+    gx = b.add_node("aten.op.default", [grads[-1]], [((64,), "float32")], phase=Phase.BACKWARD)
+    return b.finish({"loss": gx[0]})
+
+
+def test_auto_returns_hotspot_without_a_region_to_split():
+    g = _opaque_chain()
+    eager = solve(Problem(g, _Ms(), latency_limit=1.0), "eager").sim
+    budget = int(0.85 * eager.peak_bytes)
+    hot = solve(Problem(g, _Ms(), budget_bytes=budget), "hotspot")
+    auto = solve(Problem(g, _Ms(), budget_bytes=budget), "auto")
+    assert auto.plan == hot.plan and auto.graph is None and auto.sim == hot.sim
+    assert auto.notes["winner"] == "hotspot"
+    assert auto.notes["fission"] == "not run: no region live at the eager peak can be split"
+    fits = solve(Problem(g, _Ms(), budget_bytes=eager.peak_bytes), "auto")
+    assert fits.notes["fission"].startswith("not run: the eager plan fits")
+    with pytest.raises(BudgetInfeasible, match="'auto'") as e:
+        solve(Problem(g, _Ms(), budget_bytes=eager.resident_bytes), "auto")
+    assert e.value.solver == "auto" and e.value.smallest_peak_bytes > eager.resident_bytes
+
+
+def test_optimize_defaults_to_auto_and_runs_the_split_graph(tmp_path):
+    model, batch, loss_fn = _lm_like(depth=2, width=256, classes=2048, rows=256)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm.profile(g)
+    budget = _hotspot_floor(g, cm) - 1   # NOTE: below remat's floor: only a split fits
+    twin, ref = copy.deepcopy(model), copy.deepcopy(model)
+    want = eager_step(ref, batch, loss_fn)
+    step = fitgraph.optimize(model, batch, loss_fn, budget=budget, cost_model=cm)
+    loss = step(batch)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    r = step.report()
+    assert r.solver == "auto" and r.notes["winner"] == "fission"
+    assert "hotspot cannot reach the budget" in r.notes["why"]
+    assert r.measured_peak_bytes == r.planned_peak_bytes <= budget
+    assert any(".part" in n.name for n in step.graph.nodes)
+    path = str(tmp_path / "plan.fg")
+    step.save(path)
+    loaded = fitgraph.load(path, twin, loss_fn=loss_fn, batch=batch, cost_model=cm)
+    assert loaded.plan == step.plan
+    assert graph_fingerprint(loaded.graph) == graph_fingerprint(step.graph)
+    assert torch.equal(loaded(batch), loss)
+    for p, q in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
