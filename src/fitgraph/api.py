@@ -300,7 +300,7 @@ class TrainStep:
 def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              optimizer: torch.optim.Optimizer | None = None, budget=None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
-             solver: str = "hotspot", cost_model=None, on_new_shape: str = "replan",
+             solver: str = "auto", cost_model=None, on_new_shape: str = "replan",
              optimizer_in_backward: bool | str = False,
              clip_grad_norm: float | None = None) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
@@ -311,6 +311,10 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
     or, with ``on_new_shape="error"``, refused.
+
+    ``solver``: a registered solver (``fitgraph.solvers.SOLVERS``); the default ``"auto"``
+    runs ``hotspot`` (remat and reordering) and, where the peak holds a region it can split,
+    ``fission``, and keeps the faster plan (``report().notes["winner"]`` / ``["why"]``).
 
     ``optimizer_in_backward``: True updates each parameter as soon as its gradient is complete
     and frees the gradient (``.grad`` stays None; ``OptimizerInBackwardError`` names what makes

@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     p.add_argument("--time-budget", type=float, default=30.0, help="fitgraph solver time (s)")
+    p.add_argument("--solver", default="auto", help="fitgraph's solver (auto: hotspot, and "
+                   "fission where it wins)")
     p.add_argument("--out", default="out/bench", help="folder for bench.csv and PNGs")
     p.add_argument("--threads", type=int, default=1)
 
@@ -41,11 +43,13 @@ def cmd_bench(args) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b]
     rows: list[BenchRow] = []
     print(f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"AdamW, small configs, {args.repeats} interleaved rounds\n")
+          f"AdamW, small configs, {args.repeats} interleaved rounds, fitgraph solver "
+          f"{args.solver}\n")
     for name in args.models.split(","):
         case = zoo.build(name, "small")
         model_rows = bench_model(case, budgets, repeats=args.repeats,
-                                 compile=not args.no_compile, time_budget=args.time_budget)
+                                 compile=not args.no_compile, time_budget=args.time_budget,
+                                 solver=args.solver)
         rows += model_rows
         plot_tradeoff(model_rows, os.path.join(args.out, f"{name}.png"))
     path = os.path.join(args.out, "bench.csv")

@@ -2,7 +2,8 @@
 
 Systems: eager PyTorch; ``torch.utils.checkpoint`` around every block; torch.compile (aot_eager)
 with ``activation_memory_budget`` at each budget, compiled fresh (a reused code object would keep
-the first budget); fitgraph at each budget. Each gets its own copy of the model and an AdamW, is
+the first budget); fitgraph at each budget (solver ``auto`` unless told: hotspot, and fission
+where it wins). Each gets its own copy of the model and an AdamW, is
 warmed up (compile / solve time recorded), measured once under the MemoryMeter, then timed in
 interleaved rounds (the order rotates each round, so machine noise hits all alike); medians.
 A system that fails is recorded with its error, not dropped.
@@ -95,11 +96,11 @@ def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
 
 
 def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool = True,
-                time_budget: float = 30.0, match_peers: bool = True,
+                time_budget: float = 30.0, match_peers: bool = True, solver: str = "auto",
                 progress: Callable[[str], None] = print) -> list[BenchRow]:
     """Measure every system on one zoo case; rows in a fixed order. ``match_peers``: fitgraph
     also plans for each peer's measured peak (in bytes), so the rows answer "at the peer's
-    memory, which is faster" directly (``verdicts``)."""
+    memory, which is faster" directly (``verdicts``). ``solver``: fitgraph's solver."""
     from ..api import optimize
 
     systems: list[_System] = []
@@ -130,7 +131,8 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
     _measure_memory(peers, batch)  # NOTE: first, so fitgraph can be asked for their peaks
     for b in budgets:
         add("fitgraph", b, copy.deepcopy(case.model),
-            lambda m, o, b=b: _fitgraph_step(m, batch, loss_fn, o, b, time_budget, optimize))
+            lambda m, o, b=b: _fitgraph_step(m, batch, loss_fn, o, b, time_budget, optimize,
+                                             solver))
     plain = [s for s in systems if not s.error]
     compiled: list[_System] = []
     if compile:
@@ -154,7 +156,7 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
         for peer in [s for s in [*peers[1:], *compiled] if not s.error and s.peak]:
             add("fitgraph", peer.peak / eager.peak, copy.deepcopy(case.model),
                 lambda m, o, b=int(peer.peak): _fitgraph_step(m, batch, loss_fn, o, b,
-                                                             time_budget, optimize),
+                                                             time_budget, optimize, solver),
                 matched=peer.name if peer.budget is None else f"{peer.name} {peer.budget:g}")
             if not systems[-1].error:
                 plain.append(systems[-1])
@@ -239,9 +241,11 @@ def _compiled_step(model, batch, loss_fn, opt, budget: float):
     return step
 
 
-def _fitgraph_step(model, batch, loss_fn, opt, budget: float, time_budget: float, optimize):
+def _fitgraph_step(model, batch, loss_fn, opt, budget: float, time_budget: float, optimize,
+                   solver: str):
     # NOTE: one eager step first so AdamW state exists and the plan is the steady-state one
     _eager_step(model, batch, loss_fn, opt)()
     opt.zero_grad(set_to_none=True)
-    step = optimize(model, batch, loss_fn, opt, budget=budget, time_budget=time_budget)
+    step = optimize(model, batch, loss_fn, opt, budget=budget, time_budget=time_budget,
+                    solver=solver)
     return lambda: step(batch)
