@@ -117,6 +117,9 @@ def _combine(e, full: torch.Tensor, parts: list, ranges: list, outs_parts: list,
             parts = [_rebase(p, ps, tuple(t.shape), dim, r[0] - r[2])
                      for p, ps, r in zip(parts, part_shapes, ranges)]
         return torch.cat(parts, e.dim)
+    if e is None:  # NOTE: whole in every part (batch norm's empty saved statistics)
+        assert all(torch.equal(p, parts[0]) for p in parts)
+        return parts[0]
     assert isinstance(e, Reduced), e
     if e.overlap is not None:
         d = e.overlap.dim
@@ -140,6 +143,35 @@ def _assert_close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 + 1e-5 * scale, msg=what)
 
 
+def check_demand(node, split, full_in: list, full_out: list, length: int) -> None:
+    """A split whose output has a window (rows right only inside a part): for each half of
+    that output's rows, run the op rows ``covering`` them and compare the part's rows there
+    (and the whole of its other outputs' rows) with the whole op's."""
+    j, e = next((j, e) for j, e in enumerate(split.outputs)
+                if isinstance(e, Along) and e.window is not None)
+    size = full_out[j].shape[e.dim]
+    for want in ((0, size // 2), (size // 2, size)):
+        a, b = e.window.covering(*want, length)
+        tensors = [_cut(t, o, a, b)[0] for t, o in zip(full_in, split.operands)]
+        rows = [None if not isinstance(o, Along) else (
+            o.window.image(a, b, t.shape[o.dim]) if o.window is not None else
+            (a * o.unit, b * o.unit, 0, 0)) for o, t in zip(split.outputs, full_out)]
+        out_shapes = [None if r is None else tuple(
+            r[2] + r[1] - r[0] + r[3] if d == o.dim else n for d, n in enumerate(t.shape))
+            for r, o, t in zip(rows, split.outputs, full_out)]
+        args, kwargs = part_args(node, split, [tuple(t.shape) for t in tensors], out_shapes)
+        got = _call(node, args, kwargs, tensors)
+        for i, (r, o) in enumerate(zip(rows, split.outputs)):
+            if r is None or node.outputs[i] is None:
+                continue
+            start, stop, lo, _ = r
+            mine = got[i].narrow(o.dim, lo, stop - start)        # the rows the part covers
+            lo_, hi_ = want if i == j else (start, stop)
+            what = f"{node.name} ({node.target}) split {split} output {i} rows {lo_}..{hi_}"
+            _assert_close(mine.narrow(o.dim, lo_ - start, hi_ - lo_),
+                          full_out[i].narrow(o.dim, lo_, hi_ - lo_), what)
+
+
 def check_node(graph, node, env) -> int:
     """Run every split of ``node`` in 2 parts; return how many splits were checked."""
     splits = node_splits(graph, node)
@@ -152,6 +184,10 @@ def check_node(graph, node, env) -> int:
         outs = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in full_out]
         length = _length(split, ins, outs)
         if length < 2:
+            continue
+        if any(isinstance(e, Along) and e.window is not None for e in split.outputs):
+            check_demand(node, split, full_in, full_out, length)
+            checked += 1
             continue
         cut = length // 2
         windowed = [(i, e) for i, e in enumerate(split.operands)
@@ -269,10 +305,12 @@ def _one_node(target: str, args: tuple, kwargs: dict | None = None):
     ir_kwargs = {k: bind(v) for k, v in kwargs.items()}
     out = resolve_target(target)(*args, **kwargs)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    shapes = [(tuple(o.shape), str(o.dtype)[6:]) for o in outs]
+    shapes = [(tuple(o.shape), str(o.dtype)[6:]) for o in outs if o is not None]
     inputs = [r.id for r in operands_of(ir_args, ir_kwargs)]
-    vids = b.add_node(target, inputs, shapes, args=ir_args, kwargs=ir_kwargs)
-    g = b.finish({"loss": vids[0]})
+    vids = iter(b.add_node(target, inputs, shapes, args=ir_args, kwargs=ir_kwargs))
+    g = b.finish({})
+    g.nodes[0].outputs = tuple(None if o is None else next(vids) for o in outs)
+    g.outputs["loss"] = g.nodes[0].outputs[0]
     g.nodes[0].out_is_tuple = isinstance(out, (tuple, list))
     full_env = [env.get(i) for i in range(len(g.values))]
     return g, g.nodes[0], full_env
@@ -327,6 +365,48 @@ SYNTHETIC = {
                                [2, 1], [2, 1], False, [0, 0], 1, [True, True, True]), {}),
     "max pool stride 1": ("aten.max_pool2d_with_indices.default",
                           (_r(2, 3, 7, 6), [3, 2], [1, 1], [1, 1]), {}),
+    "conv input gradient gathered, strided": (
+        "aten.convolution_backward.default",
+        (_r(2, 4, 6, 5), _r(2, 3, 11, 9), _r(4, 3, 3, 3), None, [2, 2], [2, 1], [2, 1], False,
+         [0, 0], 1, [True, False, False]), {}),
+    "conv input gradient gathered, 5x5": (
+        "aten.convolution_backward.default",
+        (_r(1, 2, 8, 8), _r(1, 3, 8, 8), _r(2, 3, 5, 5), None, [1, 1], [2, 2], [1, 1], False,
+         [0, 0], 1, [True, False, False]), {}),
+    "conv 1x1 stride 2 padded (gaps)": ("aten.convolution.default",
+                                        (_r(2, 3, 9, 9), _r(4, 3, 1, 1), _r(4), [2, 2], [2, 2],
+                                         [1, 1], False, [0, 0], 1), {}),
+    "conv 2x2 stride 2 tiles": ("aten.convolution.default",
+                                (_r(2, 3, 8, 6), _r(4, 3, 2, 2), None, [2, 2], [0, 0], [1, 1],
+                                 False, [0, 0], 1), {}),
+    "conv backward 2x2 stride 2 tiles": (
+        "aten.convolution_backward.default",
+        (_r(2, 4, 4, 3), _r(2, 3, 8, 6), _r(4, 3, 2, 2), [4], [2, 2], [0, 0], [1, 1], False,
+         [0, 0], 1, [True, True, True]), {}),
+    "transposed conv 2x2 stride 2": ("aten.convolution.default",
+                                     (_r(2, 4, 4, 3), _r(4, 3, 2, 2), _r(3), [2, 2], [0, 0],
+                                      [1, 1], True, [0, 0], 1), {}),
+    "transposed conv backward 2x2 stride 2": (
+        "aten.convolution_backward.default",
+        (_r(2, 3, 8, 6), _r(2, 4, 4, 3), _r(4, 3, 2, 2), [3], [2, 2], [0, 0], [1, 1], True,
+         [0, 0], 1, [True, True, True]), {}),
+    "upsample nearest x2": ("aten.upsample_nearest2d.default", (_r(2, 3, 5, 4), [10, 8]), {}),
+    "upsample nearest backward x3": ("aten.upsample_nearest2d_backward.default",
+                                     (_r(2, 3, 15, 12), [15, 12], [2, 3, 5, 4]), {}),
+    "upsample bilinear x3": ("aten.upsample_bilinear2d.default",
+                             (_r(2, 3, 5, 4), [15, 12], False, 3.0, 3.0), {}),
+    "upsample bilinear backward x2": ("aten.upsample_bilinear2d_backward.default",
+                                      (_r(2, 3, 10, 8), [10, 8], [2, 3, 5, 4], False), {}),
+    "upsample bilinear backward x3": ("aten.upsample_bilinear2d_backward.default",
+                                      (_r(1, 2, 15, 12), [15, 12], [1, 2, 5, 4], False, 3.0, 3.0),
+                                      {}),
+    "batch norm evaluation": ("aten.native_batch_norm.default",
+                              (_r(2, 3, 5, 4), _r(3), _r(3), _r(3), _r(3).abs() + 0.5, False, 0.1,
+                               1e-5), {}),
+    "batch norm evaluation backward": (
+        "aten.native_batch_norm_backward.default",
+        (_r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(3), _r(3), _r(3).abs() + 0.5, _r(0), _r(0), False,
+         1e-5, [True, True, True]), {}),
     "sdpa query rows + mask": ("aten._scaled_dot_product_flash_attention_for_cpu.default",
                                (_r(2, 3, 6, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4), 0.0, False),
                                {"attn_mask": _r(1, 3, 6, 5)}),

@@ -62,9 +62,10 @@ class Region:
 
     @property
     def halo(self) -> bool:
-        """True when a part reads extra rows (a convolution or pooling split spatially)."""
-        return any(isinstance(e, Along) and e.window is not None
-                   for s in self.splits.values() for e in s.operands)
+        """True when parts' rows follow windows (a convolution, pooling or resampling split
+        spatially): a part reads extra rows, or makes rows that are right only inside it, or
+        max-pool indices that are positions in its own slice."""
+        return any(_windowed(e) for s in self.splits.values() for e in s.operands + s.outputs)
 
 
 class RegionIndex:
@@ -201,7 +202,9 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
         return (f"reads {partial[0]}, a partial result of the region: it exists whole only "
                 "after the region, once its parts are combined")
     seen = {graph.values[v].name: dims[v] for v in node.inputs + node.outputs if v in dims}
-    return f"no split of {node.target} agrees with the region's dims {seen}"
+    notes = sorted({s.note for s, _, _ in opts if s.note})
+    why = f" ({'; '.join(notes)})" if notes else ""
+    return f"no split of {node.target} agrees with the region's dims {seen}{why}"
 
 
 def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[int] | None):
@@ -243,6 +246,12 @@ def _finish(graph: Graph, start: int, dim: int, chosen: dict[int, Split], dims: 
     return Region((start, dim), tuple(sorted(chosen)), dict(sorted(chosen.items())),
                   out_dims, int_units, dict(sorted(boundary.items())), length,
                   -1 if anchor is None else anchor)
+
+
+def _windowed(e: Entry) -> bool:
+    if isinstance(e, Reduced):
+        return e.overlap is not None
+    return isinstance(e, Along) and (e.window is not None or e.rebase)
 
 
 def _users(graph: Graph) -> dict[int, list[int]]:

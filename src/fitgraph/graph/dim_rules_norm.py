@@ -52,22 +52,46 @@ def native_layer_norm_backward(node, ins, outs) -> list[Split]:
 
 def native_batch_norm(node, ins, outs) -> list[Split]:
     """(x, weight, bias, running_mean, running_var, training, momentum, eps) ->
-    (out, save_mean, save_invstd). Channels only (see _TRAIN_NOTE)."""
-    if not arg_of(node, 5, "training") or ins[0][1] < 2:
-        # NOTE: eval mode is per-channel affine and would split along every dim, but its
-        # saved outputs are empty tensors; no zoo graph runs it — not offered rather than guessed
-        return []
+    (out, save_mean, save_invstd). Training: channels only (see _TRAIN_NOTE). Evaluation: a
+    per-channel affine map with the running statistics, split along every dim; its saved
+    outputs are empty tensors every part makes alike."""
+    x = ins[0]
     c = Along(0)
+    splits = []
+    if not arg_of(node, 5, "training"):
+        for d, size in enumerate(x):
+            if size >= 2 and d != 1:
+                splits.append(Split(per_arg(node, {0: Along(d)}), (Along(d), None, None),
+                                    note="evaluation: per-channel affine, running statistics"))
+        if len(x) > 1 and x[1] >= 2:
+            ops = per_arg(node, {0: Along(1), 1: c, 2: c, 3: c, 4: c})
+            splits.append(Split(ops, (Along(1), None, None)))
+        return splits
+    if x[1] < 2:
+        return []
     ops = per_arg(node, {0: Along(1), 1: c, 2: c, 3: c, 4: c})
     return [Split(ops, (Along(1), c, c), note=_TRAIN_NOTE)]
 
 
 def native_batch_norm_backward(node, ins, outs) -> list[Split]:
     """(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask)
-    -> (gx, gw, gb). Channels only (see _TRAIN_NOTE)."""
-    if ins[0][1] < 2:
-        return []
+    -> (gx, gw, gb). Training: channels only (see _TRAIN_NOTE). Evaluation: the input
+    gradient is pointwise along every other dim, the weight and bias gradients sum over it."""
+    x = ins[0]
     c = Along(0)
+    splits = []
+    if not arg_of(node, 7, "train"):
+        for d, size in enumerate(x):
+            if size >= 2 and d != 1:
+                ops = per_arg(node, {0: Along(d), 1: Along(d)})
+                splits.append(Split(ops, (Along(d), Reduced(), Reduced()),
+                                    note="evaluation: weight and bias gradients are partial sums"))
+        if len(x) > 1 and x[1] >= 2:
+            ops = per_arg(node, {0: Along(1), 1: Along(1), 2: c, 3: c, 4: c})
+            splits.append(Split(ops, (Along(1), c, c)))
+        return splits
+    if x[1] < 2:
+        return []
     ops = per_arg(node, {0: Along(1), 1: Along(1), 2: c, 3: c, 4: c, 5: c, 6: c})
     return [Split(ops, (Along(1), c, c), note=_TRAIN_NOTE)]
 

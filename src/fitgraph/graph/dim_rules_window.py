@@ -2,8 +2,12 @@
 
 Along batch and channels they split like matrix products. Along a spatial dim the partition is
 of the output rows; a part reads the input rows its windows cover (a halo, see
-``Window.input_range``), explicitly padded where it touches the border. In the backward the
-parts' input gradients cover overlapping haloed rows and add where they overlap.
+``Window.input_range``), explicitly padded where it touches the border. Windows that tile their
+input (1x1 convolutions, kernel == stride, nearest upsampling by an integer factor) are plain
+rows in units instead: no halo. In the backward the parts' input gradients cover overlapping
+haloed rows and add where they overlap; a convolution's input gradient computed alone is
+*gathered* instead (an output with a window: right inside the part), and so is bilinear
+resampling's output (``Resample``).
 
 Example:
     >>> from fitgraph.graph.ir import Node, Phase, ValueRef
@@ -17,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from .dim_types import Along, Reduced, SizeArg, Split, Window, arg_of, per_arg
+from .dim_types import Along, Reduced, Resample, SizeArg, Split, Window, arg_of, per_arg
 
 __all__ = ["convolution", "convolution_backward", "max_pool2d", "max_pool2d_backward",
            "spatial_resample", "upsample_backward"]
@@ -31,11 +35,34 @@ def _conv_windows(node, weight, n_spatial: int, arg0: int) -> list[Window]:
             for j in range(n_spatial)]
 
 
+def _spatial_input(win: Window, d: int, in_size: int, out_size: int) -> Along:
+    """The input entry of a windowed op along spatial dim ``d``: plain rows when the windows
+    tile the input (1x1 convolutions, 2x2 stride-2 patches), else read through the window."""
+    tile = win.tiles(in_size, out_size)
+    return Along(d, tile) if tile else Along(d, window=win)
+
+
+def _transposed_tiles(node, w, x, out, j: int, arg0: int) -> int:
+    """Output rows per input row of a transposed convolution whose kernel equals its stride
+    (no padding, no output padding, no dilation): each input row makes its own output rows;
+    0 otherwise (its halo runs the other way: not offered)."""
+    stride, padding, dilation = (arg_of(node, arg0 + i, name)[j]
+                                 for i, name in enumerate(("stride", "padding", "dilation")))
+    out_pad = arg_of(node, arg0 + 4, "output_padding")[j]
+    k, d = w[2 + j], 2 + j
+    if k == stride and not padding and not out_pad and dilation == 1 and out[d] == x[d] * k:
+        return k
+    return 0
+
+
 def convolution(node, ins, outs) -> list[Split]:
     """convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-    batch; output channels (by groups); input channels (no bias); spatial dims with a halo.
+    batch; output channels (by groups); input channels (no bias); spatial dims with a halo
+    (plain rows when the windows tile the input).
 
-    NOTE: transposed convolutions split along the batch only (their halo runs the other way)."""
+    NOTE: transposed convolutions split spatially only when each input row makes its own
+    output rows (kernel == stride, as U-Net's 2x2 up-convolutions); otherwise along the batch
+    (their halo runs the other way)."""
     x, w, out = ins[0], ins[1], outs[0]
     has_bias = arg_of(node, 2, "bias") is not None
     transposed, groups = arg_of(node, 6, "transposed"), arg_of(node, 8, "groups")
@@ -43,6 +70,11 @@ def convolution(node, ins, outs) -> list[Split]:
     if x[0] >= 2:
         splits.append(Split(per_arg(node, {0: Along(0)}), (Along(0),)))
     if transposed:
+        for j in range(len(x) - 2):
+            d = 2 + j
+            tile = _transposed_tiles(node, w, x, out, j, 3)
+            if tile and x[d] >= 2:
+                splits.append(Split(per_arg(node, {0: Along(d)}), (Along(d, tile),)))
         return splits
     if groups == 1 and w[0] >= 2:
         splits.append(Split(per_arg(node, {1: Along(0), 2: Along(0)}), (Along(1),)))
@@ -55,14 +87,23 @@ def convolution(node, ins, outs) -> list[Split]:
         splits.append(Split((Along(1), Along(1)), (Reduced(),),
                             note="input channels split: the parts' outputs are partial sums"))
     for j, win in enumerate(_conv_windows(node, w, len(x) - 2, 3)):
-        if out[2 + j] >= 2:
-            splits.append(Split(per_arg(node, {0: Along(2 + j, window=win)}), (Along(2 + j),)))
+        d = 2 + j
+        if out[d] >= 2:
+            splits.append(Split(per_arg(node, {0: _spatial_input(win, d, x[d], out[d])}),
+                                (Along(d),)))
     return splits
 
 
 def convolution_backward(node, ins, outs) -> list[Split]:
     """convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
-    output_padding, groups, output_mask) -> (gx, gw, gb)."""
+    output_padding, groups, output_mask) -> (gx, gw, gb).
+
+    Along a spatial dim the parts cut the output gradient's rows. With the weight (or bias)
+    gradient requested, those are partial sums and the input gradients of neighbouring parts
+    overlap by the halo and add (``Reduced(overlap=...)``). With the input gradient alone
+    (``transform.fission_halo_grads`` separates them), a part *gathers*: its input gradient
+    rows are complete where every output row that reads them is in the part — an output
+    with a window, so that a region runs on through the backward of a convolution chain."""
     g, x, w = ins[0], ins[1], ins[2]
     transposed, groups = arg_of(node, 7, "transposed"), arg_of(node, 9, "groups")
     mask = arg_of(node, 10, "output_mask")
@@ -71,23 +112,40 @@ def convolution_backward(node, ins, outs) -> list[Split]:
         b = Along(0)
         splits.append(Split((b, b, None), (b, Reduced(), Reduced()),
                             note="batch split: weight and bias gradients are partial sums"))
-    if transposed or groups != 1:
-        return splits  # NOTE: grouped/transposed backward: batch only (not in the zoo)
-    if w[0] >= 2:
-        bias_sizes = arg_of(node, 3, "bias_sizes")
-        fix = (SizeArg((3, 0), ("in", 0), 1),) if bias_sizes else ()
-        splits.append(Split((Along(1), None, Along(0)), (Reduced(), Along(0), Along(0)), sizes=fix,
-                            note="output channels split: the input gradient is a partial sum"))
-    if x[1] >= 2 and not mask[2]:
-        # NOTE: with the bias gradient requested every part would compute it whole: not offered
-        splits.append(Split((None, Along(1), Along(1)), (Along(1), Along(1), None)))
+    if not transposed and groups == 1:  # NOTE: grouped channels: batch/spatial only (not in the zoo)
+        if w[0] >= 2:
+            bias_sizes = arg_of(node, 3, "bias_sizes")
+            fix = (SizeArg((3, 0), ("in", 0), 1),) if bias_sizes else ()
+            splits.append(Split((Along(1), None, Along(0)), (Reduced(), Along(0), Along(0)),
+                                sizes=fix,
+                                note="output channels split: the input gradient is a partial sum"))
+        if x[1] >= 2 and not mask[2]:
+            # NOTE: with the bias gradient requested every part would compute it whole: not offered
+            splits.append(Split((None, Along(1), Along(1)), (Along(1), Along(1), None)))
     for j, win in enumerate(_conv_windows(node, w, len(x) - 2, 4)):
-        if g[2 + j] >= 2:
-            d = 2 + j
+        d = 2 + j
+        if g[d] < 2:
+            continue
+        if transposed:
+            tile = _transposed_tiles(node, w, x, g, j, 4)
+            if tile:
+                splits.append(Split((Along(d, tile), Along(d), None),
+                                    (Along(d), Reduced(), Reduced())))
+            continue
+        tile = win.tiles(x[d], g[d])
+        if tile:
+            splits.append(Split((Along(d), Along(d, tile), None),
+                                (Along(d, tile), Reduced(), Reduced()),
+                                note="spatial split, windows tiling the input: no halo"))
+        elif mask[1] or mask[2]:
             splits.append(Split((Along(d), Along(d, window=win), None),
                                 (Reduced(overlap=Along(d, window=win)), Reduced(), Reduced()),
                                 note="spatial split: input gradients of neighbouring parts "
                                      "overlap by the halo and add"))
+        else:
+            splits.append(Split((Along(d), Along(d, window=win), None),
+                                (Along(d, window=win), None, None),
+                                note="spatial split of the input gradient alone: gathered"))
     return splits
 
 
@@ -136,17 +194,61 @@ def max_pool2d_backward(node, ins, outs) -> list[Split]:
     return [Split((Along(i),) * 3, (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
 
 
-def spatial_resample(node, ins, outs) -> list[Split]:
-    """upsample_bilinear2d / upsample_nearest2d(x, output_size, ...): batch and channels.
+_BILINEAR = ("aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default")
 
-    NOTE: not along spatial dims: a part's source coordinates depend on where it starts (and
-    on align_corners); it would compute a cropped halo, which no rule here describes."""
-    x = ins[0]
-    return [Split((Along(i),), (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
+
+def _scales(node, low, high, first_scale: int) -> list[int]:
+    """Per spatial dim, the integer factor of an upsampling from ``low`` to ``high`` rows (0
+    where it is not an integer, or an explicit scale argument says otherwise)."""
+    out = []
+    for j in range(len(low) - 2):
+        d = 2 + j
+        s = high[d] // low[d] if low[d] and high[d] % low[d] == 0 else 0
+        given = arg_of(node, first_scale + j, ("scales_h", "scales_w")[j] if j < 2 else "")
+        out.append(s if given is None or given == s else 0)
+    return out
+
+
+def spatial_resample(node, ins, outs) -> list[Split]:
+    """upsample_nearest2d(x, output_size, scales_h, scales_w) / upsample_bilinear2d(x,
+    output_size, align_corners, scales_h, scales_w): batch and channels; spatial dims when
+    the factor is an integer. Nearest: each input row makes ``scale`` output rows (plain
+    units). Bilinear (align_corners=False): an output row reads two input rows, so a part's
+    rows are right only inside (``Resample``: an output with a window).
+
+    NOTE: align_corners=True and fractional factors are not offered: the source coordinate
+    of a row then depends on the whole tensor's size, not on the factor alone."""
+    x, out = ins[0], outs[0]
+    splits = [Split((Along(i),), (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
+    bilinear = node.target in _BILINEAR
+    if bilinear and arg_of(node, 2, "align_corners"):
+        return splits
+    for j, s in enumerate(_scales(node, x, out, 3 if bilinear else 2)):
+        d = 2 + j
+        if not s or x[d] < 2:
+            continue
+        size = (SizeArg((1, j), ("out", 0), d),)
+        o = Along(d, window=Resample(s)) if bilinear else Along(d, s)
+        splits.append(Split((Along(d),), (o,), sizes=size))
+    return splits
 
 
 def upsample_backward(node, ins, outs) -> list[Split]:
-    """upsample_*2d_backward(grad, output_size, input_size, ...): batch and channels."""
-    g = ins[0]
-    return [Split((Along(i),), (Along(i),), sizes=(SizeArg((2, i), ("out", 0), i),))
-            for i in range(len(g) - 2) if g[i] >= 2]
+    """upsample_nearest2d_backward(grad, output_size, input_size, scales_h, scales_w) /
+    upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, scales_h,
+    scales_w): batch and channels; spatial dims when the factor is an integer (a part reads
+    ``scale`` gradient rows per input row; bilinear ones are complete inside the part)."""
+    g, gi = ins[0], outs[0]
+    splits = [Split((Along(i),), (Along(i),), sizes=(SizeArg((2, i), ("out", 0), i),))
+              for i in range(len(g) - 2) if g[i] >= 2]
+    bilinear = node.target in _BILINEAR
+    if bilinear and arg_of(node, 3, "align_corners"):
+        return splits
+    for j, s in enumerate(_scales(node, gi, g, 4 if bilinear else 3)):
+        d = 2 + j
+        if not s or gi[d] < 2:
+            continue
+        sizes = (SizeArg((1, j), ("in", 0), d), SizeArg((2, d), ("out", 0), d))
+        o = Along(d, window=Resample(s, backward=True)) if bilinear else Along(d)
+        splits.append(Split((Along(d, s),), (o,), sizes=sizes))
+    return splits

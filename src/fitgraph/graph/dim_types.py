@@ -5,7 +5,10 @@ units; every tensor the node touches either follows the axis (``Along``: part ``
 axis is elements ``[a*unit, b*unit)`` of that tensor's ``dim``), is needed whole by every part
 (``None``: weights, masks, a loss scale), or — for outputs — is a partial result the parts
 combine (``Reduced``). A windowed operand (convolution, pooling along a spatial dim) reads a
-halo: its range follows from the partition through its ``Window``, not from ``unit``.
+halo: its range follows from the partition through its ``Window``, not from ``unit``. An
+output with a window (a convolution's input gradient gathered from its output rows, bilinear
+resampling) holds the rows its ``image`` says, right only where every row they are made from
+is in the part: a part needing rows ``[a, b)`` runs the op rows ``covering`` them.
 
 Plain data, no torch: the planner reasons on these; the fission executor follows them.
 
@@ -16,6 +19,8 @@ Example:
     (0, 5, 1, 0)
     >>> w.input_range(4, 8, in_size=8)
     (3, 8, 0, 1)
+    >>> w.covering(3, 5, out_size=8)      # input rows 3..4 are read by output rows 2..5
+    (2, 6)
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from dataclasses import dataclass
 
 from .analysis import flatten_refs
 
-__all__ = ["Along", "Entry", "Reduced", "SizeArg", "Split", "Window", "arg_of", "norm_dim", "per_arg"]
+__all__ = ["Along", "Entry", "Reduced", "Resample", "SizeArg", "Split", "Window", "arg_of", "norm_dim",
+           "per_arg"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +54,69 @@ class Window:
         ``[out_start, out_stop)`` read, and the pad rows ``(pad_lo, pad_hi)`` a part adds."""
         lo = out_start * self.stride - self.padding
         hi = (out_stop - 1) * self.stride - self.padding + self.dilation * (self.kernel - 1) + 1
-        return max(lo, 0), min(hi, in_size), max(-lo, 0), max(hi - in_size, 0)
+        # NOTE: windows may read padding only (a 1x1 stride-2 convolution padded by 2): the
+        # real rows are then empty, and pad_lo + rows + pad_hi still spans [lo, hi)
+        start, stop = min(max(lo, 0), in_size), max(min(hi, in_size), 0)
+        stop = max(stop, start)
+        return start, stop, max(min(hi, 0) - lo, 0), max(hi - max(lo, in_size), 0)
+
+    # NOTE: as an output's window (a convolution's input gradient computed by gathering), the
+    # output rows of op rows [lo, hi) are the input rows those windows read
+    image = input_range
+
+    def covering(self, start: int, stop: int, out_size: int) -> tuple[int, int]:
+        """Output rows ``[lo, hi)`` whose windows reach into input rows ``[start, stop)`` (every
+        output an input row's gradient gathers from), widened so that their windows span
+        those rows (strided windows with gaps between them); clipped to ``out_size``."""
+        reach, s, p = self.dilation * (self.kernel - 1), self.stride, self.padding
+        lo = min(-(-(start + p - reach) // s), (start + p) // s)
+        hi = max((stop - 1 + p) // s, -(-(stop - 1 + p - reach) // s)) + 1
+        return max(lo, 0), min(hi, out_size)
+
+    def tiles(self, in_size: int, out_size: int) -> int:
+        """Input rows per output row when the windows tile the input exactly (no halo, no
+        padding, no row left over: a 1x1 convolution, a 2x2 stride-2 patch), else 0."""
+        if self.padding or (self.kernel > 1 and self.dilation != 1):
+            return 0
+        if self.kernel == self.stride and in_size == out_size * self.stride:
+            return self.stride
+        return 1 if self.kernel == 1 and self.stride == 1 else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Resample:
+    """Bilinear resampling by an integer ``scale`` (align_corners=False), as an output's window:
+    the op rows are the low-resolution rows.
+
+    Forward (``backward=False``): op rows ``[lo, hi)`` of the input make output rows
+    ``[scale*lo, scale*hi)``; an output row reads the two input rows around its source
+    coordinate, so a row is right only where both are in the part (or clamped at the border
+    of the whole tensor). Backward: op rows are the input gradient's rows, computed from the
+    output gradient's ``scale`` rows each; a row is complete when its neighbours are in the part.
+    """
+
+    scale: int
+    backward: bool = False
+
+    def image(self, lo: int, hi: int, size: int) -> tuple[int, int, int, int]:
+        """The output rows op rows ``[lo, hi)`` make, and no rows to crop."""
+        s = 1 if self.backward else self.scale
+        return lo * s, hi * s, 0, 0
+
+    def covering(self, start: int, stop: int, op_size: int) -> tuple[int, int]:
+        """Op rows a part needs for output rows ``[start, stop)`` to be right."""
+        if self.backward:
+            lo, hi = start - 1, stop + 1
+        else:
+            s = self.scale
+            # NOTE: output row j reads input rows floor((j + 0.5)/s - 0.5) and the next one
+            lo = (2 * start + 1 - s) // (2 * s)
+            hi = (2 * (stop - 1) + 1 - s) // (2 * s) + 2
+        # NOTE: an odd factor puts some source coordinates exactly on a row, which torch
+        # computes in floating point (and a part from other offsets than the whole): one
+        # more row each side. Even factors keep them a quarter row or more away from rows.
+        margin = self.scale % 2
+        return max(lo - margin, 0), min(hi + margin, op_size)
 
 
 @dataclass(frozen=True, slots=True)
