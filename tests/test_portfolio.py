@@ -153,7 +153,7 @@ def test_optimize_defaults_to_auto_and_runs_the_split_graph(tmp_path):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
     r = step.report()
-    assert r.solver == "auto" and r.notes["winner"] == "fission"
+    assert r.solver == "auto" and r.notes["winner"] == "fission" and "(auto: fission," in str(r)
     assert "hotspot cannot reach the budget" in r.notes["why"]
     assert r.measured_peak_bytes == r.planned_peak_bytes <= budget
     assert any(".part" in n.name for n in step.graph.nodes)

@@ -73,7 +73,10 @@ class OptimizeReport:
 
         target = (f"budget {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None
                   else f"latency limit {self.latency_limit:.2f}x eager")
-        lines = [f"fitgraph plan ({self.solver}, {target}; {self.nodes} nodes, "
+        # NOTE: "auto" names the solver whose plan it returned
+        solver = (f"{self.solver}: {self.notes['winner']}" if "winner" in self.notes
+                  else self.solver)
+        lines = [f"fitgraph plan ({solver}, {target}; {self.nodes} nodes, "
                  f"{self.recomputes} recomputes, solved in {self.solve_s:.2f} s; costs: "
                  f"{self.cost_model})",
                  f"{'':14s}{'eager':>14s}{'planned':>14s}{'measured':>14s}{'planned/eager':>15s}",
