@@ -160,16 +160,19 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
 def _measure_best(problem: Problem, options: list[_Option], limit: float,
                   config: FissionConfig, t0: float) -> tuple[list[_Option], int]:
     """The options planned on estimated costs, replaced by the best of them measured: the
-    split graph with the best estimate is profiled and planned again on its measured costs;
-    if it no longer fits, the next one is (``options`` keeps the ones already exact).
-    Returns (exact options, graphs profiled)."""
+    split graph with the best estimate, if it beats the options already exact (remat alone),
+    is profiled and planned again on its measured costs; if it no longer fits, the next one
+    is. Returns (exact options, graphs profiled)."""
     cm, budget = problem.cost_model, problem.budget_bytes
     exact = [o for o in options if o[3].graph is problem.graph]
     guessed = [o for o in options if o[3].graph is not problem.graph]
     fit = sorted((o for o in guessed if o[0] is not None),
                  key=lambda o: _final_key(o[0], budget))
+    bar = min((_final_key(o[0], budget) for o in exact if o[0] is not None), default=None)
     profiled = 0
-    for _, _, steps, cur in fit:
+    for sol, _, steps, cur in fit:
+        if bar is not None and _final_key(sol, budget) >= bar:
+            break  # NOTE: estimated no better than remat alone: nothing worth measuring
         measured = _Step(cur.graph, _simulate(cur.graph, cm), cur.what, cur.base, cur.region,
                          cur.k)
         profiled += 1
