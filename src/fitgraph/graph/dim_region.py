@@ -35,7 +35,7 @@ from .dim_types import Along, Entry, Reduced, Split
 from .dims import boundary_reason, node_splits, operands, value_entries
 from .ir import Graph, Role
 
-__all__ = ["Region", "RegionIndex", "grow_region", "regions"]
+__all__ = ["Region", "RegionIndex", "grow_region", "node_region", "regions"]
 
 _MISSING = object()
 
@@ -110,6 +110,41 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
             excluded.setdefault(nid, region.boundary.get(nid) or (
                 f"on the far side of {graph.nodes[via].name}, which is outside the region but "
                 "depends on it and feeds it: the region would not be convex"))
+
+
+def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
+    """The region of node ``nid`` alone, split along ``dim`` of ``value_id`` (one of its
+    operands or outputs); empty, with the reason in ``boundary``, if it has no such split.
+
+    A node alone is the smallest region: splitting it cuts its own transient memory (the
+    output it makes whole anyway, its workspace: a convolution's backward at the peak)
+    without holding anything else live longer.
+
+    Example:
+        >>> from fitgraph.graph.ir import GraphBuilder, Role
+        >>> b = GraphBuilder(); x = b.add_input("x", (6, 4), "float32", Role.INPUT)
+        >>> y = b.add_node("aten.relu.default", [x], [((6, 4), "float32")])[0]
+        >>> r = node_region(b.finish({"loss": y}), 0, y, 1)
+        >>> r.nodes, r.dims, r.length
+        ((0,), {0: 1, 1: 1}, 4)
+    """
+    node = graph.nodes[nid]
+    nd = len(graph.values[value_id].shape)
+    dim = dim + nd if dim < 0 else dim
+    why = boundary_reason(graph, node)
+    for split in ([] if why else node_splits(graph, node)):
+        table = value_entries(node, split)
+        e = None if table is None else table.get(value_id)
+        if not (isinstance(e, Along) and e.dim == dim):
+            continue
+        plain = [(v, a) for v, a in table.items() if isinstance(a, Along) and a.window is None]
+        v0, a0 = plain[0]
+        dims = {v: (a.dim if isinstance(a, Along) else a) for v, a in table.items()}
+        return Region((value_id, dim), (nid,), {nid: split}, dims,
+                      {v: a.unit for v, a in plain}, {},
+                      graph.values[v0].shape[a0.dim] // a0.unit, nid)
+    reason = why or f"no split of {node.target} along dim {dim} of {graph.values[value_id].name}"
+    return Region((value_id, dim), (), {}, {}, {}, {nid: reason})
 
 
 def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:

@@ -7,7 +7,8 @@ before the next part starts:
 
 - a part reads slices of the region's inputs (``aten.slice``: views, no copies) and the inputs
   the region reads whole;
-- an output the rest of the graph reads is assembled in a preallocated whole tensor
+- an output the rest of the graph reads is assembled (``fission_combine``) in a preallocated
+  whole tensor
   (``new_empty_strided`` with the original layout, each part ``copy_``-ed into its slice right
   after its last write), or, for a partial result (``Reduced``), summed in place into the first
   part's output (weight gradients; products accumulate with ``addmm_``), or re-weighted once
@@ -16,8 +17,16 @@ before the next part starts:
 - size arguments are rewritten per part (``dims.part_args``); FLOPs scale with the part.
 
 The region's peak drops to about 1/k of its activations. Calling ``split_region`` again on the
-result, with a region grown in it, splits further (a part split along another dim). Regions
-with a halo (a convolution split spatially) are refused with ``FissionError`` for now.
+result, with a region grown in it, splits further (a part split along another dim).
+
+Which rows of each tensor a part reads and makes comes from a row planner
+(``fission_rows.UnitRows``: one axis of units). A region split spatially through convolutions,
+pooling or resampling has a halo (``fission_halo.HaloRows``): a part reads its input rows with
+the halo its windows need (a view; zero rows added only at the border of the whole tensor,
+``fission_halo_nodes``), computes intermediates with their own halo, and keeps its own block;
+input gradients of neighbouring parts that overlap add into a zeroed whole tensor; max-pool
+indices are rebased to the whole plane. What cannot be done exactly raises ``FissionError``
+naming the node.
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, ValueRef
@@ -35,6 +44,23 @@ Example:
     ['mm.part0', 'relu.part0', 'sum.part0', 'mm.part1', 'relu.part1', 'sum.part1', 'sum.acc1']
     >>> g2.values[g2.outputs["loss"]].shape
     ()
+
+    Two 3x3 convolutions split along the rows of an 8x8 image: each part reads 6 input rows
+    (its 4 + a halo of 2), padded by one zero row at the image's border only; the first
+    convolution makes 5 rows, the second the part's 4:
+
+    >>> b = GraphBuilder()
+    >>> x = b.add_input("x", (1, 1, 8, 8), "float32", Role.INPUT)
+    >>> w = b.add_input("w", (1, 1, 3, 3), "float32", Role.PARAMETER)
+    >>> conv = lambda v: (ValueRef(v), ValueRef(w), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    >>> h = b.add_node("aten.convolution.default", [x, w], [((1, 1, 8, 8), "float32")],
+    ...                args=conv(x), name="conv")[0]
+    >>> y = b.add_node("aten.convolution.default", [h, w], [((1, 1, 8, 8), "float32")],
+    ...                args=conv(h), name="conv2")[0]
+    >>> g = b.finish({"loss": y})
+    >>> g2 = split_region(g, grow_region(g, x, 2), 2)
+    >>> [(n.name, g2.values[n.outputs[0]].shape[2]) for n in g2.nodes][:5]
+    [('x.slice0', 6), ('x.pad0', 7), ('conv.part0', 5), ('conv.pad0', 6), ('conv2.part0', 4)]
 """
 
 from __future__ import annotations
@@ -43,9 +69,13 @@ from ..graph.analysis import new_storages, users, verify_graph
 from ..graph.dim_region import Region
 from ..graph.dim_types import Along, Reduced
 from ..graph.dims import operands, part_args
-from ..graph.ir import Graph, Phase, Role, contiguous_strides
+from ..graph.ir import Graph, Phase, contiguous_strides
+from .fission_combine import ACCUMULATE, PartsCombiner, part_role
+from .fission_halo import HaloRows
+from .fission_halo_nodes import pad_rows, rows_view
 from .fission_meta import VIEW_TARGETS, Meta, dense_like, narrow, view_meta
-from .fission_order import FissionError, block_order, part_bounds
+from .fission_order import FissionError, block_order, part_bounds, real_writes
+from .fission_rows import Rows, UnitRows
 from .fission_writer import GraphWriter, OutSpec, substitute_refs
 
 __all__ = ["FissionError", "part_bounds", "split_region"]
@@ -56,11 +86,6 @@ _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.def
 # without checking: a part's strided slice gives wrong numbers (layer norm backward's mean/rstd)
 # or an error (group norm); the part gets a contiguous copy of its slice. Found by running
 # every zoo split on uncopied slices.
-# NOTE: products whose partial sums a part adds in place into the first part's result
-# (``acc.addmm_(a, b)``): no second whole-size partial (a tied LM head's weight gradient is as
-# large as the embedding)
-ACCUMULATE = {"aten.mm.default": "aten.addmm_.default", "aten.bmm.default": "aten.baddbmm_.default"}
-
 MUST_BE_CONTIGUOUS = {
     "aten.native_layer_norm_backward.default": (2, 3),
     "aten.native_group_norm.default": (0,),
@@ -73,27 +98,32 @@ def split_region(graph: Graph, region: Region, k: int) -> Graph:
     return _Splitter(graph, region, k).run()
 
 
-def _part_role(phase: Phase) -> Role:
-    return Role.ACTIVATION if phase in (Phase.FORWARD, Phase.LOSS) else Role.TEMPORARY
-
-
-class _Splitter:
+class _Splitter(PartsCombiner):
     def __init__(self, graph: Graph, region: Region, k: int) -> None:
         if not region.nodes:
             raise FissionError("the region is empty: nothing to split")
-        if region.halo or region.length == 0:
-            raise FissionError("regions with a halo (convolutions or pooling split spatially) "
-                               "are not executable yet: split along batch or channels")
         self.g, self.r, self.k = graph, region, k
-        self.bounds = part_bounds(region.length, k)
+        if not region.halo:
+            if region.length == 0:
+                raise FissionError("the region has no split axis in units: nothing says where "
+                                   "its parts start")
+            for vid, d in region.dims.items():
+                if isinstance(d, int) and vid not in region.units:
+                    raise FissionError(f"{graph.values[vid].name} has no unit along dim {d}")
+        elif k < 2:
+            part_bounds(0, k)  # NOTE: the same error as for any region
         self.inside = set(region.nodes)
-        for vid, d in region.dims.items():
-            if isinstance(d, int) and vid not in region.units:
-                raise FissionError(f"{graph.values[vid].name} has no unit along dim {d}")
         self.w = GraphWriter(graph)
         self.part: dict[tuple[int, int], int] = {}     # (old value, part) -> new value
-        self.slices: dict[tuple[int, int], int] = {}
+        self.slices: dict[tuple, int] = {}             # (value, part, rows) -> view / padded
+        self.part_inputs: dict[tuple[int, int], list[int]] = {}   # (node, part) -> its inputs
         self._plan_outputs()
+        if region.halo:
+            owned = [self.root_of[st] for st in self.leaving_roots
+                     if isinstance(region.dims.get(self.root_of[st]), int)]
+            self.rows: HaloRows | UnitRows = HaloRows(graph, region, k, owned)
+        else:
+            self.rows = UnitRows(graph, region, k)
 
     # -- what leaves the region -----------------------------------------------------------------
     def _plan_outputs(self) -> None:
@@ -119,7 +149,9 @@ class _Splitter:
                     self.last_write[g.values[v].storage] = nid
         for v in leaving:
             e = self.r.dims.get(v)
-            if e is None:
+            # NOTE: an empty tensor (evaluation batch norm's saved statistics) is the same
+            # whole tensor in every part: the last part's leaves
+            if e is None and g.values[v].numel:
                 raise FissionError(f"{g.values[v].name} is produced whole by every part and "
                                    "read after the region: not supported")
         self.mean_weights: dict[int, int] = {}        # loss value -> its weight value
@@ -128,8 +160,12 @@ class _Splitter:
             for o, e in zip(n.outputs, self.r.splits[nid].outputs):
                 if isinstance(e, Reduced) and e.how == "weighted_mean" and o in leaving:
                     self.mean_weights[o] = n.outputs[e.weight]
-                if isinstance(e, Reduced) and e.overlap is not None:
-                    raise FissionError("overlapping partial results (halo) are not supported")
+                if isinstance(e, Along) and e.rebase and o is not None:
+                    inner = [g.nodes[u].name for u in readers[o] if u in inside]
+                    if inner:
+                        raise FissionError(f"{n.name}: its max-pool indices are read inside the "
+                                           f"region (by {inner[0]}): they are positions in a "
+                                           "part's own slice; not supported")
 
     # -- the rewrite ----------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -139,70 +175,85 @@ class _Splitter:
             w.copy_node(g.nodes[nid])
         self.buffers: dict[int, int] = {}             # storage -> new whole buffer value
         self.acc: dict[int, int] = {}                 # Reduced value -> accumulated new value
-        for i, (a, b) in enumerate(self.bounds):
+        for i in range(self.k):
             for nid in self.r.nodes:
-                self._emit_part(nid, i, a, b)
-                self._after_part_node(nid, i, a, b)
+                self._emit_part(nid, i)
+                self._after_part_node(nid, i)
         self._finish_block()
         for nid in after:
             w.copy_node(g.nodes[nid])
         meta = dict(g.meta)
         meta["fission"] = list(meta.get("fission", [])) + [{
             "start": g.values[self.r.start[0]].name, "dim": self.r.start[1], "k": self.k,
-            "nodes": len(self.r.nodes)}]
+            "nodes": len(self.r.nodes), "halo": self.r.halo}]
         out = w.finish(meta)
         verify_graph(out)
         return out
 
-    def _units(self, vid: int, a: int, b: int) -> tuple[int, int]:
-        u = self.r.units[vid]
-        return a * u, (b - a) * u
-
-    def _input_part(self, vid: int, i: int, a: int, b: int, phase: Phase, module: str) -> int:
-        """The part of a value the region reads along its dim: its slice if made outside."""
+    def _input_part(self, vid: int, e: Along, rows: Rows, i: int, phase: Phase,
+                    module: str) -> int:
+        """The rows of a value a part reads along its dim: a view of the part that made it (or
+        the part itself), or a slice of the whole if made outside; padded at the border."""
         g, w = self.g, self.w
-        if self.g.values[vid].producer in self.inside:
-            return self.part[(vid, i)]
-        if (vid, i) not in self.slices:
-            d = self.r.dims[vid]
-            start, n = self._units(vid, a, b)
+        v = g.values[vid]
+        d = e.dim
+        key = (vid, i, rows)
+        if key in self.slices:
+            return self.slices[key]
+        if v.producer in self.inside:
+            base = self.part[(vid, i)]
+            c0, c1 = self.rows.covers(vid, i)
+            if (rows.start, rows.stop) != (c0, c1):
+                base = rows_view(w, base, d, rows.start - c0, rows.stop - c0,
+                                 f"{v.name}.view{i}", phase, module)
+        else:
             base = w.whole[vid]
-            v = g.values[vid]
-            spec = OutSpec(f"{v.name}.part{i}", narrow(w.meta(base), d, start, n), v.dtype,
+            spec = OutSpec(f"{v.name}.part{i}",
+                           narrow(w.meta(base), d, rows.start, rows.stop - rows.start), v.dtype,
                            storage=w.values[base].storage, role=w.values[base].role)
-            self.slices[(vid, i)] = w.add_node(
-                f"{v.name}.slice{i}", "aten.slice.Tensor", (_ref(base), d, start, start + n), {},
-                [spec], phase=phase, module=module, device=w.device_of(base))[0]
-        return self.slices[(vid, i)]
+            base = w.add_node(
+                f"{v.name}.slice{i}", "aten.slice.Tensor", (_ref(base), d, rows.start, rows.stop),
+                {}, [spec], phase=phase, module=module, device=w.device_of(base))[0]
+        if rows.pad_lo or rows.pad_hi:
+            base = pad_rows(w, base, d, rows.pad_lo, rows.pad_hi, e.window.fill,
+                            f"{v.name}.pad{i}", phase, module)
+        self.slices[key] = base
+        return base
 
-    def _emit_part(self, nid: int, i: int, a: int, b: int) -> None:
+    def _emit_part(self, nid: int, i: int) -> None:
         g, w, r = self.g, self.w, self.r
         n = g.nodes[nid]
         split = r.splits[nid]
         ops = operands(n)
         ins: list[int] = []
         for vid, e in zip(ops, split.operands):
-            if e is None and vid in n.mutates:
+            if e is None and vid in real_writes(n):
                 raise FissionError(f"{n.name} writes {g.values[vid].name} in place whole: "
                                    "every part would write it again")
             if e is None:
                 if g.values[vid].producer in self.inside:
+                    if not g.values[vid].numel:  # NOTE: empty: every part made it alike
+                        ins.append(self.part[(vid, i)])
+                        continue
                     raise FissionError(f"{n.name} reads {g.values[vid].name} whole, but the "
                                        "region makes it in parts")
                 ins.append(w.whole[vid])
             else:
-                ins.append(self._input_part(vid, i, a, b, n.phase, n.module))
+                rows = self.rows.reads(nid, len(ins), vid, i)
+                ins.append(self._input_part(vid, e, rows, i, n.phase, n.module))
         for q in MUST_BE_CONTIGUOUS.get(n.target, ()):
             ins[q] = self._contiguous(ins[q], n, i)
+        self.part_inputs[(nid, i)] = ins
         in_shapes = [w.values[v].shape for v in ins]
         out_shapes = []
-        for o, e in zip(n.outputs, split.outputs):
+        for j, (o, e) in enumerate(zip(n.outputs, split.outputs)):
             if o is None:
                 out_shapes.append(None)
                 continue
             shape = list(g.values[o].shape)
-            if isinstance(e, Along):
-                shape[e.dim] = self._units(o, a, b)[1]
+            along = e.overlap if isinstance(e, Reduced) else e
+            if isinstance(along, Along):
+                shape[along.dim] = self.rows.makes(nid, j, o, i).size
             out_shapes.append(tuple(shape))
         args, kwargs = part_args(n, split, in_shapes, out_shapes)
         it = iter(ins)
@@ -216,7 +267,7 @@ class _Splitter:
             spec, target = self._out_spec(n, j, o, shape, ops, ins, args, target, i)
             specs.append(spec)
         mutated = [ins[ops.index(v)] for v in n.mutates]
-        flops = n.flops * (b - a) / r.length
+        flops = n.flops * self.rows.share(nid, i)
         o = n.outputs[0]
         if i > 0 and n.target in ACCUMULATE and self._accumulated(o):
             acc = self.acc[o]
@@ -230,9 +281,29 @@ class _Splitter:
         if target in ACCUMULATE.values():
             self.acc[o] = outs[0]
             return
-        for o, new in zip(n.outputs, outs):
+        for j, (o, new) in enumerate(zip(n.outputs, outs)):
             if o is not None:
-                self.part[(o, i)] = new
+                self.part[(o, i)] = self._cropped(nid, j, o, new, i)
+
+    def _cropped(self, nid: int, j: int, o: int, new: int, i: int) -> int:
+        """A part's output without the rows it makes beyond what it covers (the gradient of
+        a padded input's pad rows: a view), with the zero rows it needs past the last window."""
+        e = self.r.splits[nid].outputs[j]
+        along = e.overlap if isinstance(e, Reduced) else e
+        if not isinstance(along, Along) or along.window is None:
+            return new
+        rows = self.rows.makes(nid, j, o, i)
+        n = self.g.nodes[nid]
+        name = self.g.values[o].name
+        if rows.pad_lo or rows.pad_hi:
+            new = rows_view(self.w, new, along.dim, rows.pad_lo,
+                            rows.pad_lo + rows.stop - rows.start, f"{name}.crop{i}", n.phase,
+                            n.module)
+        zeros = self.rows.zero_rows(nid, j, i)
+        if zeros:
+            new = pad_rows(self.w, new, along.dim, 0, zeros, "zero", f"{name}.zeros{i}",
+                           n.phase, n.module)
+        return new
 
     def _contiguous(self, vid: int, n, i: int) -> int:
         """``vid`` itself if contiguous, else a contiguous copy made just before ``n``'s part."""
@@ -242,7 +313,7 @@ class _Splitter:
         if all(a == b for a, b, size in zip(v.stride, want, v.shape) if size != 1):
             return vid
         spec = OutSpec(f"{v.name}.contiguous", Meta(v.shape, want, 0), v.dtype,
-                       role=_part_role(n.phase))
+                       role=part_role(n.phase))
         return w.add_node(f"{v.name}.contiguous", "aten.contiguous.default", (_ref(vid),), {},
                           [spec], phase=n.phase, module=n.module, device=w.device_of(vid))[0]
 
@@ -257,7 +328,7 @@ class _Splitter:
         g, w = self.g, self.w
         v = g.values[o]
         name = f"{v.name}.part{i}"
-        role = _part_role(n.phase)
+        role = part_role(n.phase)
         if self._is_acc(o, i):
             role = g.storages[v.storage].role
         alias = next((q for q, u in enumerate(ops) if g.values[u].storage == v.storage), None)
@@ -290,143 +361,6 @@ class _Splitter:
                                   for m in self.g.nodes[nid].mutates):
                 raise FissionError(f"{n.name}: a part's view must be a copy, and "
                                    f"{self.g.nodes[nid].name} writes through it")
-
-    def _accumulated(self, o: int | None) -> bool:
-        """True for a partial sum the parts add up in place (one that leaves the region, and
-        does not weigh a mean: those are combined with it, see ``_combine_mean``)."""
-        e = self.r.dims.get(o)
-        return isinstance(e, Reduced) and e.how == "sum" and o in self.leaving \
-            and o not in self.mean_weights.values()
-
-    def _is_acc(self, o: int, i: int) -> bool:
-        return i == 0 and self._accumulated(o)
-
-    # -- combining the parts --------------------------------------------------------------------
-    def _after_part_node(self, nid: int, i: int, a: int, b: int) -> None:
-        g, w, r = self.g, self.w, self.r
-        n = g.nodes[nid]
-        dev = self._device(n)
-        for st in self.leaving_roots:
-            root = self.root_of[st]
-            if self.last_write[st] != nid or not isinstance(r.dims[root], int):
-                continue
-            self._copy_into_buffer(root, i, a, b, n, dev)
-        for o, e in zip(n.outputs, r.splits[nid].outputs):
-            if not isinstance(e, Reduced):
-                continue
-            if self._accumulated(o):
-                if i == 0:
-                    self.acc[o] = self.part[(o, 0)]
-                elif n.target not in ACCUMULATE:
-                    acc = self.acc[o]
-                    spec = OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
-                                   storage=w.values[acc].storage, role=w.values[acc].role)
-                    self.acc[o] = w.add_node(
-                        f"{n.name}.acc{i}", "aten.add_.Tensor", (_ref(acc), _ref(self.part[(o, i)])),
-                        {}, [spec], phase=n.phase, module=n.module, device=dev,
-                        mutates=(acc,))[0]
-
-    def _copy_into_buffer(self, root: int, i: int, a: int, b: int, n, dev: str) -> None:
-        g, w = self.g, self.w
-        v = g.values[root]
-        src = self.part[(root, i)]
-        st = v.storage
-        if st not in self.buffers:
-            meta = Meta(v.shape, v.stride, v.storage_offset)
-            spec = OutSpec(f"{v.name}", meta, v.dtype, role=g.storages[st].role)
-            self.buffers[st] = w.add_node(
-                f"{v.name}.buffer", "aten.new_empty_strided.default",
-                (_ref(src), list(v.shape), list(v.stride)), {}, [spec], phase=n.phase,
-                module=n.module, device=dev)[0]
-            w.storage_map[st] = w.values[self.buffers[st]].storage
-        buf = self.buffers[st]
-        d = self.r.dims[root]
-        start, length = self._units(root, a, b)
-        dst_spec = OutSpec(f"{v.name}.slice{i}", narrow(w.meta(buf), d, start, length), v.dtype,
-                           storage=w.values[buf].storage, role=w.values[buf].role)
-        dst = w.add_node(f"{v.name}.slice{i}", "aten.slice.Tensor",
-                         (_ref(buf), d, start, start + length), {}, [dst_spec], phase=n.phase,
-                         module=n.module, device=dev)[0]
-        spec = OutSpec(f"{v.name}.copy{i}", w.meta(dst), v.dtype, storage=w.values[dst].storage,
-                       role=w.values[dst].role)
-        w.add_node(f"{v.name}.copy{i}", "aten.copy_.default", (_ref(dst), _ref(src)), {}, [spec],
-                   phase=n.phase, module=n.module, device=dev, mutates=(dst,))
-
-    def _combine_mean(self, o: int, wt: int) -> None:
-        """A mean-reduced loss from its parts' means and weights, once after the block:
-        ``sum(where(w != 0, l * w, 0)) / sum(w)`` over the stacked parts (a part whose weight
-        is 0 has a nan mean); the summed weights are the whole total weight."""
-        g, w = self.g, self.w
-        v, n = g.values[o], g.nodes[g.values[o].producer]
-        if v.shape != () or g.values[wt].shape != ():
-            raise FissionError(f"{n.name}: only scalar weighted means are combined")
-        kw = dict(phase=n.phase, module=n.module, device=self._device(n))
-        stacked, scalar = Meta((self.k,), (1,), 0), Meta((), (), 0)
-        part_role = _part_role(n.phase)
-
-        def step(name, target, args, meta=stacked, dtype=v.dtype, role=part_role):
-            return w.add_node(f"{n.name}.{name}", target, args, {},
-                              [OutSpec(f"{v.name}.{name}", meta, dtype, role=role)], **kw)[0]
-
-        losses = step("losses", "aten.stack.default",
-                      ([_ref(self.part[(o, i)]) for i in range(self.k)],))
-        ws = step("weights", "aten.stack.default",
-                  ([_ref(self.part[(wt, i)]) for i in range(self.k)],))
-        prod = step("weighted", "aten.mul.Tensor", (_ref(losses), _ref(ws)))
-        kept = step("kept", "aten.ne.Scalar", (_ref(ws), 0), dtype="bool")
-        terms = step("terms", "aten.where.ScalarOther", (_ref(kept), _ref(prod), 0.0))
-        num = step("sum", "aten.sum.default", (_ref(terms),), meta=scalar)
-        total = step("total_weight", "aten.sum.default", (_ref(ws),), meta=scalar,
-                     role=g.storages[g.values[wt].storage].role)
-        w.whole[o] = step("mean", "aten.div.Tensor", (_ref(num), _ref(total)), meta=scalar,
-                          role=g.storages[v.storage].role)
-        w.storage_map[v.storage] = w.values[w.whole[o]].storage
-        if wt in self.leaving:
-            w.whole[wt] = total
-            w.storage_map[g.values[wt].storage] = w.values[total].storage
-
-    def _finish_block(self) -> None:
-        """Map every value that leaves the region to its whole tensor in the new graph."""
-        g, w = self.g, self.w
-        for o, wt in self.mean_weights.items():
-            self._combine_mean(o, wt)
-        for o, acc in self.acc.items():
-            if o in self.leaving:
-                w.whole[o] = acc
-                w.storage_map[g.values[o].storage] = w.values[acc].storage
-        for st, buf in self.buffers.items():
-            w.whole[self.root_of[st]] = buf
-        for o in self.leaving:
-            if o in w.whole:
-                continue
-            v = g.values[o]
-            base = self._whole_base(v.storage, o)
-            meta = Meta(v.shape, v.stride, v.storage_offset)
-            if w.meta(base) == meta:
-                w.whole[o] = base
-                continue
-            n = g.nodes[v.producer]
-            spec = OutSpec(v.name, meta, v.dtype, storage=w.values[base].storage,
-                           role=w.values[base].role)
-            w.whole[o] = w.add_node(f"{v.name}.whole", "aten.as_strided.default",
-                                    (_ref(base), list(v.shape), list(v.stride), v.storage_offset),
-                                    {}, [spec], phase=n.phase, module=n.module,
-                                    device=self._device(n))[0]
-
-    def _whole_base(self, storage: int, o: int) -> int:
-        """A whole new value living in ``storage`` (made before or by the block)."""
-        g, w = self.g, self.w
-        if storage in self.root_of:
-            root = self.root_of[storage]
-            if root not in w.whole:
-                raise FissionError(f"{g.values[o].name} is a view of "
-                                   f"{g.values[root].name}, which the region does not assemble")
-            return w.whole[root]
-        for vid, new in w.whole.items():
-            if g.values[vid].storage == storage:
-                return new
-        raise FissionError(f"{g.values[o].name}: no whole tensor of its storage exists")
-
 
 def _ref(vid: int):
     from ..graph.ir import ValueRef

@@ -18,11 +18,25 @@ from __future__ import annotations
 from ..graph.dim_convex import order_edges
 from ..graph.ir import Graph
 
-__all__ = ["FissionError", "block_order", "part_bounds"]
+__all__ = ["FissionError", "block_order", "part_bounds", "real_writes"]
+
+# NOTE: ops whose schema declares in-place writes that the mode in their args rules out -> the
+# position of that flag (False: no write): batch norm in evaluation reads its running
+# statistics and never updates them
+_FLAG_WRITES = {"aten.native_batch_norm.default": 5}
 
 
 class FissionError(ValueError):
     """A region that cannot be run in parts as asked; the message says why."""
+
+
+def real_writes(node) -> tuple[int, ...]:
+    """The values ``node`` writes in place when it runs (its declared ``mutates`` less the
+    writes its arguments switch off)."""
+    pos = _FLAG_WRITES.get(node.target)
+    if pos is not None and len(node.args) > pos and node.args[pos] is False:
+        return ()
+    return node.mutates
 
 
 def part_bounds(length: int, k: int) -> list[tuple[int, int]]:
