@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registers)
     checkpoint_blocks,
+    dtr,
     eager,
     fission,
     hotspot,
