@@ -243,6 +243,31 @@ def test_gains_agree_with_simulating_each_offload_alone(case, per_byte):
         assert x.byte_seconds == pytest.approx(x.nbytes * x.off_device_s)
 
 
+class InLine(Uniform):
+    """Copies on the compute stream, as the CPU executor does them."""
+
+    copies_overlap = False
+
+
+def test_in_line_copies_add_to_the_step_and_prefetches_go_last():
+    g, acts = chain(layers=6)
+    base = eager_plan(g)
+    cands = offload_candidates(g, base)
+    cost = InLine(1e-3, 2e-4)
+    plan = offload_plan(g, base, cands, cost)
+    verify_plan(g, plan)
+    r0, r = simulate(g, base, cost), simulate(g, plan, cost)
+    # every copy is on the compute clock: nothing overlaps, nothing stalls on a Wait
+    assert r.latency_s == pytest.approx(r0.latency_s + r.copy_s)
+    assert r.copy_s == pytest.approx(2 * len(cands) * 2e-4)
+    for sid in cands:  # each prefetch right before its reader's Wait: the least device time
+        _, _, pre, wait = _positions(plan, sid)
+        assert wait == pre + 1
+    gains = offload_gains(g, base, cost)
+    assert all(x.exposed_s == pytest.approx(x.copy_s) for x in gains.values())
+    assert ProfiledCostModel(progress=False).copies_overlap is False
+
+
 def test_a_chain_offloads_everything_with_every_copy_hidden():
     g, acts = chain(layers=6)
     base = eager_plan(g)

@@ -31,6 +31,9 @@ class CostModel(Protocol):
     """What ``fitgraph.sim.simulate`` needs to know about a device."""
 
     name: str
+    # NOTE: True where copies run on a copy engine beside compute (CUDA); False where the
+    # executor copies in line on the compute stream (CPU). Absent means True.
+    copies_overlap: bool
 
     def node_cost(self, graph: Graph, node: Node) -> NodeCost: ...
 

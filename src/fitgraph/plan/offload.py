@@ -226,7 +226,9 @@ def offload_gains(graph: Graph, plan: Plan, cost_model: CostModel,
         off = x.prefetch_s - x.release_s
         out[w.storage] = OffloadGain(
             storage=w.storage, nbytes=nbytes, off_device_s=off, byte_seconds=nbytes * off,
-            peak_saving=base.peak_bytes - peak, exposed_s=x.stall_s,
+            peak_saving=base.peak_bytes - peak,
+            exposed_s=(x.stall_s if getattr(cost_model, "copies_overlap", True)
+                       else 2 * cost_model.copy_seconds(nbytes)),  # NOTE: in line: all exposed
             copy_s=2 * cost_model.copy_seconds(nbytes))
     return out
 

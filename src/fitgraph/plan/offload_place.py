@@ -112,7 +112,10 @@ def fit_prefetches(graph: Graph, points: list[int], windows: list[OffloadWindow]
         deadline = clock.before(w.reader)
         lo = bisect.bisect_right(points, w.release)
         hi = bisect.bisect_right(points, w.reader)
-        i = stream.latest_fit(issue_at, lo, hi, secs, deadline)
+        inline = not getattr(cost_model, "copies_overlap", True)
+        # NOTE: copies in line on the compute stream hide nowhere: the latest point holds the
+        # device bytes least and costs the same time
+        i = hi - 1 if inline and hi > lo else stream.latest_fit(issue_at, lo, hi, secs, deadline)
         if i is None:
             # NOTE: hidden nowhere: the copy starts as early as it can (the least stall), and is
             # issued at the latest node that still lets it start then (the least memory)

@@ -99,6 +99,7 @@ class Simulator:
         self.graph, self.cost = graph, cost_model
         self.fresh = new_storages(graph)
         self.nbytes = [s.nbytes for s in graph.storages]
+        self.copies_overlap = bool(getattr(cost_model, "copies_overlap", True))
 
     def run(self, plan: Plan) -> SimResult:
         g = self.graph
@@ -170,6 +171,10 @@ class Simulator:
         secs = self.cost.copy_seconds(self.nbytes[storage])
         start = max(self.t_copy, self.t_compute)  # NOTE: a copy starts once its data is ready
         self.t_copy = start + secs
+        if not self.copies_overlap:
+            # NOTE: a device without a copy engine (the CPU executor copies in line): the
+            # compute stream does the copy, so nothing runs beside it
+            self.t_compute = self.t_copy
         self.copy_s += secs
         self.copy_done[storage] = self.t_copy
         self.copying[storage] = kind
