@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (registers)
     joint,
     knapsack,
     portfolio,
+    rotor,
 )
 from .base import SOLVERS, BudgetInfeasible, Problem, Solution, register, solve
 
