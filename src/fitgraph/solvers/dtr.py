@@ -178,9 +178,11 @@ def solve_dtr(problem: Problem) -> Solution:
     if problem.budget_bytes is not None:
         got = _fit(problem, sg, problem.budget_bytes)
         if got is None:
-            low = _lowest(problem, sg, eager, t0)
-            raise BudgetInfeasible(problem.budget_bytes, low[0].peak_bytes,
-                                   dominated_by(low[0]), "dtr")
+            # NOTE: DTR is not monotone in its budget: a lower one may play out within this one
+            got = _lowest(problem, sg, eager, t0)
+            if got[0].peak_bytes > problem.budget_bytes:
+                raise BudgetInfeasible(problem.budget_bytes, got[0].peak_bytes,
+                                       dominated_by(got[0]), "dtr")
     else:
         got = _lowest(problem, sg, eager, t0)
     sim, plan, evictions = got

@@ -182,9 +182,12 @@ def _budget_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: floa
 def _latency_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: float,
                     deadline: float) -> tuple[list[_Cand], bool]:
     cap = problem.latency_limit * eager_sim.latency_s
-    cands = [_offloaded(problem, eager, eager_sim, "eager plan", None, 0, cap, deadline, False)]
+    cands = [_Cand(eager, eager_sim, 0, "eager plan", None)]
+    # NOTE: remat first: offloading the eager plan may search until the deadline, and hotspot
+    # given no time is no better than eager (issue: joint lost to hotspot in latency mode)
     r = _hotspot(problem, HOTSPOT_SHARE, deadline, latency_limit=problem.latency_limit)
     if not isinstance(r, BudgetInfeasible):
+        cands.append(_Cand(r[0], r[1], 0, "hotspot, least peak in the limit", None, r[2]))
         cands.append(_offloaded(problem, *r[:2], "hotspot, least peak in the limit", None, 0,
                                 cap, deadline, r[2]))
         low, high = r[1].peak_bytes, eager_sim.peak_bytes
@@ -196,4 +199,7 @@ def _latency_search(problem: Problem, eager: Plan, eager_sim: SimResult, t0: flo
             if not isinstance(rb, BudgetInfeasible) and rb[1].latency_s <= cap:
                 cands.append(_offloaded(problem, *rb[:2], f"hotspot at {b:,} B", b, 0, cap,
                                         deadline, rb[2]))
+    if time.perf_counter() <= deadline:  # NOTE: offloading alone: the far end
+        cands.append(_offloaded(problem, eager, eager_sim, "eager plan", None, 0, cap, deadline,
+                                False))
     return cands, time.perf_counter() > deadline
