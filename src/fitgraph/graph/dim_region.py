@@ -132,7 +132,8 @@ def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
     nd = len(graph.values[value_id].shape)
     dim = dim + nd if dim < 0 else dim
     why = boundary_reason(graph, node)
-    for split in ([] if why else node_splits(graph, node)):
+    splits = [] if why else node_splits(graph, node)
+    for split in splits:
         table = value_entries(node, split)
         e = None if table is None else table.get(value_id)
         if not (isinstance(e, Along) and e.dim == dim):
@@ -143,7 +144,9 @@ def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
         return Region((value_id, dim), (nid,), {nid: split}, dims,
                       {v: a.unit for v, a in plain}, {},
                       graph.values[v0].shape[a0.dim] // a0.unit, nid)
-    reason = why or f"no split of {node.target} along dim {dim} of {graph.values[value_id].name}"
+    notes = sorted({s.note for s in splits if s.note})
+    reason = why or (f"no split of {node.target} along dim {dim} of "
+                     f"{graph.values[value_id].name}" + (f" ({'; '.join(notes)})" if notes else ""))
     return Region((value_id, dim), (), {}, {}, {}, {nid: reason})
 
 

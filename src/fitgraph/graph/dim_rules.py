@@ -77,6 +77,8 @@ RULES.update({
     "aten.nll_loss2d_backward.default": nm.nll_loss_backward,
     "aten.convolution.default": wn.convolution,
     "aten.convolution_backward.default": wn.convolution_backward,
+    "aten.avg_pool2d.default": wn.avg_pool2d,
+    "aten.avg_pool2d_backward.default": wn.avg_pool2d_backward,
     "aten.max_pool2d_with_indices.default": wn.max_pool2d,
     "aten.max_pool2d_with_indices_backward.default": wn.max_pool2d_backward,
     "aten.upsample_bilinear2d.default": wn.spatial_resample,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from .dim_types import Along, Reduced, Resample, SizeArg, Split, Window, arg_of, per_arg
 
-__all__ = ["convolution", "convolution_backward", "max_pool2d", "max_pool2d_backward",
-           "spatial_resample", "upsample_backward"]
+__all__ = ["avg_pool2d", "avg_pool2d_backward", "convolution", "convolution_backward", "max_pool2d",
+           "max_pool2d_backward", "spatial_resample", "upsample_backward"]
 
 
 def _conv_windows(node, weight, n_spatial: int, arg0: int) -> list[Window]:
@@ -149,26 +149,67 @@ def convolution_backward(node, ins, outs) -> list[Split]:
     return splits
 
 
-def _pool_params(node) -> list[Window] | None:
-    """max_pool2d(x, kernel, stride, padding, dilation, ceil_mode): a window per spatial dim."""
+def _pool_params(node, first: int = 1, dilated: bool = True, fill: str = "-inf"
+                 ) -> list[Window] | None:
+    """A window per spatial dim of a pooling op whose args from ``first`` are (kernel, stride,
+    padding[, dilation], ceil_mode): max_pool2d(x, ...) from 1, its backward(grad, x, ...)
+    from 2; avg pooling has no dilation."""
     def two(v, default):
         v = default if v is None or (isinstance(v, (list, tuple)) and len(v) == 0) else v
         v = [v] if isinstance(v, int) else list(v)
         return v * 2 if len(v) == 1 else v
-    kernel = two(arg_of(node, 1, "kernel_size"), None)
-    stride = two(arg_of(node, 2, "stride", []), kernel)
-    raw_pad = arg_of(node, 3, "padding", 0)
+    kernel = two(arg_of(node, first, "kernel_size"), None)
+    stride = two(arg_of(node, first + 1, "stride", []), kernel)
+    raw_pad = arg_of(node, first + 2, "padding", 0)
     padding = two(raw_pad, 0)
-    dilation = two(arg_of(node, 4, "dilation", 1), 1)
-    if arg_of(node, 5, "ceil_mode", False):
+    dilation = two(arg_of(node, first + 3, "dilation", 1), 1) if dilated else [1, 1]
+    if arg_of(node, first + 3 + dilated, "ceil_mode", False):
         return None  # NOTE: ceil_mode adds a ragged last window; not offered
     wins = []
     for j in range(2):
         if padding[j] and not (isinstance(raw_pad, (list, tuple)) and len(raw_pad) == 2):
             return None  # NOTE: a shared padding value cannot be zeroed for one dim alone
-        wins.append(Window(kernel[j], stride[j], padding[j], dilation[j], "-inf",
-                           (3, j) if padding[j] else ()))
+        wins.append(Window(kernel[j], stride[j], padding[j], dilation[j], fill,
+                           (first + 2, j) if padding[j] else ()))
     return wins
+
+
+def _batch_channels(x, n_in: int, n_out: int = 1) -> list[Split]:
+    return [Split((Along(i),) * n_in, (Along(i),) * n_out) for i in range(len(x) - 2)
+            if x[i] >= 2]
+
+
+def avg_pool2d(node, ins, outs) -> list[Split]:
+    """avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    batch and channels; spatial dims with a halo, the part padding the border with zeros —
+    which a window counts, so only when the op counts its padding too (or has none)."""
+    x, out = ins[0], outs[0]
+    splits = _batch_channels(x, 1)
+    wins = _pool_params(node, 1, dilated=False, fill="zero") or ()
+    if any(w.padding for w in wins) and not arg_of(node, 5, "count_include_pad", True):
+        return splits  # NOTE: the divisor would count the part's explicit zero rows
+    for j, win in enumerate(wins):
+        d = 2 + j
+        if out[d] >= 2:
+            splits.append(Split(per_arg(node, {0: Along(d, window=win)}), (Along(d),)))
+    return splits
+
+
+def avg_pool2d_backward(node, ins, outs) -> list[Split]:
+    """avg_pool2d_backward(grad, x, kernel, stride, padding, ceil_mode, count_include_pad,
+    divisor_override): batch and channels; spatial dims gathered like a convolution's input
+    gradient (no weight gradient to sum: always)."""
+    g, x = ins[0], ins[1]
+    splits = _batch_channels(x, 2)
+    wins = _pool_params(node, 2, dilated=False, fill="zero") or ()
+    if any(w.padding for w in wins) and not arg_of(node, 6, "count_include_pad", True):
+        return splits
+    for j, win in enumerate(wins):
+        d = 2 + j
+        if g[d] >= 2:
+            splits.append(Split(per_arg(node, {0: Along(d), 1: Along(d, window=win)}),
+                                (Along(d, window=win),), note="gathered"))
+    return splits
 
 
 def max_pool2d(node, ins, outs) -> list[Split]:

@@ -101,7 +101,8 @@ def split_region(graph: Graph, region: Region, k: int) -> Graph:
 class _Splitter(PartsCombiner):
     def __init__(self, graph: Graph, region: Region, k: int) -> None:
         if not region.nodes:
-            raise FissionError("the region is empty: nothing to split")
+            why = "".join(f"; {graph.nodes[n].name}: {r}" for n, r in region.boundary.items())
+            raise FissionError(f"the region is empty: nothing to split{why}")
         self.g, self.r, self.k = graph, region, k
         if not region.halo:
             if region.length == 0:
