@@ -18,6 +18,7 @@ import torch
 from helpers import eager_step
 
 import fitgraph
+from fitgraph import zoo
 from fitgraph.api import graph_fingerprint
 from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
 from fitgraph.cost.base import NodeCost
@@ -165,3 +166,20 @@ def test_optimize_defaults_to_auto_and_runs_the_split_graph(tmp_path):
     assert torch.equal(loaded(batch), loss)
     for p, q in zip(twin.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_auto_offloads_where_device_memory_is_apart_and_never_on_the_cpu():
+    """On a GPU model joint (remat + offload) joins the portfolio and wins where copies hide;
+    on the CPU, whose host is the same RAM, offloading frees nothing and is never tried."""
+    case = zoo.build("gpt2", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    gpu = RooflineCostModel(get_device("rtx3090"))
+    eager = solve(Problem(g, gpu, latency_limit=1.0), "eager").sim
+    p = Problem(g, gpu, budget_bytes=int(0.6 * eager.peak_bytes), time_budget_s=30)
+    auto, hot = solve(p, "auto"), solve(p, "hotspot")
+    assert auto.sim.peak_bytes <= p.budget_bytes
+    assert auto.sim.latency_s < hot.sim.latency_s, auto.notes["why"]
+    assert auto.notes["winner"] in ("joint", "fission") and isinstance(auto.notes["joint"], dict)
+    cpu = solve(Problem(g, CPU, budget_bytes=int(0.6 * eager.peak_bytes)), "auto")
+    assert cpu.notes["joint"].startswith("not run: host and device are one memory")
+    assert cpu.plan.counts().get("offload", 0) == 0

@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     p.add_argument("--time-budget", type=float, default=30.0, help="fitgraph solver time (s)")
-    p.add_argument("--solver", default="auto", help="fitgraph's solver (auto: hotspot, and "
-                   "fission where it wins)")
+    p.add_argument("--solver", default="auto", help="fitgraph's solver (auto: hotspot, joint "
+                   "where offloading frees device memory, fission where it wins)")
     p.add_argument("--out", default="out/bench", help="folder for bench.csv and PNGs")
     p.add_argument("--threads", type=int, default=1)
 

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     p.add_argument("--solver", default="auto",
-                   help="auto (hotspot, and fission where it wins), hotspot, fission, ...")
+                   help="auto (hotspot; joint where offloading frees device memory; "
+                   "fission where it wins), hotspot, joint, fission, ...")
     p.add_argument("--optimizer-in-backward", default="off", choices=list(IN_BACKWARD),
                    help="update each parameter as soon as its gradient is complete and free "
                         "the gradient (on: an error if impossible; auto: only when possible)")

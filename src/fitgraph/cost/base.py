@@ -34,6 +34,9 @@ class CostModel(Protocol):
     # NOTE: True where copies run on a copy engine beside compute (CUDA); False where the
     # executor copies in line on the compute stream (CPU). Absent means True.
     copies_overlap: bool
+    # NOTE: True where offloading frees device memory (a GPU's host RAM is apart from it);
+    # False on the CPU, where host and device are one RAM. Absent means False.
+    host_memory_apart: bool
 
     def node_cost(self, graph: Graph, node: Node) -> NodeCost: ...
 

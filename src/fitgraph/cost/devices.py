@@ -40,6 +40,9 @@ class DeviceSpec:
         flop_efficiency: fraction of ``peak_flops`` kernels achieve (1.0 = datasheet).
         bandwidth_efficiency: fraction of ``mem_bandwidth`` kernels achieve (1.0 = datasheet).
         description: where the numbers come from.
+        host_memory_apart: the device's memory is apart from the host's (a GPU), so an
+            offloaded tensor frees device memory and a copy engine moves it beside compute;
+            False on a CPU, where "host" is the same RAM and a copy is a memcpy in line.
     """
 
     name: str
@@ -51,6 +54,7 @@ class DeviceSpec:
     flop_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
     description: str = ""
+    host_memory_apart: bool = True
 
     def __post_init__(self) -> None:
         if "float32" not in self.peak_flops:
@@ -139,7 +143,8 @@ _register(DeviceSpec(
     peak_flops={"float64": 80 * GIGA, "float32": 160 * GIGA, "float16": 160 * GIGA,
                 "bfloat16": 160 * GIGA},
     mem_bandwidth=20 * GIGA, host_bandwidth=10 * GIGA, kernel_overhead_s=5e-6,
-    description="generic 2-core AVX2 x86-64 server CPU, fp32 (assumed, see NOTE in devices.py)"))
+    description="generic 2-core AVX2 x86-64 server CPU, fp32 (assumed, see NOTE in devices.py)",
+    host_memory_apart=False))
 
 
 def get_device(name: str) -> DeviceSpec:

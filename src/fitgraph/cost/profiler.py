@@ -181,7 +181,8 @@ class ProfiledCostModel:
         if repeats < 1 or warmup < 0:
             raise ValueError("ProfiledCostModel needs repeats >= 1 and warmup >= 0")
         self.device = dev
-        self.copies_overlap = dev.type == "cuda"  # NOTE: on the CPU the executor copies in line
+        # NOTE: on the CPU the executor copies in line, and "host" is the same RAM
+        self.copies_overlap = self.host_memory_apart = dev.type == "cuda"
         self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
         self.repeats, self.warmup, self.progress = repeats, warmup, progress
         self.refresh = refresh

@@ -73,7 +73,8 @@ class RooflineCostModel:
         self.device = device
         self.allow_tf32 = allow_tf32
         self.name = f"{device.name} (roofline{', tf32' if allow_tf32 else ''})"
-        self.copies_overlap = True  # NOTE: a GPU's copy engine runs beside its compute
+        # NOTE: a GPU's copy engine runs beside its compute; a CPU copies in line, into itself
+        self.copies_overlap = self.host_memory_apart = device.host_memory_apart
 
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
         if is_metadata_node(graph, node):

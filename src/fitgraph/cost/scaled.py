@@ -90,6 +90,7 @@ class ScaledCostModel:
         self.name = f"{base.name}, fission parts scaled"
         self.rng_state_bytes = getattr(base, "rng_state_bytes", 0)
         self.copies_overlap = getattr(base, "copies_overlap", True)
+        self.host_memory_apart = getattr(base, "host_memory_apart", False)
         self._costs = [base.node_cost(graph, n) for n in graph.nodes]
         self.calls_to_base = len(self._costs)
         self._by_name = {n.name: n for n in graph.nodes}

@@ -1,4 +1,5 @@
-"""``auto``: the default solver — hotspot, and fission where the peak holds a region to split.
+"""``auto``: the default solver — hotspot; joint (remat + offload) where offloading frees device
+memory; fission where the peak holds a region to split.
 
 Remat (``hotspot``) cannot cut what one region needs at once: a language model's logits, loss
 and their gradient over a large vocabulary stay the floor of its peak. Operator fission
@@ -7,11 +8,16 @@ remat's to cut. ``auto`` runs hotspot first (``HOTSPOT_SHARE`` of the time budge
 the eager plan is over the budget and hotspot's plan is slower than it (or a latency limit is
 asked), the eager peak holds a region that fission can split
 (``fission_regions.candidate_regions``) and time is left, it runs fission, handing it hotspot's
-answer as the no-split option. Budget mode returns the faster plan within
-the budget, latency mode the lower peak within the limit; ties keep hotspot (no rewritten
-graph). ``notes["winner"]`` names the solver whose plan is returned, ``notes["why"]`` says why,
-``notes["hotspot"]`` / ``notes["fission"]`` what each reached. Deterministic as its two
-solvers are: only the deadline (``time_budget_s``) cuts them short.
+answer as the no-split option. Between the two, where the cost model says device memory is
+apart from the host's (``host_memory_apart``: GPUs; not the CPU, whose "host" is the same RAM)
+and remat alone is slower than eager (or a latency limit is asked), ``joint`` weighs offloading
+against recompute; if it beats hotspot, it is the no-split option fission must beat. Fission's
+split graph is planned with remat only (offloading on a split graph is not searched yet).
+Budget mode returns the faster plan within the budget, latency mode the lower peak within the
+limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
+solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
+``notes["joint"]`` / ``notes["fission"]`` what each reached. Deterministic as its solvers are:
+only the deadline (``time_budget_s``) cuts them short.
 
 Example:
     >>> import torch, fitgraph
@@ -39,12 +45,15 @@ from .base import BudgetInfeasible, Problem, Solution, register
 from .fission import FissionConfig, solve_fission
 from .fission_regions import candidate_regions, peak_starts
 from .hotspot import solve_hotspot
+from .joint import solve_joint
 
 __all__ = ["solve_auto", "splittable_regions"]
 
 # NOTE: hotspot stops on its own evaluation budget well within half the time on every zoo
 # model; the rest (all that is left, in fact) goes to the fission search
 HOTSPOT_SHARE = 0.5
+# NOTE: joint (remat + offload) may take this share of what hotspot left; fission the rest
+JOINT_SHARE = 0.5
 # NOTE: a fission search given less than this only makes and simulates a few splits; its
 # measured final plan alone takes about this long on the zoo's small configs
 MIN_FISSION_S = 1.0
@@ -78,6 +87,25 @@ def _describe(sol: Solution) -> str:
     return f"{sol.sim.peak_bytes / _MIB:,.1f} MiB in {sol.sim.latency_s * 1e3:,.1f} ms"
 
 
+def _joint(problem: Problem, hot: Solution | None, eager: SimResult, t0: float):
+    """``joint`` (remat + offload) where offloading frees device memory and remat alone is
+    slower than eager (or a latency limit is asked): (solution, error, why not run)."""
+    if not getattr(problem.cost_model, "host_memory_apart", False):
+        return None, None, "host and device are one memory here: offloading frees nothing"
+    if problem.budget_bytes is not None and (
+            eager.peak_bytes <= problem.budget_bytes
+            or (hot is not None and hot.sim.latency_s <= eager.latency_s)):
+        return None, None, "remat alone is as fast as the eager plan"
+    left = problem.time_budget_s - (time.perf_counter() - t0)
+    if left < MIN_FISSION_S:
+        return None, None, f"no time left ({max(left, 0.0):.1f} s)"
+    try:
+        return solve_joint(dataclasses.replace(problem, time_budget_s=JOINT_SHARE * left)), \
+            None, None
+    except BudgetInfeasible as e:
+        return None, e, None
+
+
 @register("auto")
 def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
@@ -105,6 +133,14 @@ def solve_auto(problem: Problem) -> Solution:
     elif not splittable_regions(problem, eager):
         skip = "no region live at the eager peak can be split"
     notes = {"hotspot": _summary(hot, hot_err)}
+    off, off_err, off_skip = _joint(problem, hot, eager, t0)
+    notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
+    if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
+        # NOTE: remat + offload beats remat alone: it is the no-split option fission must beat
+        hot, hot_err = off, None
+    left = problem.time_budget_s - (time.perf_counter() - t0)
+    if skip is None and left < MIN_FISSION_S:
+        skip = f"no time left for fission ({max(left, 0.0):.1f} s of {problem.time_budget_s:g})"
     fis, fis_err = None, None
     if skip is None:
         try:
@@ -124,8 +160,8 @@ def solve_auto(problem: Problem) -> Solution:
                f"hotspot cannot reach the budget ({hot_err.smallest_peak_bytes / _MIB:,.1f} "
                f"MiB at least); fission {_describe(fis)}")
     elif hot is not None:
-        win, name = hot, "hotspot"
-        why = (f"hotspot {_describe(hot)}; " + (skip if skip is not None else
+        win, name = hot, hot.solver
+        why = (f"{name} {_describe(hot)}; " + (skip if skip is not None else
                "fission found no split plan better " + ("within the budget" if budget is not None
                                                         else "within the latency limit")))
     else:
