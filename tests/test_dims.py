@@ -152,7 +152,15 @@ def check_demand(node, split, full_in: list, full_out: list, length: int) -> Non
     size = full_out[j].shape[e.dim]
     for want in ((0, size // 2), (size // 2, size)):
         a, b = e.window.covering(*want, length)
-        tensors = [_cut(t, o, a, b)[0] for t, o in zip(full_in, split.operands)]
+        cuts = [_cut(t, o, a, b) for t, o in zip(full_in, split.operands)]
+        tensors = [c[0] for c in cuts]
+        for q, o in enumerate(split.operands):
+            if isinstance(o, Along) and o.rebase:  # NOTE: whole-plane positions -> the part's
+                xq = next(p for p, w in enumerate(split.operands)
+                          if isinstance(w, Along) and w.window is not None)
+                start, _, lo, _ = cuts[xq][1]
+                tensors[q] = _rebase(tensors[q], tuple(full_in[xq].shape),
+                                     tuple(tensors[xq].shape), o.dim, lo - start)
         rows = [None if not isinstance(o, Along) else (
             o.window.image(a, b, t.shape[o.dim]) if o.window is not None else
             (a * o.unit, b * o.unit, 0, 0)) for o, t in zip(split.outputs, full_out)]
@@ -390,6 +398,11 @@ SYNTHETIC = {
         "aten.convolution_backward.default",
         (_r(2, 3, 8, 6), _r(2, 4, 4, 3), _r(4, 3, 2, 2), [3], [2, 2], [0, 0], [1, 1], True,
          [0, 0], 1, [True, True, True]), {}),
+    "max pool backward overlapping, padded": (
+        "aten.max_pool2d_with_indices_backward.default",
+        (_r(2, 3, 7, 6), _r(2, 3, 7, 6), [3, 3], [1, 1], [1, 1], [1, 1], False,
+         torch.ops.aten.max_pool2d_with_indices.default(_r(2, 3, 7, 6), [3, 3], [1, 1],
+                                                         [1, 1])[1]), {}),
     "avg pool padded": ("aten.avg_pool2d.default", (_r(2, 3, 9, 8), [3, 3], [2, 1], [1, 1]), {}),
     "avg pool backward padded": ("aten.avg_pool2d_backward.default",
                                  (_r(2, 3, 5, 8), _r(2, 3, 9, 8), [3, 3], [2, 1], [1, 1], False,

@@ -189,6 +189,29 @@ def test_separated_input_gradients_let_one_region_run_a_chain_forward_and_backwa
     assert fwd < fwd_parts < 1.5 * fwd     # NOTE: the halo's recomputed rows, seen by the costs
 
 
+@pytest.mark.parametrize("dim", [2, 3])
+def test_one_region_runs_pooling_and_resampling_forward_and_backward(dim):
+    """Max pooling with overlapping padded windows (its indices rebased from the forward's
+    slice to the backward's), average pooling, bilinear and nearest upsampling, in place
+    ReLU: all in one region, forward and backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(inplace=True),
+        torch.nn.MaxPool2d(3, 2, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1),
+        torch.nn.Upsample(scale_factor=2, mode="bilinear"), torch.nn.Conv2d(4, 4, 3, padding=1),
+        torch.nn.AvgPool2d(2), torch.nn.Upsample(scale_factor=2), torch.nn.Conv2d(4, 2, 1))
+    batch = (torch.randn(2, 3, 32, 32),)
+    g = separate_input_grads(fitgraph.capture(model, batch, _sum_of_squares))
+    region = grow_region(g, g.inputs[g.input_names.index("batch:0")], dim)
+    assert not region.boundary
+    targets = {g.nodes[n].target.split(".")[1] for n in region.nodes}
+    assert {"max_pool2d_with_indices_backward", "avg_pool2d_backward", "relu_",
+            "upsample_bilinear2d_backward", "upsample_nearest2d_backward"} <= targets
+    split = split_region(g, region, 3)
+    assert_same_as_eager(model, batch, _sum_of_squares, split)
+    assert_simulator_tells_truth(split, model, batch)
+
+
 def test_nested_split_batch_then_rows():
     model, batch, loss_fn = _plain_chain()
     g = separate_input_grads(fitgraph.capture(model, batch, loss_fn))

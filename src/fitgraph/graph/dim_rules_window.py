@@ -227,12 +227,17 @@ def max_pool2d(node, ins, outs) -> list[Split]:
 
 def max_pool2d_backward(node, ins, outs) -> list[Split]:
     """max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation, ceil,
-    indices): batch and channels.
-
-    NOTE: not along spatial dims: the indices are positions in the whole input plane, a part
-    would need them re-based into its haloed slice."""
+    indices): batch and channels; spatial dims gathered like a convolution's input gradient,
+    the indices (flat positions in the whole input plane, or in the slice of the pooling's
+    part) rebased to the part's own padded slice."""
     x = ins[1]
-    return [Split((Along(i),) * 3, (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
+    splits = _batch_channels(x, 3)
+    for j, win in enumerate(_pool_params(node, 2) or ()):
+        d = len(x) - 2 + j
+        if ins[0][d] >= 2:
+            splits.append(Split((Along(d), Along(d, window=win), Along(d, rebase=True)),
+                                (Along(d, window=win),), note="gathered"))
+    return splits
 
 
 _BILINEAR = ("aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default")

@@ -162,7 +162,11 @@ class _Splitter(PartsCombiner):
                 if isinstance(e, Reduced) and e.how == "weighted_mean" and o in leaving:
                     self.mean_weights[o] = n.outputs[e.weight]
                 if isinstance(e, Along) and e.rebase and o is not None:
-                    inner = [g.nodes[u].name for u in readers[o] if u in inside]
+                    # NOTE: positions in a part's own slice: only a reader that rebases them
+                    # to its own slice (a max-pool backward) may read them in the region
+                    inner = [g.nodes[u].name for u in readers[o] if u in inside and not any(
+                        isinstance(a, Along) and a.rebase for v, a in zip(
+                            operands(g.nodes[u]), self.r.splits[u].operands) if v == o)]
                     if inner:
                         raise FissionError(f"{n.name}: its max-pool indices are read inside the "
                                            f"region (by {inner[0]}): they are positions in a "
@@ -241,7 +245,11 @@ class _Splitter(PartsCombiner):
                 ins.append(w.whole[vid])
             else:
                 rows = self.rows.reads(nid, len(ins), vid, i)
-                ins.append(self._input_part(vid, e, rows, i, n.phase, n.module))
+                part = self._input_part(vid, e, rows, i, n.phase, n.module)
+                if e.rebase:  # NOTE: max-pool indices, read by its backward
+                    x_rows = self.rows.reads(nid, 1, ops[1], i)
+                    part = self._indices_for(nid, vid, part, i, ins[1], x_rows)
+                ins.append(part)
         for q in MUST_BE_CONTIGUOUS.get(n.target, ()):
             ins[q] = self._contiguous(ins[q], n, i)
         self.part_inputs[(nid, i)] = ins

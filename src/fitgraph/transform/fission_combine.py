@@ -153,19 +153,59 @@ class PartsCombiner:
         e = self.r.splits[n.id].outputs[n.outputs.index(vid)]
         return isinstance(e, Along) and e.rebase
 
+    def _index_plane(self, vid: int, i: int, whole: int) -> tuple[tuple[int, ...], int]:
+        """(spatial shape, offset along the split dim in whole rows) of the plane max-pool
+        indices ``vid`` index in part ``i``: the padded input of the part of the pooling that
+        made them, or, made outside the region, the whole input plane of ``whole``."""
+        g = self.g
+        p = g.values[vid].producer
+        if p not in self.inside:
+            return g.values[whole].shape[-2:], 0
+        split = self.r.splits[p]
+        if not any(isinstance(e, Along) and e.rebase for e in split.outputs):
+            raise FissionError(f"{g.nodes[p].name} ({g.nodes[p].target}) makes max-pool indices "
+                               "through a view in the region: not supported in parts")
+        return self._window_plane(p, i)
+
+    def _window_plane(self, nid: int, i: int) -> tuple[tuple[int, ...], int]:
+        """(spatial shape, offset in whole rows) of the padded windowed input of node ``nid``'s
+        part ``i`` (a pooling's, or its backward's)."""
+        split = self.r.splits[nid]
+        q = next(q for q, e in enumerate(split.operands) if isinstance(e, Along) and e.window)
+        x = operands(self.g.nodes[nid])[q]
+        rows = self.rows.reads(nid, q, x, i)
+        return self.w.values[self.part_inputs[(nid, i)][q]].shape[-2:], rows.start - rows.pad_lo
+
+    def _split_plane_dim(self, vid: int) -> int:
+        """The split dim of a 4-d value, counted from the first spatial dim."""
+        return self.r.dims[vid] - (len(self.g.values[vid].shape) - 2)
+
     def _rebased(self, vid: int, src: int, i: int, n) -> int:
         """Max-pool indices of part ``i`` (positions in its padded input plane) as positions in
         the whole input plane."""
-        g, r = self.g, self.r
-        split = r.splits[n.id]
+        split = self.r.splits[n.id]
         q = next(q for q, e in enumerate(split.operands) if isinstance(e, Along) and e.window)
         x = operands(n)[q]
-        rows = self.rows.reads(n.id, q, x, i)
-        plane = self.w.values[self.part_inputs[(n.id, i)][q]].shape[-2:]
-        whole = g.values[x].shape[-2:]
-        dim = split.operands[q].dim - (len(g.values[x].shape) - 2)
-        return rebase_indices(self.w, src, dim, rows.start - rows.pad_lo, plane, whole,
-                              f"{g.values[vid].name}.rebase{i}", n.phase, n.module)
+        plane, shift = self._index_plane(vid, i, x)
+        return rebase_indices(self.w, src, self._split_plane_dim(vid), shift, plane,
+                              self.g.values[x].shape[-2:],
+                              f"{self.g.values[vid].name}.rebase{i}", n.phase, n.module)
+
+    def _indices_for(self, nid: int, vid: int, part: int, i: int, x_part: int,
+                     x_rows) -> int:
+        """Indices ``vid`` (a part ``part`` of them) as positions in the padded input plane of
+        node ``nid``'s part ``i`` (a max-pool backward, whose input part is ``x_part`` over
+        rows ``x_rows``)."""
+        n = self.g.nodes[nid]
+        x = operands(n)[1]
+        src_plane, src_shift = self._index_plane(vid, i, x)
+        dst_plane = self.w.values[x_part].shape[-2:]
+        dst_shift = x_rows.start - x_rows.pad_lo
+        if (src_plane, src_shift) == (dst_plane, dst_shift):
+            return part
+        return rebase_indices(self.w, part, self._split_plane_dim(vid), src_shift - dst_shift,
+                              src_plane, dst_plane, f"{self.g.values[vid].name}.local{i}",
+                              n.phase, n.module)
 
     def _add_overlapping(self, nid: int, j: int, o: int, d: int, i: int, dev: str) -> None:
         """Part ``i``'s input gradient (over its haloed rows) added into the whole, zeroed
