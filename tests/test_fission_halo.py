@@ -212,6 +212,29 @@ def test_one_region_runs_pooling_and_resampling_forward_and_backward(dim):
     assert_simulator_tells_truth(split, model, batch)
 
 
+class _TwoPads(torch.nn.Module):
+    """One tensor read through two windows over the same rows: zero pads for the convolution,
+    -inf pads for the max pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) + torch.nn.functional.max_pool2d(x, 3, 1, padding=1)
+
+
+def test_one_tensor_padded_two_ways_at_the_border():
+    torch.manual_seed(0)
+    model, batch = _TwoPads(), (torch.randn(2, 3, 12, 12) - 2,)
+    g = fitgraph.capture(model, batch, _sum_of_squares)
+    region = grow_region(g, g.inputs[g.input_names.index("batch:0")], 2)
+    split = split_region(g, region, 2)
+    fills = sorted({n.args[2] for n in split.nodes if n.target == "aten.constant_pad_nd.default"})
+    assert fills == [float("-inf"), 0.0]
+    assert_same_as_eager(model, batch, _sum_of_squares, split)
+
+
 def test_nested_split_batch_then_rows():
     model, batch, loss_fn = _plain_chain()
     g = separate_input_grads(fitgraph.capture(model, batch, loss_fn))

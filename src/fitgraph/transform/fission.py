@@ -202,7 +202,8 @@ class _Splitter(PartsCombiner):
         g, w = self.g, self.w
         v = g.values[vid]
         d = e.dim
-        key = (vid, i, rows)
+        padded = rows.pad_lo or rows.pad_hi
+        key = (vid, i, rows, e.window.fill if padded else None)   # NOTE: zero and -inf pads
         if key in self.slices:
             return self.slices[key]
         if v.producer in self.inside:
@@ -219,7 +220,7 @@ class _Splitter(PartsCombiner):
             base = w.add_node(
                 f"{v.name}.slice{i}", "aten.slice.Tensor", (_ref(base), d, rows.start, rows.stop),
                 {}, [spec], phase=phase, module=module, device=w.device_of(base))[0]
-        if rows.pad_lo or rows.pad_hi:
+        if padded:
             base = pad_rows(w, base, d, rows.pad_lo, rows.pad_hi, e.window.fill,
                             f"{v.name}.pad{i}", phase, module)
         self.slices[key] = base
