@@ -15,11 +15,14 @@ program picks the operation sequence; every forward it re-runs between ``B_{k+1}
 recomputes that block's units right before ``B_k``'s first unit (a staged schedule, turned into
 a Plan by ``plan.staged``, whose frees are last-use based: what Rotor drops is freed there).
 
-The simulator is the judge: when the plan peaks over the budget, the DP runs again with that
-much less memory (a few times); when it fits, larger DP memories are tried (the chain model
-over-counts: kept values are held from the start) for a faster plan that still fits. With a
-``latency_limit`` it bisects the DP's memory for the least peak within the limit. A graph with
-no chain (fewer than two stages) gets eager's plan, and BudgetInfeasible below eager's peak.
+The DP is solved once, for every memory up to one where nothing is recomputed (``SLOTS``
+slots); its distinct sequences are those at the memories where its best time drops. The
+simulator is the judge (the chain model over-counts: kept values are held from the start,
+inputs until their block's backward): a bisection over those memories finds where the plans
+stop fitting the budget, a short scan past it catches later ones that fit again, and the
+fastest plan that fits wins. With a ``latency_limit`` the same search finds the least peak
+within the limit. A graph with no chain (fewer than two stages) gets eager's plan, and
+BudgetInfeasible below eager's peak.
 
 Example:
     >>> import torch, fitgraph
@@ -40,20 +43,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..graph.ir import Graph, Phase
 from ..plan.instructions import Plan
 from ..plan.staged import staged_plan
 from ..sim.simulate import SimResult, simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .blocks import block_of
-from .rotor_chain import ChainModel, Op, RotorSchedule, replay, rotor_dp
+from .rotor_chain import ChainModel, Op, RotorSchedule, RotorTable, replay
 from .stages import StageGraph, stage_graph
 
 __all__ = ["RotorChain", "rotor_chain", "rotor_recompute", "solve_rotor"]
 
-REPLAYS = 6        # NOTE: DP reruns with less memory when the simulator disagrees
-REFINES = 6        # bisection steps up from a fitting DP memory, toward eager's peak
-BISECTIONS = 14    # latency mode: DP-memory bisection steps (1/16k of the eager peak)
+SLOTS = 1000       # NOTE: one DP table for every memory up to what recomputes nothing
+SCAN = 4           # plans tried past the boundary a bisection finds (fits are not monotone)
 _FWD = (Phase.FORWARD, Phase.LOSS)
 
 
@@ -265,14 +269,23 @@ class _Planner:
         self.cache: dict[tuple, _Try] = {}
         self.top = self.eager.sim.peak_bytes   # NOTE: a DP memory that recomputes nothing
         if self.chain is not None:
-            n = self.chain.model.n
+            chain = self.chain
+            n = chain.model.n
             keep_all = [Op("F", k, True) for k in range(n)] + [Op("B", k) for k in reversed(
                 range(n))]
-            self.top = max(self.top, self.chain.baseline + replay(self.chain.model, keep_all)[1])
+            self.top = max(self.top, chain.baseline + replay(chain.model, keep_all)[1])
+            self.table = RotorTable(chain.model, self.top - chain.baseline, SLOTS)
+
+    def breakpoints(self) -> list[int]:
+        """DP memories (ascending) where the chain model's best time drops: one a sequence."""
+        t = self.table
+        c = t.cost[0, t.n - 1, t.pad:]
+        drops = np.nonzero(c < np.concatenate(([np.inf], c[:-1])))[0]
+        return [self.chain.baseline + int(m) * t.unit for m in drops]
 
     def attempt(self, memory: int) -> _Try | None:
         chain = self.chain
-        sched = rotor_dp(chain.model, memory - chain.baseline)
+        sched = self.table.schedule(memory - chain.baseline)
         if sched is None:
             return None
         rec = rotor_recompute(chain, sched, len(self.sg.units))
@@ -282,10 +295,6 @@ class _Planner:
             plan = staged_plan(g, self.sg, rec)
             self.cache[k] = _Try(simulate(g, plan, self.problem.cost_model), plan, sched, memory)
         return self.cache[k]
-
-
-def _better(x: _Try, y: _Try) -> bool:
-    return (x.sim.latency_s, x.sim.peak_bytes) < (y.sim.latency_s, y.sim.peak_bytes)
 
 
 @register("rotor")
@@ -299,59 +308,51 @@ def solve_rotor(problem: Problem) -> Solution:
                                    "; rotor found no chain of blocks to checkpoint",
                                    "rotor")
         return _solution(pl, eager, t0)
-    if budget is None:
-        return _solution(pl, _lowest(pl, problem.latency_limit, t0), t0)
-    if eager.sim.peak_bytes <= budget:
+    if budget is not None and eager.sim.peak_bytes <= budget:
         return _solution(pl, eager, t0)
-    fit, memory = None, budget
-    for _ in range(REPLAYS):
-        got = pl.attempt(memory)
-        if got is None:
-            break
-        if got.sim.peak_bytes <= budget:
-            fit = got
-            break
-        memory -= got.sim.peak_bytes - budget   # NOTE: what the chain model missed
-    if fit is None:  # NOTE: the replays overshot; the least-peak plan may still fit
-        low = _lowest(pl, None, t0)
-        if low.sim.peak_bytes > budget:
-            raise BudgetInfeasible(budget, low.sim.peak_bytes, dominated_by(low.sim), "rotor")
-        fit, memory = low, low.memory
-    lo, hi = memory, pl.top
-    for _ in range(REFINES):
-        if hi - lo <= max(1, hi >> 10) or time.perf_counter() - t0 > problem.time_budget_s:
-            break
-        mid = (lo + hi) // 2
-        got = pl.attempt(mid)
-        if got is not None and got.sim.peak_bytes <= budget:
-            if _better(got, fit):
-                fit = got
-            lo = mid
-        else:
-            hi = mid
-    return _solution(pl, fit, t0)
+    mems = pl.breakpoints()
+    if budget is None:   # least peak within the latency limit (eager's is within any)
+        limit = problem.latency_limit * eager.sim.latency_s * (1 + 1e-9)
+        ok = _search(pl, mems, lambda x: x.sim.latency_s <= limit, upward=False, t0=t0)
+        return _solution(pl, min([eager, *ok], key=lambda x: (x.sim.peak_bytes,
+                                                               x.sim.latency_s)), t0)
+    fits = _search(pl, mems, lambda x: x.sim.peak_bytes <= budget, upward=True, t0=t0)
+    if not fits:
+        low = min([eager, *pl.cache.values()], key=lambda x: x.sim.peak_bytes)
+        raise BudgetInfeasible(budget, low.sim.peak_bytes, dominated_by(low.sim), "rotor")
+    return _solution(pl, min(fits, key=lambda x: (x.sim.latency_s, x.sim.peak_bytes)), t0)
 
 
-def _lowest(pl: _Planner, latency_limit: float | None, t0: float) -> _Try:
-    """The least-peak plan over DP memories (bisection) whose latency is within the limit;
-    eager's plan when none is lower."""
-    eager = pl.eager.sim
-    limit = (latency_limit or float("inf")) * eager.latency_s
-    best = pl.eager
-    lo, hi = pl.chain.baseline, pl.top
-    for _ in range(BISECTIONS):
-        if hi - lo <= max(1, eager.peak_bytes >> 14) or (
-                time.perf_counter() - t0 > pl.problem.time_budget_s):
-            break
-        mid = (lo + hi) // 2
-        got = pl.attempt(mid)
-        if got is not None and got.sim.latency_s <= limit * (1 + 1e-9):
-            if got.sim.peak_bytes < best.sim.peak_bytes:
-                best = got
-            hi = mid
+def _search(pl: _Planner, mems: list[int], ok, upward: bool, t0: float) -> list[_Try]:
+    """Plans at DP memories ``mems`` (ascending) that are ``ok``: bisection for the boundary
+    (``ok`` below it when ``upward``, above it otherwise), then a scan past it until ``SCAN``
+    plans in a row are not ok — the simulated peak follows the DP's memory only roughly."""
+    found: list[_Try] = []
+
+    def test(i: int) -> bool:
+        got = pl.attempt(mems[i])
+        if got is not None and ok(got):
+            found.append(got)
+            return True
+        return False
+
+    order = range(len(mems)) if upward else range(len(mems) - 1, -1, -1)
+    first = next((j for j in order[:SCAN] if test(j)), None)
+    if first is None:
+        return found
+    good, bad = first, len(mems) if upward else -1
+    while abs(bad - good) > 1 and time.perf_counter() - t0 <= pl.problem.time_budget_s:
+        mid = (good + bad) // 2
+        if test(mid):
+            good = mid
         else:
-            lo = mid
-    return best
+            bad = mid
+    step, misses, i = (1 if upward else -1), 0, bad
+    while 0 <= i < len(mems) and misses < SCAN and (
+            time.perf_counter() - t0 <= pl.problem.time_budget_s):
+        misses = 0 if test(i) else misses + 1
+        i += step
+    return found
 
 
 def _solution(pl: _Planner, got: _Try, t0: float) -> Solution:

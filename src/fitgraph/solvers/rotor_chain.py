@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SLOTS", "ChainModel", "Op", "RotorSchedule", "replay", "rotor_dp"]
+__all__ = ["SLOTS", "ChainModel", "Op", "RotorSchedule", "RotorTable", "replay", "rotor_dp"]
 
 SLOTS = 500    # NOTE: the paper's memory discretisation; sizes are rounded up to a slot
 _ALL = -1      # choice: forward with tape (or the single-stage base case)
@@ -85,84 +85,97 @@ class RotorSchedule:
 
 def rotor_dp(model: ChainModel, memory: int, slots: int = SLOTS) -> RotorSchedule | None:
     """The least-time operation sequence within ``memory`` bytes (chain model), or None."""
-    n = model.n
-    if memory <= 0 or n == 0:
+    if memory <= 0 or model.n == 0:
         return None
-    unit = max(1, -(-memory // slots))
-    top = memory // unit
+    return RotorTable(model, memory, slots).schedule(memory)
 
-    def q(nbytes: int) -> int:
-        return -(-nbytes // unit)
 
-    a, tape, r, d, g = ([q(x) for x in xs] for xs in (model.a, model.tape, model.fixed,
-                                                        model.delta, model.grads))
-    fck, fall, bpk = ([q(x) for x in xs] for xs in (model.f_ck, model.f_all, model.b_peak))
-    rsum, gsum = np.cumsum([0, *r]), np.cumsum([0, *g])
+class RotorTable:
+    """The DP solved once for every memory up to ``memory`` bytes (``slots`` slots of
+    ``unit`` bytes); ``schedule(m)`` reads the least-time sequence within ``m`` bytes off it."""
 
-    def rs(s: int, t: int) -> int:
-        return int(rsum[t + 1] - rsum[s])
+    def __init__(self, model: ChainModel, memory: int, slots: int = SLOTS) -> None:
+        n = self.n = model.n
+        self.unit = unit = max(1, -(-max(memory, 1) // slots))
+        self.top = top = max(memory, 0) // unit
 
-    def gs(s: int, t: int) -> int:
-        return int(gsum[t + 1] - gsum[s]) if t >= s else 0
+        def q(xs) -> np.ndarray:
+            return np.array([-(-x // unit) for x in xs], dtype=np.int64)
 
-    inf = np.full(top + 1, np.inf)
+        a, tape, r, d, g = (q(xs) for xs in (model.a, model.tape, model.fixed, model.delta,
+                                             model.grads))
+        fck, fall, bpk = q(model.f_ck), q(model.f_all), q(model.b_peak)
+        uf = np.array(model.uf, dtype=float)
+        rsum, gsum = np.cumsum([0, *r]), np.cumsum([0, *g])
+        self.a, self.tape, self.r, self.rsum, self.gsum = a, tape, r, rsum, gsum
+        slot = np.arange(top + 1)
+        pad = self.pad = top + 1
 
-    def shifted(arr: np.ndarray, by: int) -> np.ndarray:
-        out = inf.copy()
-        if by <= top:
-            out[by:] = arr[:top + 1 - by]
-        return out
+        def shifted(rows: np.ndarray, by: np.ndarray) -> np.ndarray:
+            """rows[j][m - by[j]] (inf where m < by[j]): the cost with ``by`` slots held
+            outside."""
+            start = pad - np.minimum(by, pad)
+            return rows[np.arange(len(by))[:, None], start[:, None] + slot[None, :]]
 
-    cost: dict[tuple[int, int], np.ndarray] = {}
-    choice: dict[tuple[int, int], np.ndarray] = {}
-    for length in range(n):
-        for s in range(n - length):
-            t = s + length
-            best, pick = inf.copy(), np.full(top + 1, _NONE, dtype=np.int32)
+        # NOTE: cost[s, t, pad + m] as one array, inf-padded on the left (m < 0): the
+        # checkpoint option reads a row of subchains at once
+        cost = self.cost = np.full((n, n, 2 * pad), np.inf)
+        choice = self.choice = np.full((n, n, top + 1), _NONE, dtype=np.int32)
+        for length in range(n):
+            for s in range(n - length):
+                t = s + length
+                if s == t:
+                    need = d[s] + r[s] + max(fall[s], tape[s] + bpk[s])
+                    cost[s, s, pad + need:] = model.uf[s] + model.ub[s]
+                    choice[s, s, need:] = _ALL
+                    continue
+                need = max(d[t] + rsum[t + 1] - rsum[s] + fall[s],
+                           d[s] + gsum[t + 1] - gsum[s + 1] + r[s] + tape[s] + bpk[s])
+                best = model.uf[s] + model.ub[s] + shifted(cost[s + 1, t][None],
+                                                           tape[s:s + 1] + r[s])[0]
+                best[:need] = np.inf
+                pick = np.where(np.isfinite(best), _ALL, _NONE)
+                # checkpoint after stage k = s..t-1 (s' = k + 1): forwards s..k without tape
+                k = np.arange(s, t)
+                inputs = np.concatenate(([0], a[s:t - 1]))
+                fneed = np.maximum.accumulate(d[t] + rsum[t + 1] - rsum[s] + inputs + fck[s:t])
+                ck = (np.cumsum(uf[s:t])[:, None]
+                      + shifted(cost[s + 1:t + 1, t], a[s:t] + rsum[k + 1] - rsum[s])
+                      + shifted(cost[s, s:t], gsum[t + 1] - gsum[k + 1]))
+                ck[slot[None, :] < fneed[:, None]] = np.inf
+                j = np.argmin(ck, axis=0)
+                ck_best = ck[j, slot]
+                better = ck_best < best
+                best[better], pick[better] = ck_best[better], s + 1 + j[better]
+                cost[s, t, pad:], choice[s, t] = best, pick
+
+    def schedule(self, memory: int) -> RotorSchedule | None:
+        """The least-time sequence within ``memory`` bytes (at most the table's), or None."""
+        m = min(memory // self.unit, self.top) if memory > 0 else -1
+        if m < 0 or not np.isfinite(self.cost[0, self.n - 1, self.pad + m]):
+            return None
+        a, tape, r, rsum, gsum = self.a, self.tape, self.r, self.rsum, self.gsum
+        ops: list[Op] = []
+
+        def emit(s: int, t: int, m: int) -> None:
+            c = int(self.choice[s, t, m])
             if s == t:
-                need = d[s] + r[s] + max(fall[s], tape[s] + bpk[s])
-                best[need:] = model.uf[s] + model.ub[s]
-                pick[need:] = _ALL
+                ops.extend((Op("F", s, True), Op("B", s)))
+            elif c == _ALL:
+                ops.append(Op("F", s, True))
+                emit(s + 1, t, m - int(tape[s] + r[s]))
+                ops.append(Op("B", s))
             else:
-                need = max(d[t] + rs(s, t) + fall[s],
-                           d[s] + gs(s + 1, t) + r[s] + tape[s] + bpk[s])
-                c = model.uf[s] + model.ub[s] + shifted(cost[s + 1, t], tape[s] + r[s])
-                c[:need] = np.inf
-                better = c < best
-                best[better], pick[better] = c[better], _ALL
-                fneed, fsum = 0, 0.0
-                for s2 in range(s + 1, t + 1):
-                    k = s2 - 1
-                    fneed = max(fneed, d[t] + rs(s, t) + (a[k - 1] if k > s else 0) + fck[k])
-                    fsum += model.uf[k]
-                    c = (fsum + shifted(cost[s2, t], a[k] + rs(s, k))
-                         + shifted(cost[s, k], gs(s2, t)))
-                    c[:fneed] = np.inf
-                    better = c < best
-                    best[better], pick[better] = c[better], s2
-            cost[s, t], choice[s, t] = best, pick
-    if not np.isfinite(cost[0, n - 1][top]):
-        return None
-    ops: list[Op] = []
+                ops.append(Op("F", s))
+                for k in range(s + 1, c):
+                    ops.extend((Op("F", k), Op("D", k - 1)))
+                emit(c, t, m - int(a[c - 1] + rsum[c] - rsum[s]))
+                ops.append(Op("D", c - 1))
+                emit(s, c - 1, m - int(gsum[t + 1] - gsum[c]))
 
-    def emit(s: int, t: int, m: int) -> None:
-        c = int(choice[s, t][m])
-        if s == t:
-            ops.extend((Op("F", s, True), Op("B", s)))
-        elif c == _ALL:
-            ops.append(Op("F", s, True))
-            emit(s + 1, t, m - tape[s] - r[s])
-            ops.append(Op("B", s))
-        else:
-            ops.append(Op("F", s))
-            for k in range(s + 1, c):
-                ops.extend((Op("F", k), Op("D", k - 1)))
-            emit(c, t, m - a[c - 1] - rs(s, c - 1))
-            ops.append(Op("D", c - 1))
-            emit(s, c - 1, m - gs(c, t))
-
-    emit(0, n - 1, top)
-    return RotorSchedule(tuple(ops), float(cost[0, n - 1][top]), unit)
+        emit(0, self.n - 1, m)
+        return RotorSchedule(tuple(ops), float(self.cost[0, self.n - 1, self.pad + m]),
+                             self.unit)
 
 
 def replay(model: ChainModel, ops) -> tuple[float, int]:
