@@ -313,6 +313,20 @@ def test_unet_spatial_splits_lower_the_measured_peak():
     assert sim.peak_bytes < 0.98 * eager.peak_bytes, (sim.peak_bytes, eager.peak_bytes)
 
 
+def test_resnet_stem_regions_run_in_parts_like_eager():
+    """The stem's max pooling and the first block's convolutions (between training batch
+    norms), and their backward (the pooling's too), split along the rows. float64: see
+    test_fission's ZOO note on batch norm over few pixels."""
+    case = zoo.build("resnet50", "small", batch_size=2, image_size=32, dtype=torch.float64)
+    g = separate_input_grads(fitgraph.capture(case.model, case.batch, case.loss_fn))
+    pools = [n for n in g.nodes if n.target.startswith("aten.max_pool2d_with_indices")]
+    for pool in pools:
+        region = grow_region(g, pool.inputs[0] if len(pool.inputs) == 1 else pool.outputs[0], 2)
+        assert pool.id in region.nodes and region.halo
+        split = split_region(g, region, 2)
+        assert_same_as_eager(case.model, case.batch, case.loss_fn, split)
+
+
 # -- what is refused ----------------------------------------------------------------------------
 
 def test_training_batch_norm_ends_a_spatial_region_by_name():
