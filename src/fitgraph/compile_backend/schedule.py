@@ -69,8 +69,8 @@ def in_plan_order(gm: fx.GraphModule, pos: dict[int, int], ir_id: dict[str, int]
     (``pos`` by IR node id, ``ir_id`` maps fx names to IR ids; a getitem follows the op it
     reads), then the output."""
     def key(node: fx.Node) -> tuple[float, int]:
-        if node.op == "placeholder":
-            return (-1.0, 0)
+        if node.op in ("placeholder", "get_attr"):
+            return (-1.0, 0)  # NOTE: get_attr: a constant the graph holds (HF GPT-2's masks)
         if node.op == "output":
             return (float("inf"), 0)
         if node.target is operator.getitem:
