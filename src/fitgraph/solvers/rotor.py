@@ -81,9 +81,10 @@ def rotor_chain(graph: Graph, sg: StageGraph) -> RotorChain | None:
         return None
     units = sg.units
     readers = _readers(sg, fstage, bstage)
+    # NOTE: a unit whose value is read beyond its stage and the next (a mask, a skip, the
+    # optimizer) is not re-run: its values stay from the first forward, outside the chain
     pinned = {u for u, k in fstage.items() if not units[u].recomputable or any(
-        side != "F" and side != "B" or s not in (k, k + 1)
-        for v in units[u].values for side, s in readers[v])}
+        side == "O" or s not in (k, k + 1) for v in units[u].values for side, s in readers[v])}
     a, tape, fixed, delta, grads = ([0] * n for _ in range(5))
     keep_a: list[set[int]] = [set() for _ in range(n)]
     keep_tape: list[set[int]] = [set() for _ in range(n)]
@@ -94,7 +95,8 @@ def rotor_chain(graph: Graph, sg: StageGraph) -> RotorChain | None:
             nbytes, rd = sg.value_bytes[v], readers[v]
             if u in pinned:  # NOTE: held from the first forward to the last backward reading it
                 if rd:
-                    fixed[min([k] + [s for side, s in rd if side == "B"])] += nbytes
+                    fixed[0 if ("O", -1) in rd else min(
+                        [k] + [s for side, s in rd if side == "B"])] += nbytes
                 continue
             if any(s == k + 1 for _, s in rd):
                 keep_a[k].add(v)
