@@ -76,3 +76,26 @@ def assert_runs_like_eager(a, b, graph, plan, case, seed=0):
     assert_bitwise_equal_models(a, b)
     for p in b.parameters():
         p.grad = None
+
+
+def assert_solver_plan_runs_and_measures_as_simulated(name, solver, frac, time_budget_s=30.0):
+    """Zoo model ``name`` (small), measured op costs: ``solver`` at ``frac`` of the eager peak
+    gives a plan that runs bitwise like eager and measures its simulated peak, within budget.
+    Returns the Solution."""
+    from fitgraph import zoo
+    from fitgraph.cost import ProfiledCostModel
+    from fitgraph.measure import measure_plan
+    from fitgraph.solvers import Problem, solve
+
+    case = zoo.build(name, "small")
+    a, b = case.model, copy.deepcopy(case.model)
+    g = fitgraph.capture(b, case.batch, case.loss_fn)
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
+    budget = int(frac * eager.sim.peak_bytes)
+    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=time_budget_s), solver)
+    assert_runs_like_eager(a, b, g, s.plan, case, seed=0)
+    measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
+    assert measured.peak_bytes == s.sim.peak_bytes <= budget
+    return s

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from helpers import assert_runs_like_eager
+from helpers import assert_solver_plan_runs_and_measures_as_simulated
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
 
 import fitgraph
 from fitgraph import zoo
-from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
-from fitgraph.measure import measure_plan
+from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.plan.verify import verify_plan
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
 from fitgraph.solvers.dtr import DtrRun
@@ -60,15 +57,5 @@ def test_dtr_latency_mode_keeps_the_limit_and_lowers_the_peak():
 
 @pytest.mark.parametrize("name", ["gpt2", "resnet50"])
 def test_dtr_plan_runs_bitwise_equal_and_measures_as_simulated(name):
-    case = zoo.build(name, "small")
-    a, b = case.model, copy.deepcopy(case.model)
-    g = fitgraph.capture(b, case.batch, case.loss_fn)
-    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
-    cm.profile(g)
-    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
-    budget = int(0.7 * eager.sim.peak_bytes)
-    s = solve(Problem(g, cm, budget_bytes=budget), "dtr")
+    s = assert_solver_plan_runs_and_measures_as_simulated(name, "dtr", 0.7)
     assert s.notes["recomputes"] > 0
-    assert_runs_like_eager(a, b, g, s.plan, case, seed=0)
-    measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
-    assert measured.peak_bytes == s.sim.peak_bytes <= budget

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from helpers import assert_runs_like_eager
+from helpers import assert_solver_plan_runs_and_measures_as_simulated
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
@@ -13,7 +11,6 @@ from test_graph_plan_sim import random_graphs
 import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel
-from fitgraph.measure import measure_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.solvers import SOLVERS, BudgetInfeasible, Problem, solve
 
@@ -62,17 +59,7 @@ def test_problem_needs_one_target():
 
 @pytest.mark.parametrize("name", ["gpt2", "vit-b16"])
 def test_hotspot_budget_holds_when_executed(name):
-    case = zoo.build(name, "small")
-    a, b = case.model, copy.deepcopy(case.model)
-    g = fitgraph.capture(b, case.batch, case.loss_fn)
-    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
-    cm.profile(g)
-    eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
-    budget = int(0.85 * eager.sim.peak_bytes)
-    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=20), "hotspot")
-    assert_runs_like_eager(a, b, g, s.plan, case, seed=0)
-    measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
-    assert measured.peak_bytes == s.sim.peak_bytes <= budget
+    assert_solver_plan_runs_and_measures_as_simulated(name, "hotspot", 0.85, time_budget_s=20)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert-base", "unet"])
