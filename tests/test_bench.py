@@ -1,14 +1,31 @@
-"""The side-by-side harness: every system runs, compile variants are compiled fresh, errors kept."""
+"""The side-by-side harness: every system runs, compile variants are compiled fresh, errors kept;
+the report page holds every system."""
 
 from __future__ import annotations
 
+import csv
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
 
-from fitgraph.bench.harness import bench_model, checkpointed, verdicts
+from fitgraph import zoo
+from fitgraph.bench import harness
+from fitgraph.bench.harness import (
+    SAVE_ON_CPU_ON_CPU,
+    SYSTEMS,
+    bench_model,
+    checkpointed,
+    sac_context_fn,
+    sac_policy,
+    verdicts,
+)
+from fitgraph.bench.report import least_overhead_under, least_peak_within, write_report
 from fitgraph.cli import main
+
+INJECTED = "RuntimeError: injected: no C++ compiler / second line / third"
 
 
 class Block(nn.Module):
@@ -35,43 +52,112 @@ def _case():
                 lambda m, b: m(b).square().mean(), (Block,))
 
 
-def test_bench_rows_for_every_system_and_fresh_compiles():
-    rows = bench_model(_case(), [1.0, 0.75, 0.05], repeats=2, progress=lambda s: None)
-    systems = [(r.system, r.budget) for r in rows if not r.matched]
-    assert systems == [("eager", None), ("checkpoint_blocks", None), ("fitgraph", 1.0),
-                       ("fitgraph", 0.75), ("fitgraph", 0.05), ("compile_aot_eager", 1.0),
-                       ("compile_aot_eager", 0.75), ("compile_aot_eager", 0.05)]
-    matched = {r.matched: r for r in rows if r.matched}
-    assert sorted(matched) == ["checkpoint_blocks", "compile_aot_eager 0.05",
-                               "compile_aot_eager 0.75", "compile_aot_eager 1"]
+def _label(r):
+    return r.system if r.budget is None else f"{r.system} {r.budget:g}"
+
+
+def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypatch):
+    real = harness._compiled_step
+
+    def inductor_fails(model, batch, loss_fn, opt, budget, backend="aot_eager"):
+        if backend == "inductor":  # NOTE: as where no C++ compiler is found
+            raise RuntimeError("injected: no C++ compiler\n\nsecond line\nthird\nfourth")
+        return real(model, batch, loss_fn, opt, budget, backend)
+
+    monkeypatch.setattr(harness, "_compiled_step", inductor_fails)
+    budgets = [1.0, 0.75, 0.05]
+    rows = bench_model(_case(), budgets, repeats=1, checkmate_time_limit=10,
+                       progress=lambda s: None)
+    own = [(r.system, r.budget) for r in rows if not r.matched]
+    assert own == [("eager", None), ("checkpoint", None), ("sac", None), ("save_on_cpu", None),
+                   *[(s, b) for s in ("fitgraph", "dtr", "rotor", "checkmate",
+                                      "compile_aot_eager", "compile_inductor") for b in budgets]]
     by = {(r.system, r.budget): r for r in rows if not r.matched}
-    for label, r in matched.items():  # fitgraph asked for the peer's measured peak keeps it
-        name, _, budget = label.partition(" ")
-        peer = by[(name, float(budget) if budget else None)]
-        assert r.system == "fitgraph" and (r.error or r.peak_bytes <= peer.peak_bytes)
-    lines = verdicts(rows)
-    assert len(lines) == 4 and all(("wins" in s) or ("loses" in s) or ("did not plan" in s)
-                                   for s in lines)
+    assert by[("save_on_cpu", None)].error == SAVE_ON_CPU_ON_CPU
+    assert by[("save_on_cpu", None)].peak_bytes is None
+    assert all(by[("compile_inductor", b)].error == INJECTED for b in budgets)
+    for planner in ("fitgraph", "dtr", "rotor", "checkmate"):
+        assert by[(planner, 0.05)].error.startswith("BudgetInfeasible"), planner
+        assert by[(planner, 1.0)].solve_s is not None and not by[(planner, 1.0)].error
+    assert "optimal" in by[("checkmate", 1.0)].notes or "gap" in by[("checkmate", 1.0)].notes
+    assert by[("fitgraph", 1.0)].notes.startswith("winner ")
     eager = by[("eager", None)]
-    assert by[("checkpoint_blocks", None)].peak_bytes < eager.peak_bytes
+    assert by[("checkpoint", None)].peak_bytes < eager.peak_bytes
     assert by[("fitgraph", 0.75)].peak_bytes <= 0.75 * eager.peak_bytes
     # fresh compiles: budget 0.75 saves memory against 1.0 (a reused graph would not)
     assert by[("compile_aot_eager", 0.75)].peak_bytes < by[("compile_aot_eager", 1.0)].peak_bytes
-    assert by[("fitgraph", 0.05)].error.startswith("BudgetInfeasible")
-    assert all(r.step_s is not None for r in rows if not r.error)
+    assert all(r.step_s is not None and r.peak_bytes for r in rows if not r.error)
+    # fitgraph at every measured peer's peak (same bytes planned once), within that peak
+    peers = [r for r in rows if r.system not in ("eager", "fitgraph") and r.peak_bytes]
+    matched = {label: r for r in rows for label in harness.matched_labels(r)}
+    assert sorted(matched) == sorted(_label(p) for p in peers)
+    for p in peers:
+        fg = matched[_label(p)]
+        assert fg.system == "fitgraph" and (fg.error or fg.peak_bytes <= p.peak_bytes)
+    lines = verdicts(rows)
+    assert len(lines) == len(peers) and all(
+        ("wins" in s) or ("loses" in s) or ("did not plan" in s) for s in lines)
+    assert least_peak_within(rows, "eager", 0.05) is eager
+    assert least_overhead_under(rows, "eager", 0.8) is None
+
+    page = write_report(rows, str(tmp_path / "r"), command="fitgraph bench --models mlp",
+                        threads=1, repeats=1, checkmate_time_limit=10, wall_s=60)
+    text = open(page).read()
+    assert "fitgraph bench --models mlp" in text and "torch " in text and "scipy " in text
+    summary = text[text.index("| system | least peak"):text.index("All rows:")]
+    for system in SYSTEMS:  # every system is a line of the summary, errors included
+        assert f"\n| {system} |" in summary, system
+    assert "| compile_inductor | — | — | — | — | — |" in summary
+    assert f"- compile_inductor 0.75: `{INJECTED}`" in text
+    assert f"- save_on_cpu: `{SAVE_ON_CPU_ON_CPU}`" in text
+    assert (tmp_path / "r" / "mlp.png").stat().st_size > 5000
+    with open(tmp_path / "r" / "bench.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
 
 
-def test_checkpointed_wraps_blocks_and_keeps_results():
-    case = _case()
-    wrapped = checkpointed(case.model, case.block_types)
-    assert sum(type(m).__name__ == "_Checkpointed" for m in wrapped.modules()) == 6
-    torch.testing.assert_close(wrapped(case.batch), case.model(case.batch), rtol=0, atol=0)
-
-
-def test_bench_cli_writes_csv_and_plot(tmp_path, capsys):
-    out = tmp_path / "b"
-    assert main(["bench", "--models", "unet", "--budgets", "0.8", "--repeats", "1",
-                 "--no-compile", "--out", str(out), "--time-budget", "10"]) == 0
+def test_bench_cli_report_csv_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(zoo, "build", lambda name, config: _case())
+    out, rep = tmp_path / "b", tmp_path / "rep"
+    assert main(["bench", "--models", "mlp", "--budgets", "0.8", "--repeats", "1",
+                 "--systems", "checkpoint,sac,save_on_cpu,fitgraph", "--out", str(out),
+                 "--time-budget", "10", "--report", str(rep)]) == 0
     text = capsys.readouterr().out
-    assert "| unet | fitgraph | 0.8 |" in text
-    assert (out / "bench.csv").stat().st_size > 0 and (out / "unet.png").stat().st_size > 5000
+    assert "| mlp | fitgraph | 0.8 |" in text and "| mlp | save_on_cpu |" in text
+    assert (out / "bench.csv").stat().st_size > 0 and (out / "mlp.png").stat().st_size > 5000
+    page = (rep / "BENCHMARKS.md").read_text()
+    assert ("`fitgraph bench --models mlp --budgets 0.8 --systems "
+            "eager,checkpoint,sac,save_on_cpu,fitgraph --repeats 1 --time-budget 10 ") in page
+    for system in ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph"):
+        assert f"\n| {system} |" in page, system
+    assert (rep / "mlp.png").stat().st_size > 5000
+    with pytest.raises(SystemExit, match="unknown systems"):
+        main(["bench", "--systems", "eager,nope"])
+
+
+def test_checkpointed_and_sac_keep_results():
+    case = _case()
+    want = case.model(case.batch)
+    for ctx in (None, sac_context_fn):
+        wrapped = checkpointed(case.model, case.block_types, ctx)
+        assert sum(type(m).__name__ == "_Checkpointed" for m in wrapped.modules()) == 6
+        got = wrapped(case.batch)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        got.square().mean().backward()
+        assert all(p.grad is not None for p in wrapped.parameters())
+
+
+def test_sac_policy_saves_matmuls_and_attention():
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert sac_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (aten.gelu.default, aten.add.Tensor, aten._softmax.default):
+        assert sac_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
+
+
+@pytest.mark.slow
+def test_bench_inductor_for_real():
+    rows = bench_model(_case(), [0.5], systems=["compile_inductor"], repeats=1,
+                       progress=lambda s: None)
+    (ind,) = [r for r in rows if r.system == "compile_inductor"]
+    assert not ind.error and ind.step_s is not None and ind.peak_bytes

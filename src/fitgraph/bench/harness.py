@@ -1,12 +1,17 @@
 """``fitgraph bench``: every system side by side on one model, measured in one process.
 
-Systems: eager PyTorch; ``torch.utils.checkpoint`` around every block; torch.compile (aot_eager)
-with ``activation_memory_budget`` at each budget, compiled fresh (a reused code object would keep
-the first budget); fitgraph at each budget (solver ``auto`` unless told: hotspot, and fission
-where it wins). Each gets its own copy of the model and an AdamW, is
-warmed up (compile / solve time recorded), measured once under the MemoryMeter, then timed in
-interleaved rounds (the order rotates each round, so machine noise hits all alike); medians.
-A system that fails is recorded with its error, not dropped.
+Systems (``SYSTEMS``): eager PyTorch; ``torch.utils.checkpoint`` around every block
+(``checkpoint``); selective activation checkpointing per block (``sac``: matmuls and attention
+saved, the rest recomputed, ``sac_policy``); ``torch.autograd.graph.save_on_cpu`` (CUDA only:
+on a CPU run the "host" is the same RAM, so it is a row with that reason, not a measurement);
+torch.compile with ``activation_memory_budget`` at each budget under ``aot_eager`` and
+``inductor``, each variant compiled fresh (a reused code object would keep the first budget);
+the classic planners as fitgraph solvers at each budget (``dtr``, ``rotor``, ``checkmate``:
+Checkmate's MILP, solver ``ilp``, with its own time limit); fitgraph at each budget (solver
+``auto`` unless told) and at each other system's measured peak. Each gets its own copy of the
+model and an AdamW, is warmed up (compile / solve time recorded), measured once under the
+MemoryMeter, then timed in interleaved rounds (the order rotates each round, so machine noise
+hits all alike); medians. A system that fails is recorded with its error, not dropped.
 
 Example:
     >>> from fitgraph.bench.harness import BenchRow
@@ -19,7 +24,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,19 +33,35 @@ from ..capture.calling import compute_loss
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
-__all__ = ["BenchRow", "bench_model", "checkpointed", "verdicts"]
+__all__ = ["COMPILERS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
+           "checkpointed", "sac_policy", "verdicts"]
+
+# NOTE: the order rows come in; eager always runs (every overhead is against it)
+SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
+           "compile_aot_eager", "compile_inductor")
+COMPILERS = {"compile_aot_eager": "aot_eager", "compile_inductor": "inductor"}
+PLANNERS = {"fitgraph": None, "dtr": "dtr", "rotor": "rotor", "checkmate": "ilp"}  # None: solver=
+SAVE_ON_CPU_ON_CPU = "save_on_cpu offloads to host memory, which is the same RAM on a CPU run"
+SAC_SAVED = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear"})  # aten ops whose outputs sac keeps
+SAC_SAVED_PREFIX = "_scaled_dot_product_"   # attention: every SDPA kernel
+ERROR_LINES = 3      # NOTE: an error's first lines ("backend='inductor' raised:" says little alone)
+ERROR_CHARS = 300
 
 
 @dataclass
 class BenchRow:
     model: str
-    system: str                  # eager | checkpoint_blocks | compile_aot_eager | fitgraph
+    system: str                  # one of SYSTEMS
     budget: float | None         # fraction of the eager peak asked for
     peak_bytes: int | None       # measured: resident + allocator peak
     step_s: float | None         # median measured step time
-    prepare_s: float = 0.0       # compile time (torch.compile) or solve time (fitgraph)
+    prepare_s: float = 0.0       # warm-up wall time (compile, or capture + profile + solve; 2
+    #                              steps), or until the error
     error: str = ""
-    matched: str = ""            # fitgraph asked for this peer's measured peak (its budget)
+    matched: str = ""            # fitgraph asked for these peers' measured peak (", "-separated)
+    solve_s: float | None = None  # the solver's own time (fitgraph's solvers)
+    notes: str = ""              # solver notes: auto's winner, checkmate's optimality / gap
+    spread: float | None = None  # (max - min) / median of the timed steps
 
     def overhead(self, eager_s: float) -> float | None:
         return None if self.step_s is None else self.step_s / eager_s - 1
@@ -49,25 +70,49 @@ class BenchRow:
         return asdict(self)
 
 
+class NotApplicable(Exception):
+    """A system that does not apply on this run; its message is the row's error, verbatim."""
+
+
+def sac_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing's policy: keep matmul and attention outputs (costly to redo),
+    recompute the rest (cheap elementwise ops, norms, softmax)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(getattr(op, "overloadpacket", None), "__name__", str(op))
+    if name in SAC_SAVED or name.startswith(SAC_SAVED_PREFIX):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sac_context_fn():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(sac_policy)
+
+
 class _Checkpointed(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, context_fn: Callable | None = None):
         super().__init__()
-        self.inner = inner
+        self.inner, self.context_fn = inner, context_fn
 
     def forward(self, *args, **kwargs):
-        from torch.utils.checkpoint import checkpoint
+        from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False,
+                          context_fn=self.context_fn or noop_context_fn, **kwargs)
 
 
-def checkpointed(model: torch.nn.Module, block_types: tuple[type, ...]) -> torch.nn.Module:
+def checkpointed(model: torch.nn.Module, block_types: tuple[type, ...],
+                 context_fn: Callable | None = None) -> torch.nn.Module:
     """A copy of ``model`` with every module of ``block_types`` wrapped in
-    ``torch.utils.checkpoint`` (non-reentrant, as PyTorch recommends)."""
+    ``torch.utils.checkpoint`` (non-reentrant, as PyTorch recommends); ``context_fn``: e.g.
+    ``sac_context_fn`` for selective activation checkpointing."""
     model = copy.deepcopy(model)
     for _name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             if isinstance(child, block_types):
-                setattr(mod, child_name, _Checkpointed(child))
+                setattr(mod, child_name, _Checkpointed(child, context_fn))
     return model
 
 
@@ -84,6 +129,12 @@ class _System:
     error: str = ""
     ratio_to_eager: float | None = None  # compile variants: timed against eager in their phase
     matched: str = ""
+    solve_s: float | None = None
+    notes: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name if self.budget is None else f"{self.name} {self.budget:g}"
 
 
 def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
@@ -95,74 +146,125 @@ def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
     return step
 
 
-def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool = True,
-                time_budget: float = 30.0, match_peers: bool = True, solver: str = "auto",
+def _save_on_cpu_step(model, batch, loss_fn, opt) -> Callable[[], object]:
+    if _device(model).type != "cuda":
+        raise NotApplicable(SAVE_ON_CPU_ON_CPU)
+
+    def step():
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            loss = compute_loss(model, batch, loss_fn)
+        loss.backward()  # NOTE: the unpack hooks were set when saving: copies come back here
+        opt.step()
+        return loss
+    return step
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message``: the message's first lines, verbatim, joined by " / "."""
+    if isinstance(e, NotApplicable):
+        return str(e)
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()][:ERROR_LINES]
+    return f"{type(e).__name__}: {' / '.join(lines)}"[:ERROR_CHARS]
+
+
+def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = None,
+                repeats: int = 5, time_budget: float = 30.0, checkmate_time_limit: float = 60.0,
+                match_peers: bool = True, solver: str = "auto",
                 progress: Callable[[str], None] = print) -> list[BenchRow]:
-    """Measure every system on one zoo case; rows in a fixed order. ``match_peers``: fitgraph
-    also plans for each peer's measured peak (in bytes), so the rows answer "at the peer's
-    memory, which is faster" directly (``verdicts``). ``solver``: fitgraph's solver."""
+    """Measure the ``systems`` (default: all of ``SYSTEMS``; eager always) on one zoo case; rows
+    in a fixed order. ``match_peers``: fitgraph also plans for each other system's measured peak
+    (in bytes), so the rows answer "at the peer's memory, which is faster" directly
+    (``verdicts``). ``solver``: fitgraph's solver; ``time_budget``: its (and dtr's, rotor's)
+    time; ``checkmate_time_limit``: the MILP's."""
     from ..api import optimize
 
-    systems: list[_System] = []
+    chosen = set(SYSTEMS if systems is None else systems) | {"eager"}
+    unknown = sorted(chosen - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    out: list[_System] = []
+    batch, loss_fn = case.batch, case.loss_fn
+    device = _device(case.model)
 
     def add(name, budget, model, make_step, matched=""):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        sys_ = _System(name, budget, model, opt, lambda: None)
-        sys_.matched = matched
+        s = _System(name, budget, model, opt, lambda: None, matched=matched)
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            sys_.step = make_step(model, opt)
+            s.step = make_step(model, opt)
             opt.zero_grad(set_to_none=True)
-            sys_.step()   # NOTE: warm-up: compiles, creates optimizer state, plans
+            s.step()   # NOTE: warm-up: compiles, creates optimizer state, plans
             opt.zero_grad(set_to_none=True)
-            sys_.step()
-            sys_.prepare_s = time.perf_counter() - t0
+            s.step()
+            s.prepare_s = time.perf_counter() - t0
+            plan_info = getattr(s.step, "solution", None)
+            if plan_info is not None:
+                s.solve_s, s.notes = plan_info.solve_s, solution_notes(plan_info)
         except Exception as e:  # NOTE: a failing peer is a result, recorded with its error
-            sys_.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-        systems.append(sys_)
+            s.error = error_text(e)
+            s.prepare_s = time.perf_counter() - t0  # NOTE: what finding out cost (a time limit)
+        out.append(s)
+        what = f"@ {matched}" if matched else s.label
+        progress(f"  {case.name}: {what}: " + (f"error: {s.error}" if s.error
+                                                else f"ready in {s.prepare_s:.1f} s"))
+        return s
 
-    batch, loss_fn = case.batch, case.loss_fn
-    add("eager", None, copy.deepcopy(case.model),
-        lambda m, o: _eager_step(m, batch, loss_fn, o))
-    eager = systems[0]
-    add("checkpoint_blocks", None, checkpointed(case.model, case.block_types),
-        lambda m, o: _eager_step(m, batch, loss_fn, o))
-    peers = [s for s in systems if not s.error]
-    _measure_memory(peers, batch)  # NOTE: first, so fitgraph can be asked for their peaks
-    for b in budgets:
-        add("fitgraph", b, copy.deepcopy(case.model),
-            lambda m, o, b=b: _fitgraph_step(m, batch, loss_fn, o, b, time_budget, optimize,
-                                             solver))
-    plain = [s for s in systems if not s.error]
+    def planned(planner: str, budget):
+        name = PLANNERS[planner] or solver
+        limit = checkmate_time_limit if planner == "checkmate" else time_budget
+        return lambda m, o: _fitgraph_step(m, batch, loss_fn, o, budget, limit, optimize, name)
+
+    eager = add("eager", None, copy.deepcopy(case.model),
+                lambda m, o: _eager_step(m, batch, loss_fn, o))
+    if "checkpoint" in chosen:
+        add("checkpoint", None, checkpointed(case.model, case.block_types),
+            lambda m, o: _eager_step(m, batch, loss_fn, o))
+    if "sac" in chosen:
+        add("sac", None, checkpointed(case.model, case.block_types, sac_context_fn),
+            lambda m, o: _eager_step(m, batch, loss_fn, o))
+    if "save_on_cpu" in chosen:
+        add("save_on_cpu", None, copy.deepcopy(case.model),
+            lambda m, o: _save_on_cpu_step(m, batch, loss_fn, o))
+    peers = [s for s in out if not s.error]
+    _measure_memory(peers, batch, device)  # NOTE: first, so fitgraph can be asked for their peaks
+    planners = [add(p, b, copy.deepcopy(case.model), planned(p, b))
+                for p in PLANNERS if p in chosen for b in budgets]
+    _measure_memory([s for s in planners if not s.error], batch, device)
     compiled: list[_System] = []
-    if compile:
+    for name, backend in COMPILERS.items():
+        if name not in chosen:
+            continue
         for b in budgets:
             # NOTE: each variant is compiled fresh (dynamo reset) and measured at once, timed
             # against eager in its own interleaved rounds, and never called again: after the
             # next reset it would silently recompile with the default budget
             torch._dynamo.reset()
-            add("compile_aot_eager", b, copy.deepcopy(case.model),
-                lambda m, o, b=b: _compiled_step(m, batch, loss_fn, o, b))
-            variant = systems[-1]
+            variant = add(name, b, copy.deepcopy(case.model),
+                          lambda m, o, b=b, backend=backend: _compiled_step(m, batch, loss_fn, o,
+                                                                           b, backend))
             compiled.append(variant)
             if not variant.error:
-                progress(f"  {case.name}: compile_aot_eager {b}: measuring")
-                _measure_memory([variant], batch)
-                _time_rounds([variant, eager], repeats)
+                progress(f"  {case.name}: {variant.label}: measuring")
+                _measure_memory([variant], batch, device)
+                _time_rounds([variant, eager], repeats, device)
                 variant.ratio_to_eager = (statistics.median(variant.times)
                                           / statistics.median(eager.times))
         torch._dynamo.reset()
-    if match_peers and eager.peak:
-        for peer in [s for s in [*peers[1:], *compiled] if not s.error and s.peak]:
-            add("fitgraph", peer.peak / eager.peak, copy.deepcopy(case.model),
-                lambda m, o, b=int(peer.peak): _fitgraph_step(m, batch, loss_fn, o, b,
-                                                             time_budget, optimize, solver),
-                matched=peer.name if peer.budget is None else f"{peer.name} {peer.budget:g}")
-            if not systems[-1].error:
-                plain.append(systems[-1])
+    plain = [s for s in out if not s.error and s not in compiled]
+    if match_peers and eager.peak and "fitgraph" in chosen:
+        by_peak: dict[int, _System] = {}
+        for peer in [s for s in out if s.name not in ("eager", "fitgraph") and not s.error
+                     and s.peak]:
+            if peer.peak in by_peak:  # NOTE: the same bytes asked twice would be the same plan
+                by_peak[peer.peak].matched += f", {peer.label}"
+                continue
+            by_peak[peer.peak] = add("fitgraph", peer.peak / eager.peak, copy.deepcopy(case.model),
+                                     planned("fitgraph", int(peer.peak)), matched=peer.label)
+            if not by_peak[peer.peak].error:
+                plain.append(by_peak[peer.peak])
     progress(f"  {case.name}: {len(plain)} systems: memory, then {repeats} interleaved rounds")
-    _measure_memory(plain, batch)
-    _time_rounds(plain, repeats)
+    _measure_memory(plain, batch, device)
+    _time_rounds(plain, repeats, device)
     eager_s = statistics.median(eager.times) if eager.times else None
 
     def step_s(s: _System) -> float | None:
@@ -172,8 +274,32 @@ def bench_model(case, budgets: list[float], *, repeats: int = 5, compile: bool =
             return s.ratio_to_eager * eager_s  # NOTE: its ratio to eager, on the final eager time
         return statistics.median(s.times)
 
+    def spread(s: _System) -> float | None:
+        return (max(s.times) - min(s.times)) / statistics.median(s.times) if s.times else None
+
     return [BenchRow(case.name, s.name, s.budget, s.peak, step_s(s), s.prepare_s, s.error,
-                     s.matched) for s in systems]
+                     s.matched, s.solve_s, s.notes, spread(s)) for s in out]
+
+
+def solution_notes(sol) -> str:
+    """What a solver says about its plan, in a few words: auto's winner, an exact solver's
+    optimality (or that it stopped at its time limit, with the proven gap), the recomputes."""
+    parts = []
+    if "winner" in sol.notes:
+        parts.append(f"winner {sol.notes['winner']}")
+    if sol.optimal is True:
+        parts.append("optimal")
+    elif sol.optimal is False:
+        status = sol.notes.get("status", "not proven optimal")
+        gap = "" if sol.gap is None else f", gap {sol.gap:.1%}"
+        parts.append(f"{status}{gap}")
+    recomputes = sol.plan.counts().get("recompute", 0)
+    parts.append(f"{recomputes} recomputes")
+    return "; ".join(parts)
+
+
+def matched_labels(row: BenchRow) -> list[str]:
+    return [s for s in row.matched.split(", ") if s]
 
 
 def verdicts(rows: list[BenchRow]) -> list[str]:
@@ -184,7 +310,8 @@ def verdicts(rows: list[BenchRow]) -> list[str]:
         if peer.system in ("eager", "fitgraph") or peer.peak_bytes is None or not peer.step_s:
             continue
         label = peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
-        fg = next((r for r in rows if r.model == peer.model and r.matched == label), None)
+        fg = next((r for r in rows if r.model == peer.model and label in matched_labels(r)),
+                  None)
         head = f"{peer.model}: at {label}'s peak {peer.peak_bytes / 2**20:.1f} MiB"
         if fg is None:
             continue
@@ -199,36 +326,47 @@ def verdicts(rows: list[BenchRow]) -> list[str]:
     return out
 
 
-def _measure_memory(systems: list[_System], batch) -> None:
+def _device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _sync(device) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure_memory(systems: list[_System], batch, device=None) -> None:
     for s in systems:
         s.optimizer.zero_grad(set_to_none=True)
         before = resident_bytes(s.model, batch, s.optimizer)
-        with MemoryMeter() as meter:
+        with MemoryMeter(device) as meter:
             s.step()
         s.peak = before + meter.peak_bytes
 
 
-def _time_rounds(systems: list[_System], repeats: int) -> None:
+def _time_rounds(systems: list[_System], repeats: int, device=None) -> None:
     for s in systems:
         s.times = []
     for r in range(repeats):
         k = r % len(systems)
         for s in systems[k:] + systems[:k]:
             s.optimizer.zero_grad(set_to_none=True)
+            _sync(device)
             t0 = time.perf_counter()
             s.step()
+            _sync(device)
             s.times.append(time.perf_counter() - t0)
 
 
-def _compiled_step(model, batch, loss_fn, opt, budget: float):
+def _compiled_step(model, batch, loss_fn, opt, budget: float, backend: str = "aot_eager"):
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()  # NOTE: compile fresh: a cached graph would keep an earlier budget
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend=backend)
     first = [True]
 
     def step():
-        if first[0]:  # NOTE: the budget is read when the first call compiles
+        if first[0]:  # NOTE: the budget is read when the first call compiles (both graphs)
             with functorch_config.patch(activation_memory_budget=budget):
                 loss = compute_loss(compiled, batch, loss_fn)
                 loss.backward()
@@ -246,6 +384,10 @@ def _fitgraph_step(model, batch, loss_fn, opt, budget: float, time_budget: float
     # NOTE: one eager step first so AdamW state exists and the plan is the steady-state one
     _eager_step(model, batch, loss_fn, opt)()
     opt.zero_grad(set_to_none=True)
-    step = optimize(model, batch, loss_fn, opt, budget=budget, time_budget=time_budget,
-                    solver=solver)
-    return lambda: step(batch)
+    train_step = optimize(model, batch, loss_fn, opt, budget=budget, time_budget=time_budget,
+                          solver=solver)
+
+    def step():
+        return train_step(batch)
+    step.solution = train_step.plan_for(batch).solution  # NOTE: solve time, optimality, notes
+    return step
