@@ -53,7 +53,8 @@ def _overhead(r: BenchRow, eager: BenchRow) -> float | None:
 
 def least_peak_within(rows: list[BenchRow], system: str, overhead: float) -> BenchRow | None:
     """``system``'s measured row of least peak among those at most ``overhead`` slower than
-    eager (measured; fitgraph's rows include its runs at the peers' peaks)."""
+    eager (measured; fitgraph's rows include its runs at the peers' peaks). ``rows``: one
+    model's."""
     eager = _eager(rows, rows[0].model)
     ok = [r for r in _measured(rows, system) if (o := _overhead(r, eager)) is not None
           and o <= overhead]
@@ -62,7 +63,7 @@ def least_peak_within(rows: list[BenchRow], system: str, overhead: float) -> Ben
 
 def least_overhead_under(rows: list[BenchRow], system: str, fraction: float) -> BenchRow | None:
     """``system``'s fastest measured row among those peaking at most ``fraction`` of eager's
-    measured peak."""
+    measured peak. ``rows``: one model's."""
     eager = _eager(rows, rows[0].model)
     if not eager.peak_bytes:
         return None
