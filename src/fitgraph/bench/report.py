@@ -174,14 +174,9 @@ def _version(name: str) -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from ..cost.profiler import cpu_model
+
+    return cpu_model()
 
 
 def machine_lines(threads: int) -> list[str]:

@@ -51,7 +51,7 @@ from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, ValueRef, storage_byte
 from .base import NodeCost
 from .cache import CacheEntry, CostCache
 
-__all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "node_signature"]
+__all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
 log = logging.getLogger(__name__)
 
@@ -481,10 +481,11 @@ def _describe(dev: torch.device) -> tuple[str, str]:
         name = torch.cuda.get_device_name(dev)
         major, minor = torch.cuda.get_device_capability(dev)
         return name, f"cuda {name} sm_{major}{minor}"
-    return "cpu", f"cpu {_cpu_model()}"
+    return "cpu", f"cpu {cpu_model()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
