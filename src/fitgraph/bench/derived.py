@@ -14,7 +14,7 @@ Example:
     >>> case = block_stack("gpt2", 2)
     >>> len(case.model.blocks), case.name
     (2, 'gpt2[2 blocks]')
-    >>> float(case.loss()) > 0
+    >>> float(case.loss().detach()) > 0
     True
 """
 
