@@ -120,11 +120,18 @@ def solve_auto(problem: Problem) -> Solution:
     except BudgetInfeasible as e:
         hot_err = e
     eager = simulate(problem.graph, eager_plan(problem.graph), cm)
+    notes = {"hotspot": _summary(hot, hot_err)}
+    remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
+    off, off_err, off_skip = _joint(problem, hot, eager, t0)
+    notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
+    if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
+        # NOTE: remat + offload beats remat alone: it is the no-split option fission must beat
+        hot, hot_err = off, None
     left = problem.time_budget_s - (time.perf_counter() - t0)
     skip = None
     if budget is not None and eager.peak_bytes <= budget:
         skip = "the eager plan fits the budget: nothing to split"
-    elif budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s:
+    elif remat_fast:
         # NOTE: k parts of a node cost at least the node (launches, whole inputs read again):
         # no split plan can be faster than an eager-fast one
         skip = "hotspot's plan is as fast as the eager plan: no split can be faster"
@@ -132,15 +139,6 @@ def solve_auto(problem: Problem) -> Solution:
         skip = f"no time left for fission ({max(left, 0.0):.1f} s of {problem.time_budget_s:g})"
     elif not splittable_regions(problem, eager):
         skip = "no region live at the eager peak can be split"
-    notes = {"hotspot": _summary(hot, hot_err)}
-    off, off_err, off_skip = _joint(problem, hot, eager, t0)
-    notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
-    if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
-        # NOTE: remat + offload beats remat alone: it is the no-split option fission must beat
-        hot, hot_err = off, None
-    left = problem.time_budget_s - (time.perf_counter() - t0)
-    if skip is None and left < MIN_FISSION_S:
-        skip = f"no time left for fission ({max(left, 0.0):.1f} s of {problem.time_budget_s:g})"
     fis, fis_err = None, None
     if skip is None:
         try:
