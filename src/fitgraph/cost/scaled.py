@@ -10,6 +10,11 @@ new shapes. This wrapper answers from the costs of the graph it was built on ins
   kernel costs that node's time with its launch floor kept and the rest scaled by the part's
   share of the work; workspace scales by the same share (rounded up). A node copied unchanged
   costs exactly the original's.
+* a half of a separated backward (``transform.fission_halo_grads``: ``<name>.input`` and
+  ``<name>.weight``, either maybe split further) is such a share of the whole backward node it
+  came from (``origin``): its FLOPs are its half of the whole's, its bytes what it reads and
+  writes itself. A spatial split runs a convolution chain's backward through separated halves,
+  so this is what lets the search cost halo splits without profiling them.
 * a view (no kernel: ``is_metadata_node``) costs its original view's time, or the median view
   of the original graph if it has none;
 * any other new node costs one launch floor plus its bytes moved at the original graph's
@@ -60,9 +65,11 @@ from ..graph.ir import Graph, Node
 from .base import CostModel, NodeCost
 from .roofline import is_metadata_node
 
-__all__ = ["ScaledCostModel", "original_name"]
+__all__ = ["ScaledCostModel", "origin", "original_name"]
 
 _PART = re.compile(r"(\.part\d+)+$")
+# NOTE: the suffixes ``separate_input_grads`` gives the two nodes a backward becomes
+_HALF = re.compile(r"\.(input|weight)$")
 _FROM_SHAPE = ("aten.new_empty", "aten.new_zeros", "aten.new_ones", "aten.new_full")
 # NOTE: split graphs whose cost tables are kept (a search simulates one graph many times in a
 # row, then moves on; older tables are only memory)
@@ -72,6 +79,23 @@ _KEEP_GRAPHS = 16
 def original_name(name: str) -> str:
     """``"mm_3.part1.part0"`` -> ``"mm_3"``: the node a fission part was made from."""
     return _PART.sub("", name)
+
+
+def origin(name: str) -> tuple[str, ...]:
+    """The names of the original node a (split, separated) node may come from, most specific
+    first: its ``original_name``, then, for a half of a separated backward, the whole node's.
+
+    Example:
+        >>> origin("convolution_backward_2.input.part1")
+        ('convolution_backward_2.input', 'convolution_backward_2')
+        >>> origin("convolution_backward.part0.weight")     # separated after a split
+        ('convolution_backward.part0.weight', 'convolution_backward')
+        >>> origin("mm_3.part1")
+        ('mm_3',)
+    """
+    first = original_name(name)
+    whole = _HALF.sub("", first)
+    return (first,) if whole == first else (first, original_name(whole))
 
 
 class ScaledCostModel:
@@ -140,8 +164,20 @@ class ScaledCostModel:
         # bytes of an input it only takes the dtype of
         return min(1.0, self.work(node) / whole)
 
+    def _original(self, node: Node) -> Node | None:
+        """The node of the original graph ``node`` was made from (None: a new node). A half of
+        a separated backward maps to the whole backward only if it runs the same op: its cost
+        is then a share of the whole's, as a part's is."""
+        names = origin(node.name)
+        orig = self._by_name.get(names[0])
+        if orig is None and len(names) > 1:
+            whole = self._by_name.get(names[1])
+            if whole is not None and whole.target == node.target:
+                orig = whole
+        return orig
+
     def _estimate(self, graph: Graph, node: Node) -> NodeCost:
-        orig = self._by_name.get(original_name(node.name))
+        orig = self._original(node)
         orig_view = orig is not None and is_metadata_node(self.graph, orig)
         if is_metadata_node(graph, node):
             return self._costs[orig.id] if orig_view else NodeCost(self.view_s, 0)

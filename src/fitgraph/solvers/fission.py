@@ -9,7 +9,11 @@ budget holds or nothing lowers the peak. Best is: within the budget, the least l
 it, on one greedy path the most bytes saved per second added (among splits that close their
 share of the gap), on another the lowest peak; with a ``latency_limit``, the lowest peak
 within it. Mean-reduced losses count their targets apart first (``transform.fission_loss``),
-so the logits, the loss and its gradient can run chunk by chunk in one region. What is still
+so the logits, the loss and its gradient can run chunk by chunk in one region. Spatial regions
+(rows of a convolution chain, with a halo) are grown also where the input gradients of the
+backward convolutions are separated from their weight gradients (``solvers.fission_spatial``):
+such a region runs a whole chain, forward and backward, part by part; only the graph of a
+split that needs it is separated. What is still
 over budget goes to ``hotspot`` (remat and reordering on the split graph); remat alone on the
 original graph is one more option, and the best option is returned. The Solution carries the
 split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties
@@ -53,6 +57,7 @@ from ..transform.fission import FissionError, split_region
 from ..transform.fission_loss import count_targets_apart, counting_nodes
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission_regions import candidate_regions, peak_starts
+from .fission_spatial import spatial_candidates
 from .hotspot import solve_hotspot
 
 __all__ = ["FissionConfig", "solve_fission"]
@@ -66,7 +71,8 @@ class FissionConfig:
     ``max_splits``: splits applied in sequence (nested included); ``remat``: hand what is
     still over budget (or the latency left) to ``hotspot``; ``scaled_costs``: with a measured
     cost model, cost the search's split graphs from the original's (``ScaledCostModel``) and
-    profile only the chosen one (False: profile every candidate, slow)."""
+    profile only the chosen one (False: profile every candidate, slow); ``spatial``: also try
+    spatial regions through separated input gradients (``fission_spatial``)."""
 
     ks: tuple[int, ...] = (2, 4, 8, 16, 32)
     max_storages: int = 6
@@ -74,6 +80,7 @@ class FissionConfig:
     max_splits: int = 6
     remat: bool = True
     scaled_costs: bool = True
+    spatial: bool = True
 
 
 @dataclass(frozen=True)
@@ -254,8 +261,9 @@ def _split(base: Graph, region: Region, k: int, cm) -> _Step | FissionError:
     except FissionError as e:
         return e
     start = base.values[region.start[0]].name
+    halo = " (rows with a halo)" if region.halo else ""
     return _Step(g2, _simulate(g2, cm), f"{len(region.nodes)} nodes from {start} dim "
-                                        f"{region.start[1]} in {k} parts", base, region, k)
+                                        f"{region.start[1]} in {k} parts{halo}", base, region, k)
 
 
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
@@ -266,12 +274,17 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
     parts one by one)."""
     g = cur.graph
 
-    def regions():
+    def regions() -> list[tuple[Graph, Region]]:
         starts = peak_starts(g, eager_plan(g), cur.sim, config.max_storages)
-        return candidate_regions(g, starts, config.shares, counting_nodes(g))
+        found = [(g, r) for r in candidate_regions(g, starts, config.shares, counting_nodes(g))]
+        if config.spatial:
+            # NOTE: each in a copy of g with the backward nodes it runs through separated
+            found += spatial_candidates(g, starts, config.shares)
+        return found
 
     tries = [(cur.base, cur.region, [k for k in config.ks if k > cur.k])] if cur.region else []
-    tries += [(g, r, list(config.ks)) for r in _cached(memo, ("regions", id(g)), g, regions)]
+    tries += [(base, r, list(config.ks))
+              for base, r in _cached(memo, ("regions", id(g)), g, regions)]
     best: _Step | None = None
     for base, region, ks in tries:
         last_peak = cur.sim.peak_bytes
