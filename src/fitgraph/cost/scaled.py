@@ -192,10 +192,39 @@ class ScaledCostModel:
         share = self.share(node, orig)
         floor = min(self.launch_s, base.seconds)
         return NodeCost(floor + (base.seconds - floor) * share,
-                        math.ceil(base.workspace_bytes * share))
+                        math.ceil(base.workspace_bytes * _rows_share(node, orig, share)))
 
     def __repr__(self) -> str:
         return f"ScaledCostModel({self.base!r}, {len(self.graph.nodes)} nodes)"
+
+
+def _half_fraction(node: Node, whole: Node) -> float:
+    """The share of ``whole``'s FLOPs that a half of it gets when separated (1.0: ``node`` is
+    no half): one per gradient kind it makes, input and weight (the bias rides with the weight).
+
+    NOTE: the rule ``transform.fission_halo_grads`` splits FLOPs by; read off the outputs, which
+    parts keep (None where a half makes nothing), so that no cost module imports a transform.
+    """
+    def kinds(n: Node) -> int:
+        return sum(1 for o in n.outputs[:2] if o is not None)
+
+    if node.outputs == whole.outputs or len(node.outputs) != len(whole.outputs):
+        return 1.0
+    return kinds(node) / max(kinds(whole), 1)
+
+
+def _rows_share(node: Node, orig: Node, share: float) -> float:
+    """The share of ``orig``'s workspace a node needs: its share of the work, except for a
+    half of a separated backward, which needs the whole's workspace for its rows.
+
+    NOTE: a backward making both gradients runs them one after the other: its workspace is the
+    larger of theirs (measured on CPU convolutions: the input half's is the whole's), so a half
+    is charged all of it (over its part's rows), never half of it.
+    """
+    fraction = _half_fraction(node, orig)
+    if fraction == 1.0 or not orig.flops:
+        return share
+    return min(1.0, node.flops / (orig.flops * fraction))
 
 
 def _weighted_median(pairs: list[tuple[float, int]]) -> float:
