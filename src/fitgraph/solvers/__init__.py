@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (registers)
     dtr,
     eager,
     fission,
+    fission_splits,
     hotspot,
     ilp,
     joint,
