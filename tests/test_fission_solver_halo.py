@@ -89,6 +89,7 @@ def test_solver_splits_a_conv_chain_along_its_rows_where_nothing_else_fits():
     assert {"convolution", "convolution_3", "convolution_backward.input",
             "convolution_backward_2.weight", "convolution_backward_3"} <= parts
     assert not [n for n in _separated(s.graph) if ".part" not in n]
+    assert len(s.notes["separated_grads"]) == 6      # NOTE: 3 backward convolutions, 2 halves
     assert simulate(s.graph, s.plan, ROOFLINE) == s.sim
     again = solve_fission(problem)
     assert graph_fingerprint(again.graph) == graph_fingerprint(s.graph)   # deterministic

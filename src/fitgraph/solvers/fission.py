@@ -13,7 +13,8 @@ so the logits, the loss and its gradient can run chunk by chunk in one region. S
 (rows of a convolution chain, with a halo) are grown also where the input gradients of the
 backward convolutions are separated from their weight gradients (``solvers.fission_spatial``):
 such a region runs a whole chain, forward and backward, part by part; only the graph of a
-split that needs it is separated. What is still
+split that needs it is separated (``notes["separated_grads"]``: the halves the plan's graph
+runs). What is still
 over budget goes to ``hotspot`` (remat and reordering on the split graph); remat alone on the
 original graph is one more option, and the best option is returned. The Solution carries the
 split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties
@@ -155,7 +156,8 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     sol, _, steps, cur = min(done, key=lambda o: _final_key(o[0], budget))
     notes = dict(sol.notes, splits=[s.what for s in steps], timed_out=timed_out or bool(
         sol.notes.get("timed_out")), eager_latency_s=eager.latency_s,
-        fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s)
+        fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s,
+        separated_grads=list(cur.graph.meta.get("separated_grads", [])))
     if scaled:
         notes["search_costs"] = search.name
         notes["graphs_profiled"] = profiled
