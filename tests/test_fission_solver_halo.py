@@ -37,6 +37,7 @@ from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
+from fitgraph.solvers import fission as fission_solver
 from fitgraph.solvers.fission import FissionConfig, solve_fission
 from fitgraph.solvers.fission_regions import peak_starts
 from fitgraph.solvers.fission_spatial import spatial_candidates
@@ -181,6 +182,45 @@ def test_optimize_picks_the_halo_split_and_measures_as_simulated():
                                    atol=1e-5 * (1 + q.grad.abs().max().item()))
     r = step.report()
     assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
+
+
+class _SwitchingBackend:
+    """A measured cost model (it must ``profile`` a graph) whose convolutions take another
+    backend below ``SMALL`` input elements, with a workspace of 6 times their input: what the
+    whole graph's costs cannot tell the scaled estimate of its parts (CPU convolutions do this
+    below 20480 elements)."""
+
+    name = "switching backend"
+
+    def profile(self, graph):
+        pass
+
+    def node_cost(self, graph, node):
+        c = ROOFLINE.node_cost(graph, node)
+        first = graph.values[node.inputs[0]] if node.inputs else None
+        small = first is not None and first.numel < SMALL and node.target in (
+            "aten.convolution.default", "aten.convolution_backward.default")
+        return NodeCost(c.seconds, 6 * first.nbytes if small else 0)
+
+    def copy_seconds(self, nbytes):
+        return ROOFLINE.copy_seconds(nbytes)
+
+
+SMALL = 8 * 64 * 64
+
+
+def test_a_measured_split_over_budget_is_measured_again_in_more_parts(monkeypatch):
+    model, batch, loss_fn = conv_chain()
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = _SwitchingBackend()
+    budget = simulate(g, eager_plan(g), cm).peak_bytes // 2
+    s = solve_fission(Problem(g, cm, budget_bytes=budget))
+    assert s.sim.peak_bytes <= budget and s.notes["graphs_profiled"] >= 2, s.notes
+    assert HALO in s.notes["splits"][-1]
+    assert simulate(s.graph, s.plan, cm) == s.sim        # NOTE: planned on "measured" costs
+    monkeypatch.setattr(fission_solver, "MORE_PARTS_TRIES", 0)
+    with pytest.raises(BudgetInfeasible):
+        solve_fission(Problem(g, cm, budget_bytes=budget))
 
 
 # -- costs without profiling --------------------------------------------------------------------

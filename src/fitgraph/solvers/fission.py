@@ -25,7 +25,8 @@ Measured costs (a cost model that must ``profile`` a graph before costing it): t
 split graphs from the original graph's measurements (``cost.scaled.ScaledCostModel``), so it
 profiles nothing new; the split graph it picks is profiled once and planned again on its
 measured costs (remat on top where still needed), and kept only if it then fits and beats
-remat alone (else the next-best split option is measured).
+remat alone (else its last split is measured in more parts, ``MORE_PARTS_TRIES`` times, then
+the next-best split option is measured).
 
 Example:
     >>> import torch, fitgraph
@@ -188,12 +189,46 @@ def _measure_best(problem: Problem, options: list[_Option], limit: float,
         if measured.sim.latency_s > limit:
             continue  # NOTE: latency mode: measured, the split alone is over the limit
         sol, why = _remat(problem, cm, measured, limit, config, t0)
+        if sol is None and budget is not None:
+            sol, why, steps, measured, more = _more_parts(problem, measured, steps, why,
+                                                          limit, config, t0)
+            profiled += more
         exact.append((sol, why, steps, measured))
         if sol is not None:
             break
     if not fit:
         exact += [o for o in guessed if o[0] is None]  # NOTE: their reasons, for the error
     return exact, profiled
+
+
+# NOTE: measured splits of one region in more parts tried when the estimate undershot; each
+# profiles one split graph (seconds on a CPU), and the first that fits ends the search
+MORE_PARTS_TRIES = 2
+
+
+def _more_parts(problem: Problem, measured: _Step, steps: list[_Step],
+                why: BudgetInfeasible | None, limit: float, config: FissionConfig, t0: float):
+    """The last split of ``measured`` made again in more parts, measured, while it does not
+    fit the budget: the scaled estimate can undershoot a part's measured peak (CPU convolutions
+    switch to a backend with a larger workspace below a size). Returns (plan or None, why not,
+    steps, last measured step, graphs profiled)."""
+    profiled = 0
+    if measured.region is None:
+        return None, why, steps, measured, profiled
+    for k in [k for k in config.ks if k > measured.k][:MORE_PARTS_TRIES]:
+        if time.perf_counter() - t0 > problem.time_budget_s:
+            break
+        step = _split(measured.base, measured.region, k, problem.cost_model)
+        if isinstance(step, FissionError):
+            break
+        profiled += 1
+        if step.sim.peak_bytes >= measured.sim.peak_bytes or step.sim.latency_s > limit:
+            break
+        measured, steps = step, steps[:-1] + [step]
+        sol, why = _remat(problem, problem.cost_model, measured, limit, config, t0)
+        if sol is not None:
+            return sol, why, steps, measured, profiled
+    return None, why, steps, measured, profiled
 
 
 def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
