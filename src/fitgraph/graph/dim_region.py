@@ -80,14 +80,18 @@ class RegionIndex:
 
 
 def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independent",
-                exclude: dict[int, str] | None = None, index: RegionIndex | None = None) -> Region:
+                exclude: dict[int, str] | None = None, index: RegionIndex | None = None,
+                keep_length: bool = False) -> Region:
     """The maximal convex region through which ``dim`` of ``value_id`` flows.
 
     ``whole``: which inputs a part may read whole — "independent": any value that does not
     depend on the region (attention's keys when its queries are split, a loss's scale);
     "weights": only values that do not depend on the batch (weights, masks, constants).
     ``exclude``: node id -> why it must stay out. ``index``: a ``RegionIndex`` of ``graph``,
-    to share when growing many regions of one graph.
+    to share when growing many regions of one graph. ``keep_length``: leave out nodes that
+    would make the split axis coarser than ``dim`` of ``value_id`` (a reshape that ties its
+    elements to a shorter dimension: tokens [batch x sequence] back to batch), so the region
+    keeps that dim's full length.
     """
     if whole not in ("independent", "weights"):
         raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
@@ -100,7 +104,7 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     elif index.graph is not graph:
         raise ValueError("index was built for another graph")
     while True:
-        region = _grow(graph, value_id, dim, excluded, batch_dep, index)
+        region = _grow(graph, value_id, dim, excluded, batch_dep, index, keep_length)
         if not region.nodes:
             return region
         cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred)
@@ -164,7 +168,7 @@ def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:
 
 
 def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
-          batch_dep: set[int] | None, index: RegionIndex) -> Region:
+          batch_dep: set[int] | None, index: RegionIndex, keep_length: bool = False) -> Region:
     users = index.users
     dims: dict[int, Entry] = {start: Along(dim)}
     units: dict[int, Fraction | None] = {start: Fraction(1)}
@@ -190,7 +194,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        got = _join(graph, nid, dims, units, batch_dep, index.options)
+        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length)
         if isinstance(got, str):
             boundary[nid] = got
             continue
@@ -218,14 +222,20 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
 
 
 def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] | None,
-          cache: dict) -> tuple[Split, dict] | str:
+          cache: dict, keep_length: bool = False) -> tuple[Split, dict] | str:
     """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not."""
     opts = _options(graph, nid, cache)
     if isinstance(opts, str):
         return opts
+    coarser = False
     for split, table, ops in opts:
         ratio = _agree(table, dims, units, ops, batch_dep)
         if ratio is _MISSING:
+            continue
+        if keep_length and ratio is not None and any(
+                isinstance(e, Along) and e.window is None and (ratio * e.unit).denominator > 1
+                for vid, e in table.items() if vid not in dims):
+            coarser = True  # NOTE: a unit of the axis would be a fraction of this value's unit
             continue
         for vid, e in table.items():
             if vid in dims:
@@ -235,6 +245,9 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
                 units[vid] = None if ratio is None or e.window is not None else ratio * e.unit
         return split, table
     node = graph.nodes[nid]
+    if coarser:
+        return ("would cut the split axis coarser (a reshape ties it to a shorter dimension); "
+                "the region keeps its length")
     partial = [graph.values[v].name for v in node.inputs if isinstance(dims.get(v), Reduced)]
     if partial:
         return (f"reads {partial[0]}, a partial result of the region: it exists whole only "

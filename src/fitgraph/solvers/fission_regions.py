@@ -111,12 +111,19 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
     out: list[Region] = []
     for vid, dim in starts:
         r = grow_region(graph, vid, dim, exclude=exclude, index=index)
-        if len(r.nodes) < 2 or r.length < 2:
-            continue
-        for share in shares:
-            t = trimmed(graph, r, share, edges) if share > 0 else r
-            # NOTE: a region of views allocates nothing: its parts could only add nodes
-            if len(t.nodes) >= 2 and t.nodes not in seen and any(fresh[n] for n in t.nodes):
-                seen.add(t.nodes)
-                out.append(t)
+        grown = [r]
+        if r.length < graph.values[vid].shape[dim]:
+            # NOTE: the maximal region made the axis coarser (tokens tied to the batch through
+            # a reshape): the one that keeps its full length is a candidate too
+            grown.append(grow_region(graph, vid, dim, exclude=exclude, index=index,
+                                     keep_length=True))
+        for g in grown:
+            if len(g.nodes) < 2 or g.length < 2:
+                continue
+            for share in shares:
+                t = trimmed(graph, g, share, edges) if share > 0 else g
+                # NOTE: a region of views allocates nothing: its parts could only add nodes
+                if len(t.nodes) >= 2 and t.nodes not in seen and any(fresh[n] for n in t.nodes):
+                    seen.add(t.nodes)
+                    out.append(t)
     return out

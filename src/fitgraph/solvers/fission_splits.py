@@ -14,7 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from .base import Problem, Solution, register
+from dataclasses import replace
+
+from .base import BudgetInfeasible, Problem, Solution, register
 from .fission import FissionConfig, solve_fission
 
 __all__ = ["solve_fission_splits"]
@@ -23,4 +25,10 @@ __all__ = ["solve_fission_splits"]
 @register("fission_splits")
 def solve_fission_splits(problem: Problem) -> Solution:
     """``fission`` with ``FissionConfig(remat=False)``."""
-    return solve_fission(problem, config=FissionConfig(remat=False))
+    try:
+        sol = solve_fission(problem, config=FissionConfig(remat=False))
+    except BudgetInfeasible as e:
+        raise BudgetInfeasible(e.budget_bytes, e.smallest_peak_bytes, e.dominated_by,
+                               "fission_splits") from None
+    sol.plan.meta["solver"] = "fission_splits"
+    return replace(sol, solver="fission_splits")

@@ -1,0 +1,103 @@
+"""Collapse reshape round trips: ``x.view(a).view(b)`` reads ``x`` directly, ``x.view(b)``.
+
+``nn.Linear`` on a 3-D input is captured as ``view`` to 2-D, ``mm``, ``_unsafe_view`` back to
+3-D; a token loss then flattens the logits to 2-D again (``logits.flatten(0, 1)``), and the
+backward makes the same round trip in reverse. The 3-D tensor in between is a view only, but
+to operator fission it is a wall: its dimension rules tie the flattened token axis (batch x
+sequence) to the batch dimension alone, so a region along the tokens that passes through it is
+cut in at most ``batch`` parts. Reading the base directly, the lm-head matmul, the log-softmax,
+the loss and their gradients stay on the token axis end to end (the classic chunked
+cross-entropy). Results are unchanged bit for bit: a view of a view of a contiguous tensor is
+that tensor's view. Intermediate views nobody reads any more are dropped.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.execute import execute
+    >>> from fitgraph.transform.view_chains import collapse_view_chains
+    >>> model = torch.nn.Linear(8, 5)
+    >>> batch = (torch.randn(2, 3, 8), torch.tensor([[0, 1, 2], [3, 4, 0]]))
+    >>> def loss_fn(m, b):
+    ...     return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+    >>> g = fitgraph.capture(model, batch, loss_fn)
+    >>> g2 = collapse_view_chains(g)
+    >>> len(g2.nodes) < len(g.nodes)
+    True
+    >>> bool(execute(g2, fitgraph.eager_plan(g2), model, batch) == loss_fn(model, batch))
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..graph.analysis import verify_graph
+from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
+from .fission_writer import GraphWriter
+
+__all__ = ["RESHAPE_VIEWS", "collapse_view_chains"]
+
+# NOTE: ops whose output is the input's elements in the same order, as a view of its storage
+RESHAPE_VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
+
+
+def collapse_view_chains(graph: Graph) -> Graph:
+    """A copy of ``graph`` where each reshape view of a reshape view of a contiguous tensor
+    reads that tensor directly, and views left unread are gone; ``graph`` itself if there is
+    no such chain."""
+    source = {n.id: _base(graph, n) for n in graph.nodes if n.target in RESHAPE_VIEWS}
+    source = {nid: vid for nid, vid in source.items() if vid != graph.nodes[nid].inputs[0]}
+    if not source:
+        return graph
+    outputs = set(graph.outputs.values())
+    readers = _readers_after(graph, source, outputs)
+    w = GraphWriter(graph)
+    for n in graph.nodes:
+        if n.target in RESHAPE_VIEWS and readers[n.outputs[0]] == 0 \
+                and n.outputs[0] not in outputs:
+            continue  # NOTE: a view nobody reads any more: it only kept its name alive
+        w.copy_node(_reading(n, source[n.id]) if n.id in source else n)
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
+
+
+def _base(graph: Graph, node: Node) -> int:
+    """The first tensor up ``node``'s chain of reshape views it can read directly: contiguous,
+    at the same offset, of the same dtype."""
+    out = graph.values[node.outputs[0]]
+    vid = node.inputs[0]
+    while True:
+        p = graph.values[vid].producer
+        if p is None or graph.nodes[p].target not in RESHAPE_VIEWS:
+            return vid
+        up = graph.values[graph.nodes[p].inputs[0]]
+        if not (_dense(up) and up.dtype == out.dtype and up.storage_offset == out.storage_offset):
+            return vid
+        vid = up.id
+
+
+def _dense(v) -> bool:
+    return v.stride == contiguous_strides(v.shape)
+
+
+def _reading(node: Node, base: int) -> Node:
+    """``node`` reading ``base`` in place of its input (a reshape view's first argument)."""
+    args = (ValueRef(base),) + tuple(node.args[1:])
+    return replace(node, args=args, inputs=(base,) + tuple(
+        v for v in node.inputs[1:] if v != base))
+
+
+def _readers_after(graph: Graph, source: dict[int, int], outputs: set[int]) -> dict[int, int]:
+    """value id -> how many nodes read it once the views in ``source`` read their bases and
+    unread views are dropped (graph ``outputs`` are never dropped)."""
+    count = {v.id: 0 for v in graph.values}
+    for n in graph.nodes:
+        reads = (source[n.id],) + n.inputs[1:] if n.id in source else n.inputs
+        for v in set(reads):
+            count[v] += 1
+    # NOTE: dropping a view can leave the view it read unread too (chains of three)
+    for n in reversed(graph.nodes):
+        if n.target in RESHAPE_VIEWS and count[n.outputs[0]] == 0 and n.outputs[0] not in outputs:
+            src = source.get(n.id, n.inputs[0])
+            count[src] -= 1
+    return count
