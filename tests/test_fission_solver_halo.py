@@ -270,7 +270,7 @@ def test_scaled_costs_of_separated_halves_follow_the_whole_backward():
 
 # -- random convolution chains ------------------------------------------------------------------
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([0.5, 0.7]))
 def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
     rng = random.Random(seed)
