@@ -289,3 +289,11 @@ def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
     assert s.sim.peak_bytes <= budget
     if s.graph is not None:
         assert_same_as_eager(model, batch, _sum_of_squares, s.graph_for(g))
+
+
+def test_spatial_search_modules_never_import_torch():
+    from test_boundary import _import_without_torch
+
+    for mod in ("fitgraph.solvers.fission_spatial", "fitgraph.cost.scaled"):
+        r = _import_without_torch(mod)
+        assert r.returncode == 0, r.stderr.strip().splitlines()[-1]
