@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from ..graph.ir import Graph, Node
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
 from ..plan.remat import recompute_without_writes
+from .codegen import compile_plan
 from .offload import HostStore
 from .ops import ArgBinder, resolve_target
 from .optimizer_ops import run_optimizer_node
@@ -101,6 +102,9 @@ class Executor:
         self.skip_writes = {nid: skip for nid in recomputed
                             if (skip := recompute_without_writes(graph, nid))}
         self.host = HostStore(graph, plan, members)
+        # NOTE: the plan as straight-line Python (execute/codegen.py): a few microseconds of
+        # interpreter loop per instruction add up to percents of a step of small ops
+        self._run, self.source = compile_plan(self)
 
     def _callable(self, node: Node):
         if node.target.startswith("fitgraph.optimizer."):
@@ -186,8 +190,7 @@ class Executor:
             env[vid] = t
         del inputs
         with torch.no_grad():
-            for step, ins in zip(self.steps, self.plan.instructions):
-                step(self, ins)
+            self._run(self, env)
             self._write_back(params)
         loss = env[g.outputs["loss"]]
         self.env = []
