@@ -9,7 +9,9 @@ its 50,257-token vocabulary at sequence 1024, 3 layers of width 256, batch 1) fi
 with each solver under each latency limit (``fitgraph.optimize(latency_limit=...)``: the least
 peak within the limit, on this machine's measured op costs), then every plan and eager are
 measured in one process: the peak once under the allocator meter (resident bytes included), the
-step time in interleaved rounds (medians). Torch runs on one thread. The table gives each
+step time in interleaved rounds (overhead: the median over rounds of the plan's time / eager's
+in the same round). ``--reprofile`` measures every op again first (a cached profile may date
+from a busy machine). Torch runs on one thread. The table gives each
 plan's measured peak / eager's and measured overhead, and the verdict against the target: at
 most 10% overhead with a peak at most ``TARGETS[model]`` of eager's (the MAGIS paper's GPU
 range, 15–60% of PyTorch at ≤10%).
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
-import statistics
 import time
 
 import torch
@@ -65,9 +66,9 @@ def _case(name: str):
 
 
 def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budget: float,
-          progress) -> list[dict]:
+          progress, cost_model=None) -> list[dict]:
     from ..api import optimize
-    from .harness import _eager_step, _measure_memory, _System, _time_rounds
+    from .harness import _eager_step, _measure_memory, _System, _time_rounds, paired_ratio
 
     systems = []
     batch, loss_fn = case.batch, case.loss_fn
@@ -94,6 +95,7 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
             _eager_step(m, batch, loss_fn, o)()  # NOTE: AdamW state exists, as in steady state
             o.zero_grad(set_to_none=True)
             step = optimize(m, batch, loss_fn, o, latency_limit=limit, time_budget=time_budget,
+                            cost_model=cost_model,
                             solver=solver)
             return lambda: step(batch)
         return make
@@ -105,14 +107,15 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
     _measure_memory(ok, batch)
     _time_rounds(ok, repeats)
     eager = systems[0]
-    e_s = statistics.median(eager.times)
     out = []
     for s in systems:
-        med = statistics.median(s.times) if s.times else None
-        out.append({"model": case.name, "system": s.name, "limit": s.budget, "peak": s.peak, "peak_ratio": s.peak / eager.peak
-                    if s.peak else None, "overhead": med / e_s - 1 if med else None,
+        ratio = paired_ratio(s.times, eager.times) if s.times else None
+        out.append({"model": case.name, "system": s.name, "limit": s.budget, "peak": s.peak,
+                    "peak_ratio": s.peak / eager.peak if s.peak else None,
+                    "overhead": ratio - 1 if ratio else None,
                     "solve_s": s.prepare_s, "error": s.error})
     return out
+
 
 
 def verdict(row: dict, target: float) -> str:
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solvers", default="auto,joint")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--time-budget", type=float, default=60.0)
+    ap.add_argument("--reprofile", action="store_true",
+                    help="measure every op again now (the cost cache may hold timings taken "
+                         "while other work shared the machine)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     limits = [float(x) for x in args.limits.split(",")]
@@ -140,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
           "| solve (s) | target | verdict |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
+        cm = None
+        if args.reprofile:
+            from ..cost import ProfiledCostModel
+            cm = ProfiledCostModel(progress=False, refresh=True)  # NOTE: one per model
         rows = _rows(_case(name), limits, args.solvers.split(","), args.repeats,
-                     args.time_budget, progress=lambda m: None)
+                     args.time_budget, progress=lambda m: None, cost_model=cm)
         for r in rows:
             if r["system"] == "eager":
                 continue

@@ -11,7 +11,8 @@ Checkmate's MILP, solver ``ilp``, with its own time limit); fitgraph at each bud
 ``auto`` unless told) and at each other system's measured peak. Each gets its own copy of the
 model and an AdamW, is warmed up (compile / solve time recorded), measured once under the
 MemoryMeter, then timed in interleaved rounds (the order rotates each round, so machine noise
-hits all alike); medians. A system that fails is recorded with its error, not dropped.
+hits all alike); a system's step time is eager's median times its median per-round ratio to
+eager (``paired_ratio``). A system that fails is recorded with its error, not dropped.
 
 Example:
     >>> from fitgraph.bench.harness import BenchRow
@@ -34,7 +35,7 @@ from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
 __all__ = ["COMPILERS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
-           "checkpointed", "sac_policy", "verdicts"]
+           "checkpointed", "paired_ratio", "sac_policy", "verdicts"]
 
 # NOTE: the order rows come in; eager always runs (every overhead is against it)
 SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
@@ -247,8 +248,7 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
                 progress(f"  {case.name}: {variant.label}: measuring")
                 _measure_memory([variant], batch, device)
                 _time_rounds([variant, eager], repeats, device)
-                variant.ratio_to_eager = (statistics.median(variant.times)
-                                          / statistics.median(eager.times))
+                variant.ratio_to_eager = paired_ratio(variant.times, eager.times[-repeats:])
         torch._dynamo.reset()
     plain = [s for s in out if not s.error and s not in compiled]
     if match_peers and eager.peak and "fitgraph" in chosen:
@@ -272,6 +272,8 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
             return None
         if s.ratio_to_eager is not None and eager_s is not None:
             return s.ratio_to_eager * eager_s  # NOTE: its ratio to eager, on the final eager time
+        if s is not eager and eager_s is not None and len(s.times) == len(eager.times):
+            return paired_ratio(s.times, eager.times) * eager_s
         return statistics.median(s.times)
 
     def spread(s: _System) -> float | None:
@@ -279,6 +281,19 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
 
     return [BenchRow(case.name, s.name, s.budget, s.peak, step_s(s), s.prepare_s, s.error,
                      s.matched, s.solve_s, s.notes, spread(s)) for s in out]
+
+
+def paired_ratio(times: list[float], eager_times: list[float]) -> float:
+    """The median over rounds of a system's step time / eager's in the same round. NOTE: this
+    machine's speed drifts by tens of percent over minutes (shared cores, clocks); within one
+    round both ran within seconds, so the per-round ratio cancels the drift that a ratio of two
+    medians keeps.
+
+    Example:
+        >>> paired_ratio([1.1, 2.2, 1.1], [1.0, 2.0, 1.0])
+        1.1
+    """
+    return statistics.median(t / e for t, e in zip(times, eager_times))
 
 
 def solution_notes(sol) -> str:
