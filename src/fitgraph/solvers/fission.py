@@ -15,7 +15,8 @@ backward convolutions are separated from their weight gradients (``solvers.fissi
 such a region runs a whole chain, forward and backward, part by part; only the graph of a
 split that needs it is separated (``notes["separated_grads"]``: the halves the plan's graph
 runs). What is still
-over budget goes to ``hotspot`` (remat and reordering on the split graph); remat alone on the
+over budget goes to ``hotspot`` (remat and reordering on the split graph; ``joint``, remat and
+offloading, with ``FissionConfig(offload=True)`` where device memory is apart); remat alone on the
 original graph is one more option, and the best option is returned. The Solution carries the
 split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties
 keep the first; only the deadline (``time_budget_s``) cuts the search short
@@ -62,6 +63,7 @@ from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission_regions import candidate_regions, peak_starts
 from .fission_spatial import spatial_candidates
 from .hotspot import solve_hotspot
+from .joint import solve_joint
 
 __all__ = ["FissionConfig", "solve_fission"]
 
@@ -75,7 +77,9 @@ class FissionConfig:
     still over budget (or the latency left) to ``hotspot``; ``scaled_costs``: with a measured
     cost model, cost the search's split graphs from the original's (``ScaledCostModel``) and
     profile only the chosen one (False: profile every candidate, slow); ``spatial``: also try
-    spatial regions through separated input gradients (``fission_spatial``)."""
+    spatial regions through separated input gradients (``fission_spatial``); ``offload``: hand
+    the split graph to ``joint`` (remat and offloading weighed together) rather than
+    ``hotspot``, where device memory is apart from the host's (a GPU cost model)."""
 
     ks: tuple[int, ...] = (2, 4, 8, 16, 32)
     max_storages: int = 6
@@ -84,6 +88,7 @@ class FissionConfig:
     remat: bool = True
     scaled_costs: bool = True
     spatial: bool = True
+    offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,10 @@ def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig
     budget = problem.budget_bytes
     plain = Solution(eager_plan(cur.graph), cur.sim, "fission", 0.0)
     left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
+    # NOTE: joint is never slower than hotspot (it starts from hotspot's plan), only slower to
+    # search; it offloads only where the host's memory is apart from the device's
+    plan_on = (solve_joint if config.offload and getattr(cm, "host_memory_apart", False)
+               else solve_hotspot)
     if budget is not None:
         if cur.sim.peak_bytes <= budget:
             return plain, None
@@ -363,13 +372,12 @@ def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig
             return None, BudgetInfeasible(budget, cur.sim.peak_bytes, dominated_by(cur.sim),
                                           "fission")
         try:
-            return solve_hotspot(Problem(cur.graph, cm, budget_bytes=budget,
-                                         time_budget_s=left)), None
+            return plan_on(Problem(cur.graph, cm, budget_bytes=budget, time_budget_s=left)), None
         except BudgetInfeasible as e:
             return None, BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by,
                                           "fission")
     factor = limit / cur.sim.latency_s
     if not config.remat or factor <= 1.0:
         return plain, None
-    sol = solve_hotspot(Problem(cur.graph, cm, latency_limit=factor, time_budget_s=left))
+    sol = plan_on(Problem(cur.graph, cm, latency_limit=factor, time_budget_s=left))
     return (sol if sol.sim.peak_bytes < cur.sim.peak_bytes else plain), None

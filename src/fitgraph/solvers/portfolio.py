@@ -11,8 +11,9 @@ asked), the eager peak holds a region that fission can split
 answer as the no-split option. Between the two, where the cost model says device memory is
 apart from the host's (``host_memory_apart``: GPUs; not the CPU, whose "host" is the same RAM)
 and remat alone is slower than eager (or a latency limit is asked), ``joint`` weighs offloading
-against recompute; if it beats hotspot, it is the no-split option fission must beat. Fission's
-split graph is planned with remat only (offloading on a split graph is not searched yet).
+against recompute; if it beats hotspot, it is the no-split option fission must beat; and
+fission's split graphs are planned by ``joint`` too (``FissionConfig(offload=True)``), so
+splits, remat and offloading combine in one plan.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
@@ -60,6 +61,7 @@ MIN_FISSION_S = 1.0
 
 _MIB = 2**20
 _SEARCH = FissionConfig()  # NOTE: what solve_fission searches by default
+_SEARCH_OFFLOAD = FissionConfig(offload=True)
 
 
 def splittable_regions(problem: Problem, eager: SimResult,
@@ -142,8 +144,10 @@ def solve_auto(problem: Problem) -> Solution:
     fis, fis_err = None, None
     if skip is None:
         try:
+            config = (_SEARCH_OFFLOAD if getattr(cm, "host_memory_apart", False)
+                      else _SEARCH)
             fis = solve_fission(dataclasses.replace(problem, time_budget_s=left),
-                                remat_alone=(hot, hot_err))
+                                config=config, remat_alone=(hot, hot_err))
         except BudgetInfeasible as e:
             fis_err = e
         notes["fission"] = _summary(fis, fis_err)
