@@ -30,7 +30,9 @@ def gpt2_tight():
     g = fitgraph.capture(case.model, case.batch, case.loss_fn)
     cm = RooflineCostModel(get_device("rtx3090"))
     budget = int(0.35 * simulate(g, eager_plan(g), cm).peak_bytes)
-    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=20), "auto")
+    # NOTE: time enough for joint on the split graph on a loaded 2-core machine (the search
+    # stops on its own budgets in about 20 s when the machine is quiet)
+    s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=90), "auto")
     return case, g, cm, budget, s
 
 
