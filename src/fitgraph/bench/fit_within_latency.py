@@ -95,8 +95,7 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
             _eager_step(m, batch, loss_fn, o)()  # NOTE: AdamW state exists, as in steady state
             o.zero_grad(set_to_none=True)
             step = optimize(m, batch, loss_fn, o, latency_limit=limit, time_budget=time_budget,
-                            cost_model=cost_model,
-                            solver=solver)
+                            cost_model=cost_model, solver=solver)
             return lambda: step(batch)
         return make
 
@@ -115,7 +114,6 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
                     "overhead": ratio - 1 if ratio else None,
                     "solve_s": s.prepare_s, "error": s.error})
     return out
-
 
 
 def verdict(row: dict, target: float) -> str:

@@ -151,9 +151,9 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
                                           deadline, strategy, memo)
         timed_out |= out_of_time
         ends = [(steps, cur)]
-        if cur.sim.latency_s > limit:
-            within = [i for i, st in enumerate(steps) if st.sim.latency_s <= limit]
-            ends.append((steps[:within[-1] + 1], steps[within[-1]]) if within else ([], start))
+        within = [i for i, st in enumerate(steps) if st.sim.latency_s <= limit]
+        if cur.sim.latency_s > limit and within:
+            ends.append((steps[:within[-1] + 1], steps[within[-1]]))
         for path, end in ends:
             if path and not any(o[3] is end for o in options):  # NOTE: paths may end alike
                 options.append((*_remat(problem, search, end, limit, config, t0), path, end))
