@@ -161,3 +161,24 @@ def test_bench_inductor_for_real():
                        progress=lambda s: None)
     (ind,) = [r for r in rows if r.system == "compile_inductor"]
     assert not ind.error and ind.step_s is not None and ind.peak_bytes
+
+
+def test_each_timed_step_sits_between_two_eager_steps_so_drift_cancels(monkeypatch):
+    # a machine that slows down 10% per step: a system's ratio to eager must still be its own
+    clock, order = [0.0], []
+
+    def system(name: str, cost: float) -> harness._System:
+        def step():
+            order.append(name)
+            clock[0] += cost * (1 + 0.1 * len(order))
+        return harness._System(name, None, nn.Linear(1, 1), torch.optim.SGD(
+            nn.Linear(1, 1).parameters(), lr=0.1), step)
+
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+    eager = system("eager", 1.0)
+    others = [system(f"s{i}", 2.0) for i in range(10)]
+    harness._time_rounds([eager, *others], 3, reference=eager)
+    assert all(order[i] == "eager" for i in range(0, len(order), 2))
+    assert len(eager.times) == 3 * 10 + 1 and all(len(s.ratios) == 3 for s in others)
+    # NOTE: ratio to eager once per round would read 2 x (slowdown over a round) = up to 2.3 here
+    assert all(abs(r - 2.0) < 0.01 for s in others for r in s.ratios)

@@ -9,8 +9,8 @@ its 50,257-token vocabulary at sequence 1024, 3 layers of width 256, batch 1) fi
 with each solver under each latency limit (``fitgraph.optimize(latency_limit=...)``: the least
 peak within the limit, on this machine's measured op costs), then every plan and eager are
 measured in one process: the peak once under the allocator meter (resident bytes included), the
-step time in interleaved rounds (overhead: the median over rounds of the plan's time / eager's
-in the same round). ``--reprofile`` measures every op again first (a cached profile may date
+step time in interleaved rounds, each plan's step between two eager steps (overhead: the median
+of the plan's time / the mean of the eager steps around it). ``--reprofile`` measures every op again first (a cached profile may date
 from a busy machine). Torch runs on one thread. The table gives each
 plan's measured peak / eager's and measured overhead, and the verdict against the target: at
 most 10% overhead with a peak at most ``TARGETS[model]`` of eager's (the MAGIS paper's GPU
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
+import statistics
 import time
 
 import torch
@@ -68,7 +69,7 @@ def _case(name: str):
 def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budget: float,
           progress, cost_model=None) -> list[dict]:
     from ..api import optimize
-    from .harness import _eager_step, _measure_memory, _System, _time_rounds, paired_ratio
+    from .harness import _eager_step, _measure_memory, _System, _time_rounds
 
     systems = []
     batch, loss_fn = case.batch, case.loss_fn
@@ -104,11 +105,11 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
             add(f"fitgraph {solver}", limit, planned(limit, solver))
     ok = [s for s in systems if not s.error]
     _measure_memory(ok, batch)
-    _time_rounds(ok, repeats)
     eager = systems[0]
+    _time_rounds(ok, repeats, reference=eager)
     out = []
     for s in systems:
-        ratio = paired_ratio(s.times, eager.times) if s.times else None
+        ratio = (1.0 if s is eager else statistics.median(s.ratios)) if s.times else None
         out.append({"model": case.name, "system": s.name, "limit": s.budget, "peak": s.peak,
                     "peak_ratio": s.peak / eager.peak if s.peak else None,
                     "overhead": ratio - 1 if ratio else None,

@@ -10,9 +10,10 @@ the classic planners as fitgraph solvers at each budget (``dtr``, ``rotor``, ``c
 Checkmate's MILP, solver ``ilp``, with its own time limit); fitgraph at each budget (solver
 ``auto`` unless told) and at each other system's measured peak. Each gets its own copy of the
 model and an AdamW, is warmed up (compile / solve time recorded), measured once under the
-MemoryMeter, then timed in interleaved rounds (the order rotates each round, so machine noise
-hits all alike); a system's step time is eager's median times its median per-round ratio to
-eager (``paired_ratio``). A system that fails is recorded with its error, not dropped.
+MemoryMeter, then timed in interleaved rounds (the order rotates each round), each of its
+steps between two eager steps; a system's step time is eager's median times the median of its
+step / the mean of the eager steps around it (``_time_rounds``). A system that fails is
+recorded with its error, not dropped.
 
 Example:
     >>> from fitgraph.bench.harness import BenchRow
@@ -128,7 +129,7 @@ class _System:
     peak: int | None = None
     times: list | None = None
     error: str = ""
-    ratio_to_eager: float | None = None  # compile variants: timed against eager in their phase
+    ratios: list | None = None    # step time / the mean of the eager steps around it
     matched: str = ""
     solve_s: float | None = None
     notes: str = ""
@@ -247,8 +248,7 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
             if not variant.error:
                 progress(f"  {case.name}: {variant.label}: measuring")
                 _measure_memory([variant], batch, device)
-                _time_rounds([variant, eager], repeats, device)
-                variant.ratio_to_eager = paired_ratio(variant.times, eager.times[-repeats:])
+                _time_rounds([variant], repeats, device, reference=eager)
         torch._dynamo.reset()
     plain = [s for s in out if not s.error and s not in compiled]
     if match_peers and eager.peak and "fitgraph" in chosen:
@@ -264,16 +264,14 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
                 plain.append(by_peak[peer.peak])
     progress(f"  {case.name}: {len(plain)} systems: memory, then {repeats} interleaved rounds")
     _measure_memory(plain, batch, device)
-    _time_rounds(plain, repeats, device)
+    _time_rounds(plain, repeats, device, reference=eager)
     eager_s = statistics.median(eager.times) if eager.times else None
 
     def step_s(s: _System) -> float | None:
         if not s.times:
             return None
-        if s.ratio_to_eager is not None and eager_s is not None:
-            return s.ratio_to_eager * eager_s  # NOTE: its ratio to eager, on the final eager time
-        if s is not eager and eager_s is not None and len(s.times) == len(eager.times):
-            return paired_ratio(s.times, eager.times) * eager_s
+        if s is not eager and s.ratios and eager_s is not None:
+            return statistics.median(s.ratios) * eager_s  # NOTE: on the final eager time
         return statistics.median(s.times)
 
     def spread(s: _System) -> float | None:
@@ -359,18 +357,41 @@ def _measure_memory(systems: list[_System], batch, device=None) -> None:
         s.peak = before + meter.peak_bytes
 
 
-def _time_rounds(systems: list[_System], repeats: int, device=None) -> None:
-    for s in systems:
-        s.times = []
+def _time_rounds(systems: list[_System], repeats: int, device=None,
+                 reference: _System | None = None) -> None:
+    """Time each system ``repeats`` times, in rounds whose order rotates. With a
+    ``reference`` (eager), each system's step runs between two reference steps and
+    ``ratios`` gets its time over their mean. NOTE: with thirty systems a round lasts tens of
+    seconds and this machine's speed drifts within that; a bracket is two seconds wide, so
+    the ratio cancels the drift that a once-per-round reference keeps (ViT in the first
+    report: the same plan measured 20% apart as two systems)."""
+    others = [s for s in systems if s is not reference]
+    for s in others:
+        s.times, s.ratios = [], []
+    if reference is not None:
+        reference.times = []
+
+    def timed(s: _System) -> float:
+        s.optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        s.step()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    before = timed(reference) if reference is not None else None
+    if before is not None:
+        reference.times.append(before)
     for r in range(repeats):
-        k = r % len(systems)
-        for s in systems[k:] + systems[:k]:
-            s.optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            t0 = time.perf_counter()
-            s.step()
-            _sync(device)
-            s.times.append(time.perf_counter() - t0)
+        k = r % max(len(others), 1)
+        for s in others[k:] + others[:k]:
+            t = timed(s)
+            s.times.append(t)
+            if reference is not None:
+                after = timed(reference)
+                reference.times.append(after)
+                s.ratios.append(t / ((before + after) / 2))
+                before = after
 
 
 def _compiled_step(model, batch, loss_fn, opt, budget: float, backend: str = "aot_eager"):

@@ -198,14 +198,15 @@ def _how_to_read(rows: list[BenchRow], repeats: int, checkmate_time_limit: float
     return f"""\
 Each system runs on its own copy of the model with its own AdamW, in one process: warmed up
 (two steps), measured once under the memory meter, then timed in {repeats} interleaved rounds
-(the order rotates each round, so machine noise hits all alike).
+(the order rotates each round), each of its steps between two eager steps.
 
 - **peak**: resident bytes before the step (weights, batch, AdamW state) plus the allocator's
   peak during one step, measured (CPU: the allocator's own events; CUDA: `max_memory_allocated`).
-- **step**: median measured step time; **overhead**: step / eager's step − 1; **spread**:
-  (max − min) / median of that system's timed steps. torch.compile variants are timed against
-  eager in their own rounds right after compiling (after the next variant's `dynamo.reset()`
-  they would recompile) and reported as that ratio times the final eager time.
+- **step**: eager's median step time × the median of the system's step / the mean of the two
+  eager steps around it (the machine's speed drifts by tens of percent over minutes; within
+  one bracket it does not); **overhead**: step / eager's step − 1; **spread**: (max − min) /
+  median of that system's raw timed steps. torch.compile variants are timed the same way right
+  after compiling (after the next variant's `dynamo.reset()` they would recompile).
 - **budget**: the fraction of eager's measured peak asked for; for torch.compile it is
   `activation_memory_budget`, which bounds saved activations, not the peak. **fitgraph @ X**:
   fitgraph (auto) asked for X's measured peak, in bytes — "at X's memory, who is faster"
