@@ -24,6 +24,10 @@ that write their inputs in place get freshly made inputs before every run, so re
 never drift (to denormals, overflow) and every run does the same work. All of this happens
 under ``torch.random.fork_rng``: profiling never shifts the caller's random stream.
 
+Measured inputs are already written; where the real step writes first into memory an
+``empty``/``empty_like`` just allocated (dropout's mask), ``node_cost`` adds the page faults the
+profile never saw (``cost/first_touch.py``, measured once per machine).
+
 Workspace: ``peak - fresh``, where peak is the meter's peak over the node's run (inputs already
 allocated, outputs still alive at exit) and fresh is the bytes of the storages the IR says the
 node allocates (``new_storages``). The meter's ``end_bytes`` — what the node really left
@@ -50,6 +54,7 @@ from ..graph.analysis import new_storages
 from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, ValueRef, storage_bytes
 from .base import NodeCost
 from .cache import CacheEntry, CostCache
+from .first_touch import measure_seconds_per_byte, untouched_writes
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -64,6 +69,7 @@ _OPTIMIZER_KWARGS = ("hyper", "state_keys", "have")  # not "group"/"param": they
 _COPY_SMALL = 4096
 _COPY_LARGE = 64 * 2**20
 _COPY_REPEATS = 5
+_BLANK_MEMO = 64   # graphs whose untouched writes are remembered
 
 
 class NotProfiledError(KeyError):
@@ -194,6 +200,8 @@ class ProfiledCostModel:
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
         self._copy: dict[str, tuple[float, float]] = {}     # env -> (latency s, s per byte)
+        self._touch: dict[str, float] = {}   # env -> first-touch seconds per byte
+        self._blank: dict[int, tuple[Graph, dict[int, int]]] = {}  # id(graph) -> untouched
 
     # -- keys -----------------------------------------------------------------------------------
     @property
@@ -220,7 +228,37 @@ class ProfiledCostModel:
     # -- the CostModel protocol -----------------------------------------------------------------
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
         e = self._entry(self.key(graph, node), node)
+        blank = self._untouched_bytes(graph).get(node.id, 0)
+        if blank:  # NOTE: page faults the profile never saw (cost/first_touch.py)
+            return NodeCost(e.seconds + blank * self.first_touch_seconds_per_byte(),
+                            e.workspace_bytes)
         return NodeCost(e.seconds, e.workspace_bytes)
+
+    def _untouched_bytes(self, graph: Graph) -> dict[int, int]:
+        memo = self._blank.get(id(graph))
+        if memo is None or memo[0] is not graph:
+            if len(self._blank) >= _BLANK_MEMO:  # NOTE: fission plans many graphs; keep few
+                self._blank.clear()
+            memo = self._blank[id(graph)] = (graph, untouched_writes(graph))
+        return memo[1]
+
+    def first_touch_seconds_per_byte(self) -> float:
+        """Page-fault seconds per byte written first into fresh memory (CPU; 0 on CUDA, whose
+        caching allocator reuses mapped memory), measured once per machine and cached."""
+        if self.device.type != "cpu":
+            return 0.0
+        env = self._env()
+        if env not in self._touch:
+            key = hashlib.sha256(f"first-touch-seconds-per-byte||{env}".encode()).hexdigest()
+            got = self.cache.get_many([key])
+            if key in got:
+                self._touch[env] = got[key].seconds
+            else:
+                self._touch[env] = measure_seconds_per_byte()
+                self.cache.put(key, CacheEntry(self._touch[env], 0, 0), device=self.hardware,
+                               torch_version=torch.__version__,
+                               target="first-touch seconds per byte")
+        return self._touch[env]
 
     def copy_seconds(self, nbytes: int) -> float:
         if nbytes <= 0:
@@ -239,6 +277,7 @@ class ProfiledCostModel:
             self._entries.update(self.cache.get_many(missing))
         todo = {k: n for k, n in todo.items() if k not in self._entries}
         self._copy_params()
+        self.first_touch_seconds_per_byte()
         if not todo:
             return 0
         fresh = new_storages(graph)
