@@ -139,3 +139,21 @@ def test_ilp_plan_runs_bitwise_equal_within_budget_and_beats_hotspot():
     assert_runs_like_eager(a, b, g, s.plan, case, seed=0)
     measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
     assert measured.peak_bytes == s.sim.peak_bytes <= budget
+
+
+@settings(max_examples=25, deadline=None)
+@given(train_like_graphs(), st.floats(0.4, 1.0))
+def test_lp_relaxation_bounds_the_optimum_from_below(case, frac):
+    from fitgraph.solvers.ilp import solve_stages
+
+    g, cost = case
+    sg = stage_graph(g, cost)
+    eager = solve(Problem(g, cost, latency_limit=1.0), "eager")
+    budget = int(frac * eager.sim.peak_bytes)
+    exact = solve_stages(sg, budget, time_limit_s=20)
+    root = solve_stages(sg, budget, time_limit_s=20, relaxed=True)
+    if exact.status == "infeasible":
+        return
+    assert exact.status == "optimal" and root.status == "optimal"
+    assert root.objective <= exact.objective * (1 + 1e-9)
+    assert root.objective >= sum(u.seconds for u in sg.units) * (1 - 1e-9)

@@ -1,7 +1,7 @@
 """How far is the production solver from optimal? ILP vs hotspot on zoo-derived graphs.
 
     python -m fitgraph.bench.ilp_gap [--graphs gpt2:4:8,vit-b16:4:32] [--budgets 0.8,0.6,0.4]
-                                     [--time-limit 120]
+                                     [--time-limit 120] [--relaxation]
 
 A zoo-derived graph (``GRAPH:BLOCKS:BATCH``) is the first ``BLOCKS`` blocks of a zoo model's
 small configuration at batch ``BATCH`` (``bench.derived.block_stack``: the model's own blocks
@@ -14,7 +14,8 @@ solvers' simulated step time relative to eager, and two ratios: hotspot / ILP in
 hotspot / the ILP's proven lower bound (``(1 - gap) ×`` its incumbent's step time) — an upper
 bound on how far hotspot is from the optimum, proven even when HiGHS stops at its time limit.
 The ILP schedules in the captured order; hotspot also reorders, so it may beat the "optimum".
-Checkmate's LP relaxation is weak: graphs of a few hundred units often stop with a gap.
+Checkmate's LP relaxation is weak: graphs of a few hundred units often stop with a gap;
+``--relaxation`` adds the relaxation's own bound / eager (where branch-and-bound starts).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..cost.devices import DEVICES
     from ..cost.roofline import RooflineCostModel
     from ..solvers import Problem, solve
+    from ..solvers.ilp import solve_stages
     from ..solvers.stages import stage_graph
     from .derived import block_stack
 
@@ -105,14 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default=",".join(GRAPHS), help="GRAPH:BLOCKS:BATCH,...")
     ap.add_argument("--budgets", default="0.8,0.6,0.4")
     ap.add_argument("--time-limit", type=float, default=120.0)
+    ap.add_argument("--relaxation", action="store_true",
+                    help="add the LP relaxation's bound (integrality off) / eager per cell")
     args = ap.parse_args(argv)
     cm = RooflineCostModel(DEVICES["rtx3090"])
     print(f"machine: {platform.machine()}, torch {torch.__version__}, RTX 3090 roofline costs, "
           f"zoo block stacks (small configs), no optimizer; ILP time limit "
           f"{args.time_limit:g} s\n")
+    lp_col = " LP relaxation / eager |" if args.relaxation else ""
     print("| graph | units | budget | ILP status | ILP gap | ILP solve (s) | ILP time / eager "
-          "| hotspot time / eager | hotspot / ILP | hotspot / ILP bound |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| hotspot time / eager | hotspot / ILP | hotspot / ILP bound |" + lp_col)
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if lp_col else ""))
     for spec in args.graphs.split(","):
         name, blocks, batch = spec.split(":")
         case = block_stack(name, int(blocks), int(batch))
@@ -121,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         eager = solve(Problem(g, cm, latency_limit=1.0), "eager").sim
         for frac in (float(b) for b in args.budgets.split(",")):
             r = gap_row(g, cm, int(frac * eager.peak_bytes), eager, args.time_limit)
+            lp = ""
+            if args.relaxation:
+                root = solve_stages(stage_graph(g, cm), int(frac * eager.peak_bytes),
+                                    time_limit_s=args.time_limit, relaxed=True)
+                bound = (root.objective / eager.latency_s if root.status == "optimal"
+                         else None)
+                lp = f" {_fmt(bound, '.3f')} |"
             print(f"| {name} ({blocks} blocks, batch {batch}) | {units} | {frac:.0%} "
                   f"| {r['ilp_status']} | {_fmt(r['ilp_gap'], '.1%', '')} | {r['ilp_s']:.0f} "
                   f"| {_fmt(r['ilp_time'], '.3f')} "
                   f"| {_fmt(r['hotspot_time'], '.3f', 'infeasible')} "
-                  f"| {_fmt(r['vs_ilp'], '.3f')} | {_fmt(r['vs_bound'], '.3f')} |", flush=True)
+                  f"| {_fmt(r['vs_ilp'], '.3f')} | {_fmt(r['vs_bound'], '.3f')} |{lp}", flush=True)
     return 0
 
 

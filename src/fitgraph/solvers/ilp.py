@@ -131,10 +131,12 @@ def _use_stages(sg: StageGraph) -> list[set[int]]:
 def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
                  latency_limit_s: float | None = None,
                  time_limit_s: float = 60.0,
-                 start: list[list[int]] | None = None) -> IlpResult:
+                 start: list[list[int]] | None = None, relaxed: bool = False) -> IlpResult:
     """Solve Checkmate's MILP on a stage graph: least compute time within ``budget_bytes``, or
     least peak within ``latency_limit_s`` (seconds of total compute). ``start``: a known
     schedule (stage -> recomputed units) HiGHS starts from; it never changes the optimum.
+    ``relaxed``: the LP relaxation instead (every binary in [0, 1]): its objective is the
+    root bound branch-and-bound starts from; its ``recompute`` is not a schedule.
 
     Memory is per storage (a unit's outputs are freed one by one, as the simulator does):
     ``S[t,v]`` keeps storage ``v``; ``R[t,i]`` (re)makes all of unit ``i``'s storages."""
@@ -259,6 +261,8 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
         for k, v in recompute_terms.items():
             c[k] = v
     chain = max(map(len, points), default=0) + 2
+    if relaxed:
+        m.integral = [0] * len(m.integral)
     return _run(m, c, sg, n, time_limit_s, latency_mode, base_s,
                 _start(m, sg, start) if start is not None else None, byte_unit,
                 byte_unit * FEAS_TOL * 10 * chain)
