@@ -247,6 +247,9 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
                 terms[peak_var] = -1.0
             m.row(terms, const, -np.inf, 0.0 if latency_mode else cap)
             prev = u
+    if not latency_mode:
+        _stage_end_knapsacks(m, sg, t_count=n, cap=cap, byte_unit=byte_unit,
+                             kept_before=kept_before, alive_at=alive_at, S=S, add=add)
     # objective
     c = np.zeros(len(m.integral))
     recompute_terms: dict[int, float] = {}
@@ -266,6 +269,33 @@ def solve_stages(sg: StageGraph, budget_bytes: int | None = None,
     return _run(m, c, sg, n, time_limit_s, latency_mode, base_s,
                 _start(m, sg, start) if start is not None else None, byte_unit,
                 byte_unit * FEAS_TOL * 10 * chain)
+
+
+def _stage_end_knapsacks(m: _Model, sg: StageGraph, *, t_count: int, cap: float,
+                         byte_unit: float, kept_before, alive_at, S, add) -> None:
+    """One redundant row per stage, on binaries only: while unit ``t`` runs (the last point of
+    stage ``t``), every storage kept into stage ``t+1`` is live (nothing runs after ``t`` in
+    its stage), and so are ``t``'s reads, outputs and workspace:
+    ``sum(S[t+1,v] * bytes(v)) + reads + outputs + workspace + kept outputs <= cap``.
+
+    NOTE: the model already implies it through ``U`` and the continuous frees, but there the
+    relaxation can keep 90% of a tensor through a binding stage and top it up after with a
+    10% recompute (a fractional knapsack at every stage). Written on the keep binaries alone it
+    is a knapsack row HiGHS derives cover cuts from: on GPT-2 (2 blocks, 116 units) at 60% the
+    gap after 120 s went from 6.8% to 1.9%, and the incumbent from hotspot's 1.192x of eager
+    to 1.149x."""
+    units, vbytes = sg.units, sg.value_bytes
+    for t in range(t_count - 1):
+        own, reads = set(units[t].values), set(units[t].reads)
+        const = (kept_before[t] + units[t].kept_bytes + units[t].nbytes + units[t].workspace
+                 + sum(vbytes[v] for v in reads if v not in own)) / byte_unit
+        terms: dict[int, float] = {}
+        for v in alive_at[t + 1]:
+            if v in own or v in reads or not vbytes[v]:
+                continue
+            const = add(terms, const, S(t + 1, v), vbytes[v] / byte_unit)
+        if terms:  # NOTE: a constant over the cap: the U rows make the model infeasible already
+            m.row(terms, const, -np.inf, cap)
 
 
 def _start(m: _Model, sg: StageGraph, recompute: list[list[int]]) -> dict[int, float] | None:
