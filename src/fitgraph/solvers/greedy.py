@@ -38,9 +38,9 @@ MIN_BATCH = 32
 SKIPS = 3
 # NOTE: evaluations a local search step (exchange, add_prune) may spend: up to
 # LOCAL_NODE_EVALS / (graph nodes), at most LOCAL_MAX_EVALS — an evaluation costs about O(nodes),
-# so this bounds the added planning time (~0.2 s on BERT-base paper) whatever the graph size
-LOCAL_MAX_EVALS = 2000
-LOCAL_NODE_EVALS = 100_000
+# so this bounds the added planning time (~1 s on BERT-base paper) whatever the graph size
+LOCAL_MAX_EVALS = 4000
+LOCAL_NODE_EVALS = 400_000
 
 
 def local_evals(nodes: int) -> int:
@@ -154,13 +154,20 @@ class Search:
                 lo = mid
         return best, hi
 
-    def prune(self, run: Run, units: list[frozenset[int]], moves: Moves) -> Run:
-        """Undrop units (most recompute seconds first) while the budget holds. Many units that
-        tie (the same block in each layer) are undropped together: the longest prefix that
-        keeps the budget (bisection), none if the first alone does not."""
+    def prune(self, run: Run, units: list[frozenset[int]], moves: Moves,
+              keep: frozenset[int] = frozenset()) -> Run:
+        """Undrop units (most recompute seconds first) while the budget holds; units that
+        touch ``keep`` stay dropped. Many units that tie (the same block in each layer) are
+        undropped together: the longest prefix that keeps the budget (bisection), none if the
+        first alone does not."""
         cur = run.result
         if self.budget_bytes is None or not self.fits_peak(cur.peak_bytes):
             return run
+        # NOTE: then each dropped node alone: a move dropped a chain (attention's output
+        # projection with its dropout and residual) of which only part may still be needed
+        seen = set(units)
+        units = [u for u in [*units, *(u for u in (frozenset({n}) for n in sorted(cur.drop))
+                                       if u not in seen)] if not u & keep]
         sig = [(float(moves.seconds[sorted(u)].sum()), int(moves.node_bytes[sorted(u)].sum()))
                for u in units]
         members: dict[tuple, list[frozenset[int]]] = {}
@@ -234,7 +241,9 @@ class Search:
             return run
         stop = self.evaluations + max_evals
         singles = [k for k, key in enumerate(moves.keys) if key[0] == 0]
-        cost = {k: float(moves.seconds[sorted(moves.nodes[k])].sum()) for k in singles}
+        cost = {k: float(moves.seconds[sorted(moves.nodes[k])].sum())
+                   / max(float(moves.node_bytes[sorted(moves.nodes[k])].sum()), 1.0)
+                for k in singles}
         tried: set[frozenset[int]] = set()
         improved = True
         while improved and self.evaluations < stop and not self.out_of_time():
@@ -251,7 +260,9 @@ class Search:
                 if r is None:
                     continue
                 trial = Run(r, run.ev, run.label, [*run.added, r.drop - cur.drop], run.own_only)
-                trial = self.prune(trial, moves.blocks + trial.added, moves)
+                # NOTE: the move just added stays: undropping it first would only undo it
+                trial = self.prune(trial, moves.blocks + trial.added, moves,
+                                   keep=r.drop - cur.drop)
                 if self._faster_within(trial.result, cur):
                     run, improved = trial, True
                     break
