@@ -1,21 +1,11 @@
 """bench.insitu: every instruction timed in place, grouped beside the cost model's charge."""
 
 import torch
+from test_hotspot import Ms
 
 import fitgraph
 from fitgraph.bench.insitu import _grouped, misses, timed_plans
-from fitgraph.cost.base import NodeCost
 from fitgraph.solvers import Problem, solve
-
-
-class Ms:
-    name = "toy"
-
-    def node_cost(self, g, n):
-        return NodeCost(1e-3, 0)
-
-    def copy_seconds(self, nbytes):
-        return 0.0
 
 
 def test_each_instruction_is_timed_and_the_model_is_not_stepped():
