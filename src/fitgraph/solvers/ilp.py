@@ -8,7 +8,9 @@ solver sets it to the product of its binary conditions, Checkmate's linearisatio
 upper bounds); ``U[t,k]``: bytes live while ``k`` runs in stage ``t``. Constraints: a unit runs
 only when every unit it reads is recomputed earlier in the stage or kept; a value is kept only
 if it existed in the previous stage; ``U[t,k]`` plus ``k``'s workspace stays within the budget.
-Objective: total compute time. With a ``latency_limit`` it minimises the peak instead.
+Objective: total compute time. With a ``latency_limit`` it minimises the peak instead. One
+redundant knapsack row per stage, on the keep binaries alone (``_stage_end_knapsacks``), gives
+HiGHS rows to cut on where Checkmate's relaxation is weakest.
 
 Unlike ``remat_plan`` (each dropped value recomputed once, at its first backward use) a unit may
 be recomputed in any stage and any number of times, so the optimum bounds every remat solver
