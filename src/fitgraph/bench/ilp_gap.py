@@ -125,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         name, blocks, batch = spec.split(":")
         case = block_stack(name, int(blocks), int(batch))
         g = capture(case.model, case.batch, case.loss_fn)
-        units = len(stage_graph(g, cm).units)
+        sg = stage_graph(g, cm)
+        units = len(sg.units)
         eager = solve(Problem(g, cm, latency_limit=1.0), "eager").sim
         for frac in (float(b) for b in args.budgets.split(",")):
             r = gap_row(g, cm, int(frac * eager.peak_bytes), eager, args.time_limit)
             lp = ""
             if args.relaxation:
-                root = solve_stages(stage_graph(g, cm), int(frac * eager.peak_bytes),
+                root = solve_stages(sg, int(frac * eager.peak_bytes),
                                     time_limit_s=args.time_limit, relaxed=True)
                 bound = (root.objective / eager.latency_s if root.status == "optimal"
                          else None)
