@@ -199,8 +199,7 @@ class ProfiledCostModel:
         self._entries: dict[str, CacheEntry] = {}
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
-        self._copy: dict[str, tuple[float, float]] = {}     # env -> (latency s, s per byte)
-        self._touch: dict[str, float] = {}   # env -> first-touch seconds per byte
+        self._constants: dict[tuple, tuple[float, ...]] = {}  # (env, names) -> values
         self._blank: dict[int, tuple[Graph, dict[int, int]]] = {}  # id(graph) -> untouched
 
     # -- keys -----------------------------------------------------------------------------------
@@ -247,18 +246,8 @@ class ProfiledCostModel:
         caching allocator reuses mapped memory), measured once per machine and cached."""
         if self.device.type != "cpu":
             return 0.0
-        env = self._env()
-        if env not in self._touch:
-            key = hashlib.sha256(f"first-touch-seconds-per-byte||{env}".encode()).hexdigest()
-            got = self.cache.get_many([key])
-            if key in got:
-                self._touch[env] = got[key].seconds
-            else:
-                self._touch[env] = measure_seconds_per_byte()
-                self.cache.put(key, CacheEntry(self._touch[env], 0, 0), device=self.hardware,
-                               torch_version=torch.__version__,
-                               target="first-touch seconds per byte")
-        return self._touch[env]
+        return self._machine_constants(("first-touch-seconds-per-byte",),
+                                       lambda: (measure_seconds_per_byte(),))[0]
 
     def copy_seconds(self, nbytes: int) -> float:
         if nbytes <= 0:
@@ -390,22 +379,27 @@ class ProfiledCostModel:
         return statistics.median(times), meter.peak_bytes, meter.end_bytes
 
     def _copy_params(self) -> tuple[float, float]:
+        return self._machine_constants(("copy-latency", "copy-seconds-per-byte"),
+                                       self._measure_copy)
+
+    def _machine_constants(self, names: tuple[str, ...], measure) -> tuple[float, ...]:
+        """Per-machine constants (copy latency and bandwidth, first-touch cost): from memory,
+        else from the cost cache, else ``measure()`` once and cached under this key's env."""
         env = self._env()
-        if env in self._copy:
-            return self._copy[env]
-        lat_key = hashlib.sha256(f"copy-latency||{env}".encode()).hexdigest()
-        bw_key = hashlib.sha256(f"copy-seconds-per-byte||{env}".encode()).hexdigest()
-        got = self.cache.get_many([lat_key, bw_key])
-        if lat_key in got and bw_key in got:
-            params = (got[lat_key].seconds, got[bw_key].seconds)
+        memo = self._constants.get((env, names))
+        if memo is not None:
+            return memo
+        keys = [hashlib.sha256(f"{name}||{env}".encode()).hexdigest() for name in names]
+        got = self.cache.get_many(keys)
+        if all(k in got for k in keys):
+            values = tuple(got[k].seconds for k in keys)
         else:
-            params = self._measure_copy()
-            for k, v, what in ((lat_key, params[0], "copy latency"),
-                               (bw_key, params[1], "copy seconds per byte")):
+            values = tuple(measure())
+            for k, v, name in zip(keys, values, names):
                 self.cache.put(k, CacheEntry(v, 0, 0), device=self.hardware,
-                               torch_version=torch.__version__, target=what)
-        self._copy[env] = params
-        return params
+                               torch_version=torch.__version__, target=name.replace("-", " "))
+        self._constants[(env, names)] = values
+        return values
 
     def _measure_copy(self) -> tuple[float, float]:
         """(latency, seconds per byte) of a host<->device copy (a memcpy on CPU)."""
