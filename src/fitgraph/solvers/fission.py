@@ -5,10 +5,12 @@ tensors along each of their dims (``solvers.fission_regions``: whole and trimmed
 tensors), split each in k parts for k in ``FissionConfig.ks`` (``transform.split_region``) and
 simulate the split graph's eager plan; take the candidate the simulator says is best and repeat
 on the split graph, which may split a part again along another dim (nested fission), until the
-budget holds or nothing lowers the peak. Best is: within the budget, the least latency; over
-it, on one greedy path the most bytes saved per second added (among splits that close their
-share of the gap), on another the lowest peak; with a ``latency_limit``, the lowest peak
-within it. Mean-reduced losses count their targets apart first (``transform.fission_loss``),
+budget holds or nothing lowers the peak. Best is, on one greedy path, the most bytes saved per
+second added (among splits that close their share of the gap to the budget, a split that fits
+included: a whole model run in parts fits alone but slowly, the chunked loss needs remat on top
+but costs nothing); on another, within the budget the least latency, over it the lowest peak;
+with a ``latency_limit``, the lowest peak within it. In budget mode no split is made slower
+than remat alone's plan (no plan on a graph beats its eager plan), nor more parts of it. Mean-reduced losses count their targets apart first (``transform.fission_loss``),
 so the logits, the loss and its gradient can run chunk by chunk in one region. Spatial regions
 (rows of a convolution chain, with a halo) are grown also where the input gradients of the
 backward convolutions are separated from their weight gradients (``solvers.fission_spatial``):
@@ -146,6 +148,14 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     # estimate's error; the measured check (_measure_best) keeps the limit itself, falling back
     # to the last split estimated within it
     search_limit = limit * (1 + ESTIMATE_SLACK) if scaled and budget is None else limit
+    alone = None
+    if budget is not None and config.remat:
+        alone = remat_alone or _remat(problem, cm, unsplit, limit, config, t0)
+        if alone[0] is not None:
+            # NOTE: a plan runs every node of its graph at least once, so no plan on a split
+            # graph is faster than that graph's eager plan: a split whose eager plan is
+            # already slower than remat alone cannot win (nor can more parts of it)
+            search_limit = alone[0].sim.latency_s * (1 + ESTIMATE_SLACK if scaled else 1)
     for strategy in (("least peak",) if budget is None else STRATEGIES):
         steps, cur, out_of_time = _greedy(start, search, budget, search_limit, config,
                                           deadline, strategy, memo)
@@ -159,7 +169,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
                 options.append((*_remat(problem, search, end, limit, config, t0), path, end))
     if config.remat or not options:
         # NOTE: fission is one option among others: remat alone may be faster at this budget
-        alone = remat_alone or _remat(problem, cm, unsplit, limit, config, t0)
+        alone = alone or remat_alone or _remat(problem, cm, unsplit, limit, config, t0)
         options.append((*alone, [], unsplit))
     profiled = 0
     if scaled:
@@ -290,12 +300,13 @@ STRATEGIES = ("cheapest", "deepest")
 
 def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int | None,
             strategy: str, rounds_left: int) -> bool:
-    """Within the budget: least latency. Over it — "least peak" (latency mode) and
-    "deepest": least peak; "cheapest": among splits that close at least their share of the
-    gap to the budget (``1 / rounds_left``) the most bytes saved per second added, else the
-    least peak."""
+    """"least peak" (latency mode) and "deepest": within the budget the least latency, over
+    it the least peak; "cheapest": among splits that close at least their share of the gap to
+    the budget (``1 / rounds_left``; one that fits does) the most bytes saved per second
+    added, else the least peak."""
     def key(s: SimResult):
-        if budget is not None and s.peak_bytes <= budget:
+        fits = budget is not None and s.peak_bytes <= budget
+        if fits and strategy != "cheapest":
             return (0, s.latency_s, s.peak_bytes)
         saved = cur.peak_bytes - s.peak_bytes
         if strategy == "cheapest" and saved * rounds_left >= cur.peak_bytes - budget:

@@ -156,8 +156,10 @@ class GraphWriter:
         if missing:
             raise RuntimeError(f"fission: node {node.name} reads {missing[0]}, which the "
                                "rewritten graph has not produced yet (a bug in the node order)")
-        args = substitute_refs(node.args, iter([remap(v) for v in flatten_refs(node.args)]))
-        kwargs = substitute_refs(node.kwargs, iter([remap(v) for v in flatten_refs(node.kwargs)]))
+        # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
+        stream = iter([remap(v) for v in refs])
+        args = substitute_refs(node.args, stream)
+        kwargs = substitute_refs(node.kwargs, stream)
         outs = []
         for o in node.outputs:
             if o is None:
