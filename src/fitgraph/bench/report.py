@@ -27,6 +27,7 @@ import statistics
 from importlib import metadata
 
 from ..report.plot import FRACTIONS, OVERHEADS, plot_tradeoff
+from .glance import glance_text
 from .harness import SAC_SAVED, SAC_SAVED_PREFIX, BenchRow, verdicts
 
 __all__ = ["least_overhead_under", "least_peak_within", "machine_lines", "markdown_table",
@@ -258,6 +259,7 @@ def write_report(rows: list[BenchRow], directory: str, *, command: str, threads:
         lines.append(f"- load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f} "
                      "(other work on the machine slows and spreads step times)")
     lines += ["", "## How to read it", "", _how_to_read(rows, repeats, checkmate_time_limit)]
+    lines += ["", "## At a glance", "", glance_text(rows)]
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
         png = f"{model}.png"
