@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fitgraph import zoo
-from fitgraph.bench import harness
+from fitgraph.bench import glance, harness
 from fitgraph.bench.harness import (
     SAVE_ON_CPU_ON_CPU,
     SYSTEMS,
@@ -113,6 +113,11 @@ def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypat
     assert (tmp_path / "r" / "mlp.png").stat().st_size > 5000
     with open(tmp_path / "r" / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
+    back = glance.read_csv(str(tmp_path / "r" / "bench.csv"))
+    assert [r.as_dict() for r in back] == [r.as_dict() for r in rows]   # floats via repr: exact
+    won, of = glance.wins(rows)
+    assert of == sum(("wins" in s) or ("loses" in s) for s in lines) and 0 <= won <= of
+    assert "## At a glance" in text and f"**{won} of {of}**" in text
 
 
 def test_bench_cli_report_csv_and_plot(tmp_path, monkeypatch, capsys):
