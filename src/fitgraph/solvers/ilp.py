@@ -18,7 +18,8 @@ working on the same graph and memory model. The schedule becomes a Plan through
 ``plan.staged``; the simulator checks the budget (the MILP's accounting is never below it).
 Variables exist only where they can matter (a unit's live range, extended through the units
 that could recompute from it), so graphs of a few hundred units solve; ``time_budget_s`` caps
-HiGHS, and the Solution reports the proven gap (``optimal``/``gap``).
+HiGHS, and the Solution reports the proven gap (``optimal``/``gap``). ``FG_HIGHS_LOG=1`` shows
+HiGHS's log; ``FG_HIGHS_OPTIONS="name=value,..."`` sets more HiGHS options (experiments).
 
 Example:
     >>> from fitgraph.solvers.ilp import solve_ilp
@@ -421,6 +422,9 @@ def _highs(c, A, lo, hi, upper, integral, time_limit_s: float, start: dict[int, 
     highs.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     highs.setOptionValue("threads", 1)
     highs.setOptionValue("random_seed", 0)
+    for item in filter(None, os.environ.get("FG_HIGHS_OPTIONS", "").split(",")):
+        name, _, value = item.partition("=")  # NOTE: experiments: "mip_pool_soft_limit=50000"
+        highs.setOptionValue(name.strip(), _option_value(value.strip()))
     highs.passModel(lp)
     if start:
         idx = np.array(sorted(start), dtype=np.int32)
@@ -516,3 +520,20 @@ def _production_start(problem: Problem, sg: StageGraph) -> list[list[int]] | Non
     except BudgetInfeasible:
         return None
     return plan_to_stages(problem.graph, sg, sol.plan)
+
+
+def _option_value(text: str):
+    """A HiGHS option value from text: bool, int, float, else the string.
+
+    Example:
+        >>> _option_value("50000"), _option_value("0.5"), _option_value("true"), _option_value("on")
+        (50000, 0.5, True, 'on')
+    """
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
