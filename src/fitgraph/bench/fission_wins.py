@@ -42,7 +42,6 @@ def gpt2_50k():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..capture.api import capture
     from ..cost.devices import DEVICES
     from ..cost.roofline import RooflineCostModel
     from ..solvers import Problem, solve
@@ -65,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
           "| fission time / eager | fission solve (s) | splits |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
-        if name == "gpt2-50k":
-            g = capture(*gpt2_50k())
-            label = "gpt2, 50k vocab, seq 1024 (3x256)"
-        else:
-            g, label = _zoo_graph(name, args.config)
+        g, label = _graph(name, args.config)
         eager = solve(Problem(g, cm, latency_limit=1.0), "eager").sim
         hot = solve(Problem(g, cm, latency_limit=args.latency, time_budget_s=args.time_budget),
                     "hotspot").sim
@@ -86,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _zoo_graph(name: str, config: str):
+def _graph(name: str, config: str):
+    """(graph, label): ``gpt2-50k``, or a zoo model's ``config``, captured on the meta device."""
     from .. import zoo
     from ..capture.api import capture
 
+    if name == "gpt2-50k":
+        return capture(*gpt2_50k()), "gpt2, 50k vocab, seq 1024 (3x256)"
     case = zoo.build(name, config, device="meta")
     return capture(case.model, case.batch, case.loss_fn), f"{name} ({config})"
 
@@ -97,7 +95,6 @@ def _zoo_graph(name: str, config: str):
 def _budget_table(args, cm) -> int:
     """Budget mode: per model and budget, the step time / eager of remat alone and of fission
     (remat on top), fission's solve time and its splits."""
-    from ..capture.api import capture
     from ..solvers import BudgetInfeasible, Problem, solve
 
     print(f"torch {torch.__version__}, RTX 3090 roofline (simulated), {args.config} configs, "
@@ -106,8 +103,7 @@ def _budget_table(args, cm) -> int:
           "| splits |")
     print("|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
-        g, label = ((capture(*gpt2_50k()), "gpt2, 50k vocab, seq 1024 (3x256)")
-                    if name == "gpt2-50k" else _zoo_graph(name, args.config))
+        g, label = _graph(name, args.config)
         eager = solve(Problem(g, cm, latency_limit=1.0), "eager").sim
         for frac in (float(b) for b in args.budgets.split(",")):
             budget = int(frac * eager.peak_bytes)

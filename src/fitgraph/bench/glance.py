@@ -5,7 +5,7 @@
 Three things, each computed from the rows of one ``fitgraph bench`` run (nothing typed in):
 
 - **wins**: at how many peers' measured peaks fitgraph (planned for that many bytes) measured
-  a peak no higher and a step no slower (``harness.verdicts``), out of how many;
+  a peak no higher and a step no slower (``harness.outcome``), out of how many;
 - **in short**: per model, per-block checkpointing, torch.compile's activation memory budget
   (aot_eager, budget 0.5) and fitgraph at each of their peaks, and fitgraph at 0.5 of eager
   ("peak / eager, overhead");
@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 
-from .harness import BenchRow, matched_labels, verdicts
+from .harness import BenchRow, fitgraph_at, outcome
 
 __all__ = ["glance_text", "in_short", "planning_times", "read_csv", "wins"]
 
@@ -56,14 +56,8 @@ def read_csv(path: str) -> list[BenchRow]:
 
 def wins(rows: list[BenchRow]) -> tuple[int, int]:
     """(peers' peaks where fitgraph won, peers' peaks where fitgraph planned and was measured)."""
-    said = [s for s in verdicts(rows) if s.endswith((": wins", ": loses"))]
-    return sum(s.endswith(": wins") for s in said), len(said)
-
-
-def _fitgraph_at(rows: list[BenchRow], peer: BenchRow) -> BenchRow | None:
-    label = peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
-    return next((r for r in rows if r.model == peer.model and r.system == "fitgraph"
-                 and label in matched_labels(r)), None)
+    words = [outcome(rows, peer)[1] for peer in rows]
+    return words.count("wins"), words.count("wins") + words.count("loses")
 
 
 def _short(row: BenchRow | None, eager: BenchRow) -> str:
@@ -87,8 +81,8 @@ def in_short(rows: list[BenchRow]) -> str:
                     None)
         half = next((r for r in mine if r.system == "fitgraph" and r.budget == 0.5
                      and not r.matched), None)
-        cells = [_short(ckpt, eager), _short(ckpt and _fitgraph_at(mine, ckpt), eager),
-                 _short(comp, eager), _short(comp and _fitgraph_at(mine, comp), eager),
+        cells = [_short(ckpt, eager), _short(ckpt and fitgraph_at(mine, ckpt), eager),
+                 _short(comp, eager), _short(comp and fitgraph_at(mine, comp), eager),
                  _short(half, eager)]
         out.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -101,7 +95,7 @@ def planning_times(rows: list[BenchRow]) -> list[dict]:
     for peer in rows:
         if peer.system not in CLASSIC or peer.solve_s is None or peer.error:
             continue
-        fg = _fitgraph_at(rows, peer)
+        fg = fitgraph_at(rows, peer)
         fg_s = None if fg is None or fg.error else fg.solve_s
         out.append({"model": peer.model, "planner": peer.system, "budget": peer.budget,
                     "planner_s": peer.solve_s, "fitgraph_s": fg_s,

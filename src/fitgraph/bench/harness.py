@@ -36,7 +36,8 @@ from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
 __all__ = ["COMPILERS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
-           "checkpointed", "paired_ratio", "sac_policy", "verdicts"]
+           "checkpointed", "fitgraph_at", "outcome", "paired_ratio", "peer_label", "sac_policy",
+           "verdicts"]
 
 # NOTE: the order rows come in; eager always runs (every overhead is against it)
 SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
@@ -315,24 +316,44 @@ def matched_labels(row: BenchRow) -> list[str]:
     return [s for s in row.matched.split(", ") if s]
 
 
+def peer_label(peer: BenchRow) -> str:
+    """How fitgraph's rows name a peer row in ``matched``: 'rotor 0.5', 'checkpoint'."""
+    return peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
+
+
+def fitgraph_at(rows: list[BenchRow], peer: BenchRow) -> BenchRow | None:
+    """fitgraph's row planned for ``peer``'s measured peak (None: none was planned)."""
+    label = peer_label(peer)
+    return next((r for r in rows if r.model == peer.model and r.system == "fitgraph"
+                 and label in matched_labels(r)), None)
+
+
+def outcome(rows: list[BenchRow], peer: BenchRow) -> tuple[BenchRow | None, str | None]:
+    """(fitgraph's row at ``peer``'s peak, "wins" / "loses" / "did not plan"); (None, None)
+    where ``peer`` is not a measured peer or fitgraph was not asked for its peak."""
+    if peer.system in ("eager", "fitgraph") or peer.peak_bytes is None or not peer.step_s:
+        return None, None
+    fg = fitgraph_at(rows, peer)
+    if fg is None:
+        return None, None
+    if fg.error or fg.step_s is None or fg.peak_bytes is None:
+        return fg, "did not plan"
+    won = fg.peak_bytes <= peer.peak_bytes and fg.step_s <= peer.step_s
+    return fg, "wins" if won else "loses"
+
+
 def verdicts(rows: list[BenchRow]) -> list[str]:
     """One line per peer row: fitgraph at that peer's measured peak — lower or equal peak and
     faster ("wins"), slower ("loses"), or not planned (its error)."""
     out = []
     for peer in rows:
-        if peer.system in ("eager", "fitgraph") or peer.peak_bytes is None or not peer.step_s:
-            continue
-        label = peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
-        fg = next((r for r in rows if r.model == peer.model and label in matched_labels(r)),
-                  None)
-        head = f"{peer.model}: at {label}'s peak {peer.peak_bytes / 2**20:.1f} MiB"
+        fg, word = outcome(rows, peer)
         if fg is None:
             continue
-        if fg.error or fg.step_s is None or fg.peak_bytes is None:
+        head = f"{peer.model}: at {peer_label(peer)}'s peak {peer.peak_bytes / 2**20:.1f} MiB"
+        if word == "did not plan":
             out.append(f"{head}: fitgraph did not plan ({fg.error or 'no time'})")
             continue
-        word = ("wins" if fg.peak_bytes <= peer.peak_bytes and fg.step_s <= peer.step_s
-                else "loses")
         out.append(f"{head}: fitgraph {fg.peak_bytes / 2**20:.1f} MiB, "
                    f"{fg.step_s * 1e3:.0f} ms vs {peer.step_s * 1e3:.0f} ms "
                    f"({fg.step_s / peer.step_s - 1:+.1%}): {word}")
