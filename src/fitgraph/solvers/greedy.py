@@ -57,6 +57,7 @@ class Run:
     label: str
     added: list[frozenset[int]] = field(default_factory=list)   # nodes each accepted move added
     own_only: bool = False    # how moves are scored: see Moves.best
+    pairs: bool = False       # when stuck, try two moves at once: see Search._pair
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Search:
     deadline: float
     evaluations: int = 0
     timed_out: bool = False
+    pair_evals: int = 0     # evaluations one stuck greedy step may spend on pairs of moves
 
     def fits_peak(self, peak: int) -> bool:
         return self.budget_bytes is not None and peak <= self.budget_bytes
@@ -101,13 +103,21 @@ class Search:
         """Add the best move until the budget holds, no move lowers the peak, or time's up.
         Moves with a node in ``ban`` are never taken."""
         cur, ev = run.result, run.ev
-        banned = np.array([bool(nodes & ban) for nodes in moves.nodes], dtype=bool)
+        forbidden = np.array([bool(nodes & ban) for nodes in moves.nodes], dtype=bool)
+        banned = forbidden.copy()
         dropped = np.zeros(len(moves.candidate), dtype=bool)
         dropped[sorted(cur.drop)] = True
         while not self.fits_peak(cur.peak_bytes) and not self.out_of_time():
             ties = moves.best(moves.hot_nodes(cur.peak_made), dropped, banned, run.own_only)
             if not ties:
-                break
+                pair = self._pair(ev, cur, moves, forbidden, dropped) if run.pairs else None
+                if pair is None:
+                    break
+                run.added.append(pair.drop - cur.drop)
+                cur = pair
+                dropped[sorted(cur.drop)] = True
+                banned = forbidden.copy()  # NOTE: the peak moved: what it banned may help now
+                continue
             # NOTE: tied moves (one per layer) go in together, the smallest prefix that fits,
             # instead of one evaluation each: what makes 250-layer graphs fast
             alike = _disjoint([moves.nodes[k] for k in ties if moves.shape[k] == moves.shape[ties[0]]])
@@ -127,6 +137,38 @@ class Search:
                 banned[ties[0]] = True
         run.result = cur
         return run
+
+    def _pair(self, ev: RematEvaluator, cur: RematEval, moves: Moves, forbidden: np.ndarray,
+              dropped: np.ndarray) -> RematEval | None:
+        """When no single move lowers the peak: the two moves that lower it most together
+        (least latency among equals). The peak often has a twin as high elsewhere (block 2's
+        attention backward beside block 3's) that one move cannot lower without the other.
+        Pairs: neither move raises the peak alone, one frees a storage live at it; tried in
+        order of the recompute seconds they add, within ``pair_evals`` evaluations (with the
+        single moves' own). None if no pair tried lowers the peak."""
+        stop = self.evaluations + self.pair_evals
+        hot = moves.hot_nodes(cur.peak_made) & ~dropped
+        level, is_hot = [], []
+        for k, nodes in enumerate(moves.nodes):
+            if forbidden[k] or not nodes - cur.drop:
+                continue
+            if self.evaluations >= stop or self.out_of_time():
+                return None
+            r = self.evaluate(ev, cur.drop | nodes, cur)
+            if r is not None and r.peak_bytes <= cur.peak_bytes and r.latency_s <= self.limit_s:
+                level.append(k)
+                is_hot.append(bool(hot[sorted(nodes)].any()))
+        secs = {k: float(moves.seconds[sorted(moves.nodes[k] - cur.drop)].sum()) for k in level}
+        pairs = sorted((secs[a] + secs[b], a, b) for i, a in enumerate(level)
+                       for j, b in enumerate(level) if i < j and (is_hot[i] or is_hot[j]))
+        found = []
+        for _, a, b in pairs:
+            if self.evaluations >= stop or self.out_of_time():
+                break
+            r = self.evaluate(ev, cur.drop | moves.nodes[a] | moves.nodes[b], cur)
+            if self._lowers(r, cur):
+                found.append(r)
+        return min(found, key=lambda r: (r.peak_bytes, r.latency_s), default=None)
 
     def _lowers(self, trial: RematEval | None, cur: RematEval) -> bool:
         return (trial is not None and trial.peak_bytes < cur.peak_bytes

@@ -14,7 +14,8 @@ the peak (a recompute keeps its inputs alive into the backward) is rejected rath
 The search, in budget mode (least latency within ``budget_bytes``):
 
 1. two starts in the captured order — nothing dropped, and every block checkpointed (single
-   moves cannot always undo a recompute cascade) — each grown greedily until the budget holds,
+   moves cannot always undo a recompute cascade) — each grown greedily until the budget holds
+   (where no single move lowers the peak, a pair of moves may: ``Search._pair``),
    then pruned (moves no longer needed are undropped, most recompute time first), then
    improved by local search (``Search.exchange``: take a move back and regrow without it;
    ``Search.add_prune``: add one move and prune what it makes unnecessary), within an evaluation
@@ -81,14 +82,15 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
     limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
              else float("inf"))
     search = Search(problem.budget_bytes, limit,
-                    t0 + (1 - FINAL_SHARE) * problem.time_budget_s)
+                    t0 + (1 - FINAL_SHARE) * problem.time_budget_s,
+                    pair_evals=local_evals(len(g.nodes)))
     blocks = moves.blocks
     firsts = [(eager, "captured")]
     if moves.every_block:
         every = search.evaluate(ev, moves.every_block)
         if every is not None:
             firsts.append((every, "captured, every block checkpointed"))
-    starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own)
+    starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own, pairs=True)
               for r, label in firsts for own in (False, True)]
     best = None
     for run in starts:  # NOTE: the starts' own evaluations come first: anytime from here on
@@ -133,7 +135,7 @@ def _reorder(g, search: Search, moves, blocks, best: Run) -> Run:
         if start is None or start.peak_bytes > best.result.peak_bytes:
             continue
         run = Run(start, ev, f"{best.label}; memory-aware order ({strategy}, drop-aware)",
-                  list(best.added), best.own_only)
+                  list(best.added), best.own_only, pairs=True)
         run = search.prune(search.grow(run, moves), blocks + run.added, moves)
         if search.better(run.result, best.result):
             best = run
