@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
 
 from fitgraph.graph.deps import dependencies
-from fitgraph.plan.remat import RematError, recomputable, remat_plan
+from fitgraph.plan.remat import RematError, per_use, recomputable, remat_plan
 from fitgraph.plan.reorder import memory_aware_order
 from fitgraph.sim.remat_eval import RematEvaluator
 from fitgraph.sim.simulate import simulate
@@ -58,9 +58,14 @@ def assert_same(g, cost, ev, drop, order, base=None):
     return r
 
 
-@settings(max_examples=200, deadline=None)
-@given(random_graphs(), st.randoms(use_true_random=False), st.integers(0, 2))
-def test_evaluator_equals_simulating_the_plan(case, rnd, which_order):
+def with_per_use(g, drop: set[int], rnd: random.Random) -> set[int]:
+    """``drop`` with about half its nodes dropped per use instead (``per_use`` entries)."""
+    return {per_use(g, n) if rnd.random() < 0.5 else n for n in drop}
+
+
+@settings(max_examples=300, deadline=None)
+@given(random_graphs(), st.randoms(use_true_random=False), st.integers(0, 2), st.booleans())
+def test_evaluator_equals_simulating_the_plan(case, rnd, which_order, per_use_too):
     g, cost = case
     order = [None, memory_aware_order(g, "strict"), random_order(g, rnd)][which_order]
     ev = RematEvaluator(g, cost, order)
@@ -69,6 +74,8 @@ def test_evaluator_equals_simulating_the_plan(case, rnd, which_order):
     base = None
     for _ in range(4):  # NOTE: each step adds and removes nodes from the last one
         drop = {n for n in candidates if rnd.random() < 0.5}
+        if per_use_too:
+            drop = with_per_use(g, drop, rnd)
         base = assert_same(g, cost, ev, drop, order, base) or base
     assert_same(g, cost, ev, set(), order, base)
 
@@ -91,6 +98,8 @@ def test_evaluator_on_transformer_like_graphs(rnd, reorder):
     order = memory_aware_order(g, "strict", first) if reorder else None
     ev = RematEvaluator(g, cost, order)
     base = assert_same(g, cost, ev, first, order)
-    for _ in range(4):
+    for i in range(6):
         drop = set(base.drop) ^ set(rnd.sample(candidates, 3))
+        if i % 2:  # NOTE: and some dropped per use, or back
+            drop ^= {per_use(g, n) for n in rnd.sample(candidates, 3)}
         base = assert_same(g, cost, ev, drop, order, base) or base

@@ -56,9 +56,11 @@ def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 
 def block_stack(name: str, blocks: int, batch_size: int | None = None,
-                seed: int = 0) -> ZooCase:
+                seed: int = 0, dropout: bool = True) -> ZooCase:
     """The first ``blocks`` blocks of zoo model ``name`` (small configuration, ``batch_size``
-    overriding the config's), on the hidden states its first block receives."""
+    overriding the config's), on the hidden states its first block receives.
+    ``dropout=False``: the blocks run without dropout (as in most LLM pre-training today), by
+    putting every module but batch norms in eval mode."""
     from .. import zoo
 
     case = zoo.build(name, "small", batch_size=batch_size, seed=seed)
@@ -81,9 +83,14 @@ def block_stack(name: str, blocks: int, batch_size: int | None = None,
         hook.remove()
     x, *extras = seen["args"]
     stack = BlockStack(found[:blocks], tuple(extras))
+    if not dropout:
+        for m in stack.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.training = False
     with torch.no_grad():
         target = torch.randn(stack(x).shape, generator=torch.Generator().manual_seed(seed + 1))
-    return ZooCase(name=f"{name}[{blocks} blocks]", config="small", model=stack,
+    tag = "" if dropout else ", no dropout"
+    return ZooCase(name=f"{name}[{blocks} blocks{tag}]", config="small", model=stack,
                    batch=(x.detach().clone(), target), loss_fn=_mse,
                    block_types=case.block_types,
-                   description=f"the first {blocks} blocks of {name} (small), MSE loss")
+                   description=f"the first {blocks} blocks of {name} (small{tag}), MSE loss")

@@ -5,7 +5,8 @@
 
 A zoo-derived graph (``GRAPH:BLOCKS:BATCH``) is the first ``BLOCKS`` blocks of a zoo model's
 small configuration at batch ``BATCH`` (``bench.derived.block_stack``: the model's own blocks
-on the hidden states they receive, MSE loss), captured without an optimizer and costed with the
+on the hidden states they receive, MSE loss; ``GRAPH:BLOCKS:BATCH:nodropout`` without dropout),
+captured without an optimizer and costed with the
 RTX 3090 roofline model (deterministic, no profiling). The batch is large enough that
 activations dominate, as in a deep model, so 40% of the eager peak is reachable.
 
@@ -99,21 +100,21 @@ def gap_row(graph, cm, budget: int, eager, time_limit_s: float) -> dict:
 
 def _in_hotspot_model(graph, cm, ilp, budget: int, eager) -> float | str:
     """The ILP's schedule as a drop set in ``hotspot``'s own model (each recomputed node
-    dropped after the forward, recomputed once at its first backward use, captured order):
-    its step time / eager if it fits ``budget`` — where that beats hotspot, hotspot's search
-    missed a plan it can express — else why not."""
+    dropped after the forward and recomputed at its first backward use, captured order; those
+    the ILP recomputes more than once dropped per use, ``plan.remat.per_use``): its step time
+    / eager if it fits ``budget`` — where that beats hotspot, hotspot's search missed a plan it
+    can express — else why not."""
     from ..plan.instructions import Recompute
-    from ..plan.remat import RematError, remat_tables
+    from ..plan.remat import RematError, per_use, remat_tables
     from ..sim.remat_eval import RematEvaluator
 
     counts: dict[int, int] = {}
     for ins in ilp.plan.instructions:
         if isinstance(ins, Recompute):
             counts[ins.node] = counts.get(ins.node, 0) + 1
-    if any(c > 1 for c in counts.values()):
-        return "recomputes twice"
+    drop = [per_use(graph, nid) if c > 1 else nid for nid, c in counts.items()]
     try:
-        r = RematEvaluator(graph, cm, tables=remat_tables(graph)).evaluate(sorted(counts))
+        r = RematEvaluator(graph, cm, tables=remat_tables(graph)).evaluate(drop)
     except RematError:
         return "not a drop set"
     return r.latency_s / eager.latency_s if r.peak_bytes <= budget else "over budget"
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from .derived import block_stack
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--graphs", default=",".join(GRAPHS), help="GRAPH:BLOCKS:BATCH,...")
+    ap.add_argument("--graphs", default=",".join(GRAPHS), help="GRAPH:BLOCKS:BATCH[:nodropout],...")
     ap.add_argument("--budgets", default="0.8,0.6,0.4")
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--relaxation", action="store_true",
@@ -153,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
           "| ILP's drop set in hotspot's model / eager |" + lp_col)
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if lp_col else ""))
     for spec in args.graphs.split(","):
-        name, blocks, batch = spec.split(":")
-        case = block_stack(name, int(blocks), int(batch))
+        name, blocks, batch, *flags = spec.split(":")
+        unknown = set(flags) - {"nodropout"}
+        if unknown:
+            raise SystemExit(f"unknown graph flag(s) {', '.join(sorted(unknown))} in {spec!r}; "
+                             "known: nodropout")
+        case = block_stack(name, int(blocks), int(batch), dropout="nodropout" not in flags)
         g = capture(case.model, case.batch, case.loss_fn)
         sg = stage_graph(g, cm)
         units = len(sg.units)
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 bound = (root.objective / eager.latency_s if root.status == "optimal"
                          else None)
                 lp = f" {_fmt(bound, '.3f')} |"
-            print(f"| {name} ({blocks} blocks, batch {batch}) | {units} | {frac:.0%} "
+            tag = ", no dropout" if "nodropout" in flags else ""
+            print(f"| {name} ({blocks} blocks, batch {batch}{tag}) | {units} | {frac:.0%} "
                   f"| {r['ilp_status']} | {_fmt(r['ilp_gap'], '.1%', '')} | {r['ilp_s']:.0f} "
                   f"| {_fmt(r['ilp_time'], '.3f')} "
                   f"| {_fmt(r['hotspot_time'], '.3f', 'infeasible')} "

@@ -29,8 +29,8 @@ from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
 __all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "inplace_chains",
-           "is_view_node", "recomputable", "recompute_without_writes", "remat_plan",
-           "remat_tables"]
+           "is_view_node", "per_use", "recomputable", "recompute_without_writes", "remat_plan",
+           "remat_tables", "split_drop"]
 
 
 class RematError(ValueError):
@@ -190,6 +190,27 @@ def complete_drop(graph: Graph, drop: Iterable[int], tables: RematTables) -> set
     return drop
 
 
+def per_use(graph: Graph, nid: int) -> int:
+    """The drop-set entry for "drop node ``nid`` and free what a recompute re-created only to
+    feed other recomputes": ``len(graph.nodes) + nid`` (see ``remat_plan``)."""
+    return len(graph.nodes) + nid
+
+
+def split_drop(graph: Graph, drop: Iterable[int]) -> tuple[set[int], set[int]]:
+    """(nodes dropped, nodes dropped per use) of a drop set whose entries are node ids or
+    ``per_use`` entries (which drop their node too)."""
+    n = len(graph.nodes)
+    nodes, once = set(), set()
+    for x in drop:
+        if not 0 <= x < 2 * n:
+            raise RematError(f"drop-set entry {x} names no node (the graph has {n} nodes; "
+                             f"{n}..{2 * n - 1} are per-use entries)")
+        nodes.add(x % n)
+        if x >= n:
+            once.add(x - n)
+    return nodes, once
+
+
 def not_recomputable(graph: Graph, vid: int) -> RematError:
     """The error for a value needed again whose producer may not be re-run."""
     p = graph.values[vid].producer
@@ -203,10 +224,19 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
     """The plan that computes ``order`` (default: captured order) and drops the outputs of the
     nodes in ``drop`` at the end of the forward+loss phases (``drop_point``), recomputing them
     on demand.
+
+    A ``per_use(graph, nid)`` entry drops node ``nid`` too, and frees what a backward node's
+    recomputes re-create of it only to feed other recomputes once that node has run (where the
+    backward node reads none of its outputs itself); it is recomputed again when needed again — what
+    Checkmate's schedules do when one value feeds two recomputes far apart (block 3's input,
+    recomputed early in the backward, and block 2's MLP, much later).
     ``tables`` (from ``remat_tables``) saves recomputing the graph's tables on every call."""
     order = [n.id for n in graph.nodes] if order is None else list(order)
     t = remat_tables(graph) if tables is None else tables
+    drop, once = split_drop(graph, drop)
     drop = complete_drop(graph, drop, t)
+    once = complete_drop(graph, once, t)
+    remade: set[int] = set()  # NOTE: per-use nodes the current backward node's walks re-ran
     avail: set[int] = set(graph.inputs)
     events: list[Instruction] = []
 
@@ -238,6 +268,8 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                 raise _reads_updated_weight(graph, frame[0])
             events.append(Recompute(frame[0]))
             avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
+            if frame[0] in once:
+                remade.add(frame[0])
 
     updated: set[int] = set()  # NOTE: weights an update has already changed
     boundary = drop_point(graph, order)
@@ -250,10 +282,17 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
             ensure(u)
         events.append(Compute(nid))
         avail.update(o for o in graph.nodes[nid].outputs if o is not None)
+        if remade:  # NOTE: per node: a recompute re-makes all its storages again
+            read = {graph.values[u].storage for u in graph.nodes[nid].inputs}
+            for m in remade:
+                if read.isdisjoint(t.fresh[m]):
+                    for s in t.fresh[m]:
+                        avail.difference_update(t.members[s])
+            remade.clear()
         if graph.nodes[nid].phase is Phase.OPTIMIZER:
             updated.update(graph.values[v].storage for v in graph.nodes[nid].mutates)
     return Plan(tuple(_with_frees(graph, events, t.fresh, t.keep)),
-                meta={"dropped": sorted(drop)})
+                meta={"dropped": sorted(drop | {per_use(graph, nid) for nid in once})})
 
 
 def _reads_updated_weight(graph: Graph, nid: int) -> RematError:

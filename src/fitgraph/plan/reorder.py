@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from ..graph.analysis import new_storages, output_storages
 from ..graph.deps import dependencies
 from ..graph.ir import Graph, Phase
+from .remat import split_drop
 
 __all__ = ["STRATEGIES", "memory_aware_order"]
 
@@ -60,7 +61,9 @@ def memory_aware_order(graph: Graph, strategy: str = "strict",
     for nid, st in touches.items():
         for s in st:
             touchers.setdefault(s, []).append(nid)
-    again = _split_dropped(graph, set(dropped), fresh, touches, touchers, nbytes)
+    # NOTE: a per-use entry (plan.remat.per_use) orders like its node dropped
+    again = _split_dropped(graph, split_drop(graph, dropped)[0], fresh, touches, touchers,
+                           nbytes)
     remaining = {s: len(ns) for s, ns in touchers.items()}
     alloc = {nid: sum(nbytes[s] for s in fresh[nid]) + sum(nbytes[s] for s in st if s in again)
              for nid, st in touches.items()}

@@ -54,7 +54,9 @@ class Packed:
 
     Rows: per recompute (node, position it precedes, event_key); per storage a recompute reads
     or writes (the recompute's key, storage); per dropped storage allocated before the
-    backward (storage, key of the recompute that re-creates it or -1)."""
+    backward (storage, key of the recompute that re-creates it for good, or -1); per short
+    lifetime of a per-use storage (``remat_plan``: re-created only to feed other recomputes,
+    freed after their backward node) (storage, key that makes it, key of its last use)."""
 
     pid: np.ndarray
     nodes: np.ndarray
@@ -66,38 +68,47 @@ class Packed:
     d_pid: np.ndarray
     d_st: np.ndarray
     d_key: np.ndarray
+    c_pid: np.ndarray
+    c_st: np.ndarray
+    c_start: np.ndarray
+    c_end: np.ndarray
 
     @staticmethod
     def empty() -> Packed:
-        return Packed(*([_EMPTY] * 10))
+        return Packed(*([_EMPTY] * 14))
 
     def replace(self, old: list[int], new: Packed) -> Packed:
         """Without the rows of parts ``old`` (pids), with the rows ``new``."""
-        keep_e = keep_t = keep_d = slice(None)
+        keep_e = keep_t = keep_d = keep_c = slice(None)
         if old:
             gone = np.array(old, dtype=np.int64)
             keep_e = ~np.isin(self.pid, gone)
             keep_t = ~np.isin(self.t_pid, gone)
             keep_d = ~np.isin(self.d_pid, gone)
+            keep_c = ~np.isin(self.c_pid, gone)
         keep = {"pid": keep_e, "nodes": keep_e, "q": keep_e, "key": keep_e, "t_pid": keep_t,
                 "t_key": keep_t, "t_st": keep_t, "d_pid": keep_d, "d_st": keep_d,
-                "d_key": keep_d}
+                "d_key": keep_d, "c_pid": keep_c, "c_st": keep_c, "c_start": keep_c,
+                "c_end": keep_c}
         return Packed(**{f: np.concatenate([getattr(self, f)[k], getattr(new, f)])
                          for f, k in keep.items()})
 
 
-def walk_parts(ev, region: set[int], drop: frozenset[int]) -> tuple[list[Part], Packed]:
+def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] = frozenset()
+               ) -> tuple[list[Part], Packed]:
     """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
-    evaluator ``ev``'s order; split them into parts, with their rows. RematError as
-    ``remat_plan``."""
+    evaluator ``ev``'s order (``once``: the nodes dropped per use); split them into parts, with
+    their rows. RematError as ``remat_plan``."""
     G, t = ev.G, ev.G.t
     unavail: set[int] = set()
     for d in region:
         unavail.update(ev.unavail_of[d])
+    once = region & once
     positions = sorted({p for v in unavail for p in ev.back_readers.get(v, ())})
     nodes: list[int] = []
     qs: list[int] = []
     keys: list[int] = []
+    cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
 
     def producer(vid: int) -> int:
         p = G.producer[vid]
@@ -106,6 +117,8 @@ def walk_parts(ev, region: set[int], drop: frozenset[int]) -> tuple[list[Part], 
         return p
 
     for q in positions:
+        made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
+        last: dict[int, int] = {}
         for j, u in enumerate(G.inputs[ev.order[q]]):
             if u not in unavail:
                 continue
@@ -120,15 +133,28 @@ def walk_parts(ev, region: set[int], drop: frozenset[int]) -> tuple[list[Part], 
                         stack.append([producer(v), 0])
                     continue
                 stack.pop()
-                keys.append(event_key(q, j, len(nodes)))
+                key = event_key(q, j, len(nodes))
+                keys.append(key)
                 nodes.append(frame[0])
                 qs.append(q)
                 unavail.difference_update(G.outputs[frame[0]])
-    return _split(ev, region, nodes, qs, keys)
+                if once:
+                    for v in (*G.inputs[frame[0]], *G.outputs[frame[0]]):
+                        last[G.storage_of[v]] = key
+                    if frame[0] in once:
+                        made[frame[0]] = key
+        if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
+            read = {G.storage_of[v] for v in G.inputs[ev.order[q]]}
+            for m, key in made.items():
+                if read.isdisjoint(t.fresh[m]):
+                    for st in t.fresh[m]:
+                        cycles[st, key] = last[st]
+                        unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
+    return _split(ev, region, nodes, qs, keys, cycles)
 
 
-def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int]
-           ) -> tuple[list[Part], Packed]:
+def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int],
+           cycles: dict[tuple[int, int], int]) -> tuple[list[Part], Packed]:
     """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``, union-find)."""
     G, t = ev.G, ev.G.t
     parent = {d: d for d in region}
@@ -153,9 +179,17 @@ def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int
              for r in nodes]
     made: dict[int, int] = {}
     t_pid, t_key, t_st = [], [], []
+    c_pid, c_st, c_start, c_end = [], [], [], []
     for r, pid, key in zip(nodes, e_pid, keys):
         for st in t.fresh[r]:
-            made[st] = key
+            end = cycles.get((st, key))
+            if end is None:
+                made[st] = key
+            else:
+                c_pid.append(pid)
+                c_st.append(st)
+                c_start.append(key)
+                c_end.append(end)
         for v in (*G.inputs[r], *G.outputs[r]):
             t_pid.append(pid)
             t_key.append(key)
@@ -167,7 +201,8 @@ def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int
                 d_pid.append(pid_of[root])
                 d_st.append(st)
     rows = Packed(_arr(e_pid), _arr(nodes), _arr(qs), _arr(keys), _arr(t_pid), _arr(t_key),
-                  _arr(t_st), _arr(d_pid), _arr(d_st), _arr([made.get(st, -1) for st in d_st]))
+                  _arr(t_st), _arr(d_pid), _arr(d_st), _arr([made.get(st, -1) for st in d_st]),
+                  _arr(c_pid), _arr(c_st), _arr(c_start), _arr(c_end))
     return [Part(pid_of[root], frozenset(members)) for root, members in groups.items()], rows
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
-from ..plan.remat import RematTables, complete_drop, drop_point, remat_tables
+from ..plan.remat import RematTables, complete_drop, drop_point, per_use, remat_tables, split_drop
 from .recompute_parts import Packed, Part, walk_parts
 
 __all__ = ["RematEval", "RematEvaluator"]
@@ -51,7 +51,7 @@ _EXACT_FLOAT_BYTES = 2**52
 
 @dataclass(frozen=True, eq=False)
 class RematEval:
-    drop: frozenset[int]      # the drop set, in-place chains completed
+    drop: frozenset[int]      # the drop set, in-place chains completed (per-use entries too)
     peak_bytes: int           # as SimResult.peak_bytes
     latency_s: float          # as SimResult.latency_s
     peak_made: np.ndarray     # sorted storages live at the peak that the step allocates
@@ -60,6 +60,8 @@ class RematEval:
     parts: dict[int, Part]    # dropped node -> the part that re-creates its storages
     packed: Packed            # every part's rows
     evaluator: RematEvaluator
+    nodes: frozenset[int]     # the nodes dropped
+    once: frozenset[int]      # the nodes dropped per use (``remat_plan``)
 
     @property
     def peak_live(self) -> frozenset[int]:
@@ -169,31 +171,33 @@ class RematEvaluator:
         """Peak, latency and storages live at the peak of ``remat_plan(graph, drop, order)``;
         RematError where ``remat_plan`` would raise it. ``base``, an earlier result of this
         evaluator, makes it incremental: only the parts of the drop set that differ are walked."""
-        drop = frozenset(drop)
+        nodes, once = split_drop(self.graph, drop)
+        once = frozenset(complete_drop(self.graph, once, self.G.t))
         if base is None:
-            drop = frozenset(complete_drop(self.graph, drop, self.G.t))
+            drop = frozenset(complete_drop(self.graph, nodes, self.G.t))
             parts: dict[int, Part] = {}
             changed, packed = set(drop), Packed.empty()
         else:
             if base.evaluator is not self:
                 raise ValueError("base comes from another evaluator")
-            drop, changed = self._complete_from(drop, base)
+            drop, changed = self._complete_from(frozenset(nodes), base)
+            changed |= once ^ base.once
             parts, packed = dict(base.parts), base.packed
         stale = self._stale(changed, parts)
         gone = sorted({parts[d].pid for d in stale if d in parts})
         for d in stale:
             parts.pop(d, None)
-        new, rows = walk_parts(self, stale & drop, drop)
+        new, rows = walk_parts(self, stale & drop, drop, once)
         for part in new:
             for d in part.dropped:
                 parts[d] = part
-        return self._assemble(drop, parts, packed.replace(gone, rows))
+        return self._assemble(drop, once, parts, packed.replace(gone, rows))
 
     def _complete_from(self, drop: frozenset[int], base: RematEval) -> tuple[frozenset, set]:
         """``complete_drop`` of ``drop`` knowing that of ``base.drop``, and the nodes that
         changed."""
         t = self.G.t
-        added, removed = drop - base.drop, base.drop - drop
+        added, removed = drop - base.nodes, base.nodes - drop
         new = set(added)
         for x in removed:  # NOTE: a chain member left in the drop set pulls its chain back
             chain = t.chain_of.get(x, ())
@@ -206,10 +210,10 @@ class RematEvaluator:
                     new.add(m)
                     todo.append(m)
         drop = drop | new
-        bad = sorted(nid for nid in drop - base.drop if t.allowed[nid])
+        bad = sorted(nid for nid in drop - base.nodes if t.allowed[nid])
         if bad:
             complete_drop(self.graph, bad, t)  # NOTE: raises the RematError
-        return drop, set(drop - base.drop) | set(base.drop - drop)
+        return drop, set(drop - base.nodes) | set(base.nodes - drop)
 
     def _stale(self, changed: set[int], parts: dict[int, Part]) -> set[int]:
         """The nodes to re-walk (those still dropped): the changed ones, and every part that a
@@ -222,7 +226,8 @@ class RematEvaluator:
                 stale.update(part.dropped)
         return stale
 
-    def _assemble(self, drop: frozenset[int], parts: dict[int, Part], pk: Packed) -> RematEval:
+    def _assemble(self, drop: frozenset[int], once: frozenset[int], parts: dict[int, Part],
+                  pk: Packed) -> RematEval:
         G, n, R = self.G, len(self.order), len(pk.nodes)
         E = n + R
         perm = np.argsort(pk.key, kind="stable")
@@ -252,9 +257,12 @@ class RematEvaluator:
             reach = np.full(len(G.nbytes), -1, dtype=np.int64)
             np.maximum.at(reach, pk.t_st[~plain], touch_g[~plain])
             end2 = np.maximum(end2, reach[st2])
-        st = np.concatenate([self.produced, st2])
-        prod_all = np.concatenate([prod_e, prod2])
-        end_all = np.concatenate([end_e, end2])
+        # NOTE: per-use storages' short lifetimes: re-created to feed recomputes, then freed
+        c_prod = ridx[np.searchsorted(keys, pk.c_start)]
+        c_end = ridx[np.searchsorted(keys, pk.c_end)]
+        st = np.concatenate([self.produced, st2, pk.c_st])
+        prod_all = np.concatenate([prod_e, prod2, c_prod])
+        end_all = np.concatenate([end_e, end2, c_end])
         level = _live_bytes(prod_all, end_all, G.nbytes[st], E, G.float_sums)
         events = np.insert(self.order_arr, q_sorted, rec_sorted)
         ws = G.workspace[events]
@@ -269,7 +277,8 @@ class RematEvaluator:
         else:
             peak = G.resident
         made = np.flatnonzero(live)
-        return RematEval(drop, peak, latency, made, R, G.inputs_st, parts, pk, self)
+        coded = drop | {per_use(self.graph, nid) for nid in once}
+        return RematEval(coded, peak, latency, made, R, G.inputs_st, parts, pk, self, drop, once)
 
 
 def _live_bytes(prod: np.ndarray, end: np.ndarray, nbytes: np.ndarray, n_events: int,

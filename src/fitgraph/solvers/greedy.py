@@ -58,6 +58,7 @@ class Run:
     added: list[frozenset[int]] = field(default_factory=list)   # nodes each accepted move added
     own_only: bool = False    # how moves are scored: see Moves.best
     pairs: bool = False       # when stuck, try two moves at once: see Search._pair
+    per_use: bool = False     # when stuck, try dropping per use (Moves.per_use)
 
 
 @dataclass
@@ -108,9 +109,15 @@ class Search:
         dropped = np.zeros(len(moves.candidate), dtype=bool)
         dropped[sorted(cur.drop)] = True
         while not self.fits_peak(cur.peak_bytes) and not self.out_of_time():
-            ties = moves.best(moves.hot_nodes(cur.peak_made), dropped, banned, run.own_only)
+            hot = moves.hot_nodes(cur.peak_made)
+            # NOTE: dropping per use only where dropping once cannot lower the peak: it is a
+            # finer cut (one value held between recomputes far apart), not a first choice
+            ties = moves.best(hot, dropped, banned | moves.per_use, run.own_only)
+            if not ties and run.per_use:
+                ties = moves.best(hot, dropped, banned, run.own_only)
             if not ties:
-                pair = self._pair(ev, cur, moves, forbidden, dropped) if run.pairs else None
+                pair = (self._pair(ev, cur, moves, forbidden | (moves.per_use & ~run.per_use),
+                                   dropped) if run.pairs else None)
                 if pair is None:
                     break
                 run.added.append(pair.drop - cur.drop)
@@ -265,7 +272,7 @@ class Search:
             if base is None:
                 continue
             trial = Run(base, run.ev, run.label, [a - back for a in run.added if a - back],
-                        run.own_only)
+                        run.own_only, per_use=run.per_use)
             trial = self.prune(self.grow(trial, moves, ban=back), moves.blocks + trial.added,
                                moves)
             if self._faster_within(trial.result, cur):
@@ -282,7 +289,8 @@ class Search:
         if self.budget_bytes is None or not self.fits_peak(run.result.peak_bytes):
             return run
         stop = self.evaluations + max_evals
-        singles = [k for k, key in enumerate(moves.keys) if key[0] == 0]
+        singles = [k for k, key in enumerate(moves.keys)
+                   if key[0] == 0 and (run.per_use or not moves.per_use[k])]
         cost = {k: float(moves.seconds[sorted(moves.nodes[k])].sum())
                    / max(float(moves.node_bytes[sorted(moves.nodes[k])].sum()), 1.0)
                 for k in singles}
@@ -301,7 +309,8 @@ class Search:
                 r = self.evaluate(run.ev, drop, cur)
                 if r is None:
                     continue
-                trial = Run(r, run.ev, run.label, [*run.added, r.drop - cur.drop], run.own_only)
+                trial = Run(r, run.ev, run.label, [*run.added, r.drop - cur.drop], run.own_only,
+                            per_use=run.per_use)
                 # NOTE: the move just added stays: undropping it first would only undo it
                 trial = self.prune(trial, moves.blocks + trial.added, moves,
                                    keep=r.drop - cur.drop)

@@ -90,18 +90,31 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
         every = search.evaluate(ev, moves.every_block)
         if every is not None:
             firsts.append((every, "captured, every block checkpointed"))
-    starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own, pairs=True)
-              for r, label in firsts for own in (False, True)]
+    starts = [Run(r, ev, label + (", own seconds" if own else "") + (", per use" if pu else ""),
+                  own_only=own, pairs=True, per_use=pu)
+              for r, label in firsts for own in (False, True) for pu in (False, True)]
     best = None
     for run in starts:  # NOTE: the starts' own evaluations come first: anytime from here on
         if best is None or search.better(run.result, best.result):
-            best = Run(run.result, run.ev, run.label, own_only=run.own_only)
+            best = Run(run.result, run.ev, run.label, own_only=run.own_only,
+                       per_use=run.per_use)
+    # NOTE: the best grown start of each kind (dropping once only, and per use too) gets the
+    # local search: either can end ahead, and the ranking before it does not say which
+    kinds: dict[bool, Run] = {}
     for run in starts:
         run = search.prune(search.grow(run, moves), blocks + run.added, moves)
+        if run.per_use not in kinds or search.better(run.result, kinds[run.per_use].result):
+            kinds[run.per_use] = run
+    local = local_evals(len(g.nodes))
+    for pu in sorted(kinds):
+        run = kinds[pu]
+        if pu and False in kinds and run.result.drop == kinds[False].result.drop:
+            continue
         if search.better(run.result, best.result):
             best = run
-    local = local_evals(len(g.nodes))
-    best = search.add_prune(search.exchange(best, moves, local), moves, local)
+        run = search.add_prune(search.exchange(run, moves, local), moves, local)
+        if search.better(run.result, best.result):
+            best = run
     if reorder:
         best = _reorder(g, search, moves, blocks, best)
     r = best.result
@@ -115,7 +128,8 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
         raise BudgetInfeasible(problem.budget_bytes, sim.peak_bytes, dominated_by(sim), "hotspot")
     plan.meta["solver"] = "hotspot"
     return Solution(plan, sim, "hotspot", time.perf_counter() - t0,
-                    notes={"dropped": len(r.drop), "recomputes": r.recomputes,
+                    notes={"dropped": len(r.nodes), "per_use": len(r.once),
+                           "recomputes": r.recomputes,
                            "evaluations": search.evaluations, "timed_out": search.timed_out,
                            "order": best.label, "eager_latency_s": eager.latency_s})
 
@@ -135,7 +149,7 @@ def _reorder(g, search: Search, moves, blocks, best: Run) -> Run:
         if start is None or start.peak_bytes > best.result.peak_bytes:
             continue
         run = Run(start, ev, f"{best.label}; memory-aware order ({strategy}, drop-aware)",
-                  list(best.added), best.own_only, pairs=True)
+                  list(best.added), best.own_only, pairs=True, per_use=best.per_use)
         run = search.prune(search.grow(run, moves), blocks + run.added, moves)
         if search.better(run.result, best.result):
             best = run

@@ -1,8 +1,11 @@
 """The moves of the ``hotspot`` greedy, and how it ranks them, vectorised.
 
 A move is a set of nodes to drop together: one candidate with its forward-only chain
-(``candidates.forward_chains``), one block's insides (``blocks.block_drop_sets``, what
-``torch.utils.checkpoint`` around the block drops), or every block at once. A move's score is
+(``candidates.forward_chains``), one candidate dropped per use (``plan.remat.per_use``: what a
+recompute re-makes of it only to feed other recomputes is freed after them), one block's
+insides (``blocks.block_drop_sets``, what ``torch.utils.checkpoint`` around the block drops),
+or every block at once. Per-node tables are indexed by drop-set entry: node ids, then per-use
+entries (``n + id``). A move's score is
 the bytes it frees among the storages live at the simulated peak per second of recompute it
 adds; the greedy tries the best-scoring move first. Moves are stored as one flat array of node
 ids with offsets, so that scoring all of them is a few numpy reductions, not a Python loop over
@@ -23,7 +26,7 @@ Example:
     >>> g = b.finish({"loss": gy})
     >>> m = build_moves(g, Ms(), remat_tables(g))
     >>> m.keys   # every block at once, (2, "*"), is block h.0 here: one move
-    [(0, '0'), (0, '1'), (1, 'h.0')]
+    [(0, '0'), (0, '1'), (0, '~0'), (0, '~1'), (1, 'h.0')]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
-from ..plan.remat import RematTables
+from ..plan.remat import RematTables, per_use
 from .blocks import block_drop_sets
 from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 
@@ -45,24 +48,25 @@ ALL_BLOCKS = (2, "*")
 
 @dataclass
 class Moves:
-    keys: list[tuple]              # sorted: singles (0, node), blocks (1, name), all blocks
-    nodes: list[frozenset[int]]    # per move
-    flat: np.ndarray               # every move's nodes, concatenated in key order
+    keys: list[tuple]              # sorted: singles (0, node; 0, ~node per use), blocks
+    nodes: list[frozenset[int]]    # per move: drop-set entries          (1, name), all blocks
+    flat: np.ndarray               # every move's entries, concatenated in key order
     starts: np.ndarray             # where each move begins in ``flat``
-    candidate: np.ndarray          # node -> may be dropped
-    node_bytes: np.ndarray         # node -> bytes it allocates
-    seconds: np.ndarray            # node -> recompute seconds (floored at MIN_RECOMPUTE_S)
+    candidate: np.ndarray          # entry -> may be dropped
+    node_bytes: np.ndarray         # entry -> bytes its node allocates
+    seconds: np.ndarray            # entry -> recompute seconds (floored at MIN_RECOMPUTE_S)
     maker: np.ndarray              # storage -> node that allocates it, -1 for inputs
     shape: list[tuple]             # per move: its ops and their sizes (equal for copies)
     blocks: list[frozenset[int]]   # every block's drop set (also those equal to another move)
     every_block: frozenset[int]    # all blocks' drop sets together
+    per_use: np.ndarray            # per move: drops a node per use
 
     def hot_nodes(self, peak_made: np.ndarray) -> np.ndarray:
-        """Mask of the candidates that allocate a storage live at the peak."""
+        """Mask of the candidates (entries) that allocate a storage live at the peak."""
         makers = self.maker[peak_made]
-        hot = np.zeros(len(self.candidate), dtype=bool)
+        hot = np.zeros(len(self.candidate) // 2, dtype=bool)
         hot[makers[makers >= 0]] = True
-        return hot & self.candidate
+        return np.concatenate([hot, hot]) & self.candidate
 
     def best(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray,
              own_only: bool = False) -> list[int]:
@@ -89,17 +93,21 @@ class Moves:
 def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
     """Every move of ``g``, with the per-node tables ``Moves.best`` ranks them by."""
     ok, fresh = tables.allowed, tables.fresh
+    n = len(g.nodes)
     candidates = remat_candidates(g, ok, fresh)
     chain = forward_chains(g, candidates)
     table: dict[tuple, frozenset[int]] = {(0, str(nid)): frozenset(chain[nid])
                                           for nid in sorted(candidates)}
+    # NOTE: per use: a value that feeds recomputes far apart (block 3's input, recomputed early
+    # in the backward, and block 2's MLP, late) is not held in between
+    table.update({(0, f"~{nid}"): frozenset({nid, per_use(g, nid)}) for nid in sorted(candidates)})
     blocks = block_drop_sets(g, ok, fresh)
     table.update({(1, blk): frozenset(nodes & candidates) for blk, nodes in blocks.items()})
     if blocks:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
         table[ALL_BLOCKS] = frozenset(set().union(*blocks.values()) & candidates)
     # NOTE: with the in-place chains they pull in (dropout's bernoulli_, div_): what a move
     # really recomputes, so that its score counts their seconds
-    table = {k: frozenset(v).union(*(tables.chain_of.get(nid, ()) for nid in v))
+    table = {k: frozenset(v).union(*(tables.chain_of.get(nid, ()) for nid in v if nid < n))
              for k, v in table.items()}
     seen: set[frozenset[int]] = set()
     keys = []
@@ -111,19 +119,23 @@ def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
     sizes = np.array([len(v) for v in nodes], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     flat = np.array([nid for v in nodes for nid in sorted(v)], dtype=np.int64)
-    n = len(g.nodes)
     candidate = np.zeros(n, dtype=bool)
     candidate[sorted(candidates)] = True
     node_bytes = np.array([sum(g.storages[s].nbytes for s in fresh[i]) for i in range(n)],
                           dtype=np.int64)
     seconds = np.zeros(n)
-    for nid in sorted(set().union(*nodes)):
+    for nid in sorted({x % n for x in set().union(*nodes)}):
         seconds[nid] = max(cost_model.node_cost(g, g.nodes[nid]).seconds, MIN_RECOMPUTE_S)
+    # NOTE: a per-use entry costs (at least) its node's recompute once more, frees its bytes
+    candidate, node_bytes, seconds = (np.concatenate([a, a]) for a in
+                                      (candidate, node_bytes, seconds))
     maker = np.full(len(g.storages), -1, dtype=np.int64)
     for nid, ss in fresh.items():
         for st in ss:
             maker[st] = nid
     block_sets = [table[k] for k in sorted(table) if k[0] == 1 and table[k]]
-    shape = [tuple(sorted((g.nodes[i].target, int(node_bytes[i])) for i in v)) for v in nodes]
+    shape = [tuple(sorted(("~" * (i >= n) + g.nodes[i % n].target, int(node_bytes[i]))
+                          for i in v)) for v in nodes]
     return Moves(keys, nodes, flat, starts, candidate, node_bytes, seconds, maker, shape,
-                 block_sets, table.get(ALL_BLOCKS, frozenset()))
+                 block_sets, table.get(ALL_BLOCKS, frozenset()),
+                 np.array([max(v) >= n for v in nodes], dtype=bool))
