@@ -15,11 +15,14 @@ The search, in budget mode (least latency within ``budget_bytes``):
 
 1. two starts in the captured order — nothing dropped, and every block checkpointed (single
    moves cannot always undo a recompute cascade) — each grown greedily until the budget holds
-   (where no single move lowers the peak, a pair of moves may: ``Search._pair``),
-   then pruned (moves no longer needed are undropped, most recompute time first), then
-   improved by local search (``Search.exchange``: take a move back and regrow without it;
-   ``Search.add_prune``: add one move and prune what it makes unnecessary), within an evaluation
-   budget that shrinks with the graph's size;
+   (where no single move lowers the peak, a pair of moves may: ``Search._pair``), once with
+   nodes dropped once only and once allowing drops per use where nothing else lowers the peak
+   (``plan.remat.per_use``: a value re-made only to feed other recomputes is freed and made
+   again later, as Checkmate's schedules do), then pruned (moves no longer needed are
+   undropped, most recompute time first); the best of each kind is improved by local search
+   (``Search.exchange``: take a move back and regrow without it; ``Search.add_prune``: add one
+   move and prune what it makes unnecessary), within an evaluation budget that shrinks with
+   the graph's size;
 2. joint reordering: the best drop set is re-planned over memory-aware orders that know what is
    dropped (``plan.reorder``, e.g. a backward node that frees a recomputed activation runs
    before one that allocates); each is grown and pruned again and kept if the simulator says it
