@@ -64,7 +64,7 @@ from ..plan.reorder import STRATEGIES, memory_aware_order
 from ..sim.remat_eval import RematEvaluator
 from ..sim.simulate import simulate
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .greedy import Run, Search, local_evals
+from .greedy import Run, Search, local_evals, lookahead
 from .moves import build_moves
 
 __all__ = ["solve_hotspot"]
@@ -86,28 +86,33 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
              else float("inf"))
     search = Search(problem.budget_bytes, limit,
                     t0 + (1 - FINAL_SHARE) * problem.time_budget_s,
-                    pair_evals=local_evals(len(g.nodes)))
+                    pair_evals=local_evals(len(g.nodes)), look=lookahead(len(g.nodes)))
     blocks = moves.blocks
     firsts = [(eager, "captured")]
     if moves.every_block:
         every = search.evaluate(ev, moves.every_block)
         if every is not None:
             firsts.append((every, "captured, every block checkpointed"))
-    starts = [Run(r, ev, label + (", own seconds" if own else "") + (", per use" if pu else ""),
-                  own_only=own, pairs=True, per_use=pu)
-              for r, label in firsts for own in (False, True) for pu in (False, True)]
+    starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own, pairs=True)
+              for r, label in firsts for own in (False, True)]
     best = None
     for run in starts:  # NOTE: the starts' own evaluations come first: anytime from here on
         if best is None or search.better(run.result, best.result):
-            best = Run(run.result, run.ev, run.label, own_only=run.own_only,
-                       per_use=run.per_use)
+            best = Run(run.result, run.ev, run.label, own_only=run.own_only)
     # NOTE: the best grown start of each kind (dropping once only, and per use too) gets the
     # local search: either can end ahead, and the ranking before it does not say which
     kinds: dict[bool, Run] = {}
     for run in starts:
-        run = search.prune(search.grow(run, moves), blocks + run.added, moves)
-        if run.per_use not in kinds or search.better(run.result, kinds[run.per_use].result):
-            kinds[run.per_use] = run
+        grown = [search.grow(run, moves)]
+        if run.stuck is not None:  # NOTE: where dropping once got stuck, per use goes on
+            at, added, banned = run.stuck
+            grown.append(search.grow(Run(at, ev, run.label + ", per use", added, run.own_only,
+                                         pairs=True, per_use=True, banned=banned), moves))
+        for done in grown:
+            done = search.prune(done, blocks + done.added, moves)
+            if done.per_use not in kinds or search.better(done.result,
+                                                          kinds[done.per_use].result):
+                kinds[done.per_use] = done
     local = local_evals(len(g.nodes))
     for pu in sorted(kinds):
         run = kinds[pu]

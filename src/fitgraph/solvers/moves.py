@@ -68,6 +68,23 @@ class Moves:
         hot[makers[makers >= 0]] = True
         return np.concatenate([hot, hot]) & self.candidate
 
+    def ranked(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray,
+               own_only: bool, k: int) -> list[int]:
+        """Up to ``k`` moves that add a hot node not yet dropped, best score first (ties in
+        key order)."""
+        score = self._scores(hot, dropped, banned, own_only)
+        ok = np.flatnonzero(np.isfinite(score))
+        return ok[np.argsort(score[ok], kind="stable")][:k].tolist()
+
+    def _scores(self, hot, dropped, banned, own_only) -> np.ndarray:
+        fresh_hot = hot & ~dropped
+        counts = np.add.reduceat(fresh_hot[self.flat].astype(np.int64), self.starts)
+        ok = (counts > 0) & ~banned
+        freed = np.add.reduceat(np.where(fresh_hot, self.node_bytes, 0)[self.flat], self.starts)
+        free = dropped | ~self.candidate if own_only else dropped
+        secs = np.add.reduceat(np.where(free, 0.0, self.seconds)[self.flat], self.starts)
+        return np.where(ok, -freed / np.where(ok, secs, 1.0), np.inf)
+
     def best(self, hot: np.ndarray, dropped: np.ndarray, banned: np.ndarray,
              own_only: bool = False) -> list[int]:
         """The moves (indices, in key order) freeing the most peak bytes per recompute second
