@@ -28,6 +28,26 @@ def test_block_stack_runs_the_models_blocks_on_their_recorded_input(name):
     assert x.dim() >= 3 and x.dtype == torch.float32
 
 
+@pytest.mark.parametrize("name", ["bert-base", "resnet50"])
+def test_block_stack_without_dropout_makes_no_dropout_masks(name):
+    with_dropout = fitgraph.capture(*_parts(block_stack(name, 2, batch_size=1)))
+    case = block_stack(name, 2, batch_size=1, dropout=False)
+    g = fitgraph.capture(*_parts(case))
+    def masks(graph):  # NOTE: SDPA counts as random whatever its dropout_p: not a mask
+        return [n for n in graph.nodes if "bernoulli" in n.target or "dropout" in n.target]
+
+    assert not masks(g)
+    assert case.name.endswith("no dropout]")
+    if name == "bert-base":
+        assert masks(with_dropout)
+    else:  # NOTE: batch norm still trains on the batch's statistics (and updates them)
+        assert [n.target for n in g.nodes] == [n.target for n in with_dropout.nodes]
+
+
+def _parts(case):
+    return case.model, case.batch, case.loss_fn
+
+
 def test_block_stack_refuses_more_blocks_than_the_model_has():
     with pytest.raises(ValueError, match="has 4 blocks"):
         block_stack("gpt2", 5)
