@@ -133,31 +133,50 @@ def test_inplace_nodes_are_never_recomputed_but_dropout_chains_are_whole():
 
 def test_recomputed_dropout_replays_the_same_mask():
     """Law 1: a recomputed random op draws the same numbers (RNG replay), bitwise."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(128, 128),
-                                                      torch.nn.Dropout(0.5)) for _ in range(3)])
-    a, b = model, copy.deepcopy(model)
-    batch = torch.randn(64, 128)
-    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
-    g = fitgraph.capture(b, batch, loss_fn)
+    a, b, batch, loss_fn, g = _dropout_stack(3, torch.nn.Linear(128, 128))
     chains = inplace_chains(g)
     plan = remat_plan(g, {c[0] for c in chains.values()})
     assert any(ins.op == "recompute" and g.nodes[ins.node].random for ins in plan)
-    la = eager_step(a, batch, loss_fn, seed=7)
-    torch.manual_seed(7)
+    _assert_laws(g, plan, a, b, batch, loss_fn, seed=7, rng_continues=True)
+
+
+def _dropout_stack(layers: int, *body: torch.nn.Module):
+    """``layers`` copies of ``body`` + Dropout(0.5), twice (eager's and the plan's), a batch
+    of 64 x 128, a square loss and the captured step: (a, b, batch, loss_fn, graph)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(*copy.deepcopy(body),
+                                                      torch.nn.Dropout(0.5))
+                                  for _ in range(layers)])
+    for p in model.parameters():  # NOTE: each layer its own weights, not copies of body's
+        torch.nn.init.normal_(p, std=0.05)
+    a, b = model, copy.deepcopy(model)
+    batch = torch.randn(64, 128)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    return a, b, batch, loss_fn, fitgraph.capture(b, batch, loss_fn)
+
+
+def _assert_laws(g, plan, a, b, batch, loss_fn, seed: int, rng_continues: bool = False
+                 ) -> ProfiledCostModel:
+    """Model ``a`` run eagerly and ``b`` through ``plan`` give bitwise equal losses and
+    gradients (``rng_continues``: and the RNG stream goes on after the plan as after eager),
+    and the plan's measured peak is the simulated one (measured op costs, returned)."""
+    la = eager_step(a, batch, loss_fn, seed=seed)
+    torch.manual_seed(seed)
     lb = execute(g, plan, b, batch)
     assert torch.equal(la, lb)
     assert_bitwise_equal_models(a, b)
-    after_eager = torch.rand(4)  # the RNG stream continues exactly as after eager
-    torch.manual_seed(7)
-    eager_step(copy.deepcopy(model), batch, loss_fn, seed=7)
-    assert torch.equal(torch.rand(4), after_eager)
+    if rng_continues:
+        after_plan = torch.rand(4)
+        torch.manual_seed(seed)
+        eager_step(copy.deepcopy(a), batch, loss_fn, seed=seed)
+        assert torch.equal(torch.rand(4), after_plan)
     cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
     cm.profile(g)
     for p in b.parameters():
         p.grad = None
     assert simulate(g, plan, cm).peak_bytes == measure_plan(g, plan, b, batch,
                                                             repeats=0).peak_bytes
+    return cm
 
 
 @settings(max_examples=100, deadline=None)
@@ -188,14 +207,8 @@ def test_per_use_drops_recompute_again_and_keep_the_laws():
     recomputes is freed after them, and made again when needed again): nodes run three times,
     dropout masks replay bitwise, the measured peak is the simulated one, and the plan peaks
     lower than dropping the same nodes once."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(
-        torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128),
-        torch.nn.Dropout(0.5)) for _ in range(4)])
-    a, b = model, copy.deepcopy(model)
-    batch = torch.randn(64, 128)
-    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
-    g = fitgraph.capture(b, batch, loss_fn)
+    a, b, batch, loss_fn, g = _dropout_stack(4, torch.nn.Linear(128, 256), torch.nn.GELU(),
+                                             torch.nn.Linear(256, 128))
     ok = recomputable(g)
     forward = [n.id for n in g.nodes if n.phase is Phase.FORWARD and not ok[n.id]]
     plan = remat_plan(g, {per_use(g, n) for n in forward})
@@ -206,16 +219,6 @@ def test_per_use_drops_recompute_again_and_keep_the_laws():
             runs[ins.node] = runs.get(ins.node, 0) + 1
     assert max(runs.values()) >= 2
     assert any(g.nodes[n].random and k >= 2 for n, k in runs.items())
-    la = eager_step(a, batch, loss_fn, seed=5)
-    torch.manual_seed(5)
-    lb = execute(g, plan, b, batch)
-    assert torch.equal(la, lb)
-    assert_bitwise_equal_models(a, b)
-    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
-    cm.profile(g)
-    for p in b.parameters():
-        p.grad = None
-    assert simulate(g, plan, cm).peak_bytes == measure_plan(g, plan, b, batch,
-                                                            repeats=0).peak_bytes
+    cm = _assert_laws(g, plan, a, b, batch, loss_fn, seed=5)
     once = simulate(g, remat_plan(g, set(forward)), cm)
     assert simulate(g, plan, cm).peak_bytes < once.peak_bytes
