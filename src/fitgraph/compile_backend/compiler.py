@@ -122,8 +122,10 @@ class FitgraphBackend:
         fn = SOLVERS[self.solver]
         # NOTE: the forward must run whole before the backward (the tangents arrive then), and
         # the modules run in the captured order: a solver that can reorder is asked not to
-        # (a phase-respecting order could be realised later by sorting the modules' nodes)
-        keep_order = {"reorder": False} if "reorder" in inspect.signature(fn).parameters else {}
+        # (a phase-respecting order could be realised later by sorting the modules' nodes);
+        # the backward module recomputes each saved-away node once: no drops per use
+        params = inspect.signature(fn).parameters
+        keep_order = {k: False for k in ("reorder", "per_use") if k in params}
         try:
             return fn(problem, **keep_order)
         except BudgetInfeasible as e:

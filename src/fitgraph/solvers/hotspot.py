@@ -74,8 +74,9 @@ FINAL_SHARE = 0.1
 
 
 @register("hotspot")
-def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
-    """Plan ``problem`` (see the module doc); ``reorder=False`` keeps the captured order."""
+def solve_hotspot(problem: Problem, *, reorder: bool = True, per_use: bool = True) -> Solution:
+    """Plan ``problem`` (see the module doc); ``reorder=False`` keeps the captured order;
+    ``per_use=False`` recomputes each node at most once (``fitgraph.backend`` needs that)."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
     tables = remat_tables(g)
@@ -104,7 +105,7 @@ def solve_hotspot(problem: Problem, *, reorder: bool = True) -> Solution:
     kinds: dict[bool, Run] = {}
     for run in starts:
         grown = [search.grow(run, moves)]
-        if run.stuck is not None:  # NOTE: where dropping once got stuck, per use goes on
+        if per_use and run.stuck is not None:  # NOTE: where dropping once got stuck, per use
             at, added, banned = run.stuck
             grown.append(search.grow(Run(at, ev, run.label + ", per use", added, run.own_only,
                                          pairs=True, per_use=True, banned=banned), moves))
