@@ -1,0 +1,95 @@
+"""Dropout masks kept as bits (``transform.compact_masks``): the re-made mask equals the drawn
+one bit for bit, in every float dtype; a remat plan that drops the re-made masks runs bitwise
+equal to eager, measures what it simulates, and keeps less than the same plan without bits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal_models, eager_step
+
+import fitgraph
+from fitgraph.cost import ProfiledCostModel
+from fitgraph.execute import execute
+from fitgraph.measure import measure_plan
+from fitgraph.plan.remat import remat_plan
+from fitgraph.sim import simulate
+from fitgraph.transform.compact_masks import compact_masks, dropout_masks
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 512, dtype=dtype)
+        self.down = torch.nn.Linear(512, 64, dtype=dtype)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.down(self.drop(torch.tanh(self.up(self.drop(x)))))
+
+
+def _case(dtype=torch.float32):
+    torch.manual_seed(0)
+    return _Mlp(dtype), torch.randn(256, 64, dtype=dtype), lambda m, b: m(b).square().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bits_remake_the_mask_and_training_matches_eager(dtype):
+    model, batch, loss_fn = _case(dtype)
+    twin = copy.deepcopy(model)
+    g = fitgraph.capture(twin, batch, loss_fn)
+    c = compact_masks(g)
+    assert len(dropout_masks(g)) == 2 and not dropout_masks(c)
+    la = eager_step(model, batch, loss_fn, seed=3)
+    torch.manual_seed(3)
+    lb = execute(c, fitgraph.eager_plan(c), twin, batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(model, twin)
+
+
+def test_dropping_the_remade_masks_lowers_the_peak_bitwise_and_as_simulated(tmp_path):
+    model, batch, loss_fn = _case()
+    g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
+    c = compact_masks(g)
+    full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
+    plan = remat_plan(c, full)
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    cm.profile(c)
+    sim = simulate(c, plan, cm)
+    eager = simulate(g, fitgraph.eager_plan(g), _profiled(g, tmp_path))
+    assert sim.peak_bytes < eager.peak_bytes
+    twin = copy.deepcopy(model)
+    measured = measure_plan(c, plan, twin, batch, repeats=0)
+    assert measured.peak_bytes == sim.peak_bytes
+    twin.zero_grad(set_to_none=True)
+    la = eager_step(model, batch, loss_fn, seed=5)
+    torch.manual_seed(5)
+    lb = execute(c, plan, twin, batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(model, twin)
+
+
+def _profiled(g, path):
+    cm = ProfiledCostModel(cache=path, repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    return cm
+
+
+class _HandMask(torch.nn.Module):
+    def __init__(self, through_view: bool):
+        super().__init__()
+        self.lin, self.through_view = torch.nn.Linear(16, 16), through_view
+
+    def forward(self, x):
+        mask = torch.empty_like(x).bernoulli_(0.5).div_(0.5)
+        return self.lin(x * mask) * (mask.t().t() if self.through_view else mask)
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_masks_read_through_a_view_are_left_alone(through_view):
+    batch = torch.randn(8, 16)
+    g = fitgraph.capture(_HandMask(through_view), batch, lambda m, b: m(b).sum())
+    assert len(dropout_masks(g)) == (0 if through_view else 1)
+    assert (compact_masks(g) is g) == through_view
