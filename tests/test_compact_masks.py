@@ -55,9 +55,7 @@ def test_dropping_the_remade_masks_lowers_the_peak_bitwise_and_as_simulated(tmp_
     c = compact_masks(g)
     full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
     plan = remat_plan(c, full)
-    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
-    cm.profile(c)
-    sim = simulate(c, plan, cm)
+    sim = simulate(c, plan, _profiled(c, tmp_path))
     eager = simulate(g, fitgraph.eager_plan(g), _profiled(g, tmp_path))
     assert sim.peak_bytes < eager.peak_bytes
     twin = copy.deepcopy(model)

@@ -68,10 +68,8 @@ _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 class DropoutMask:
     """A dropout mask built in place: its chain of nodes and the value readers read."""
 
-    storage: int
     chain: tuple[int, ...]     # creator, bernoulli_, scalings (node ids)
     value: int                 # the final value (the last writer's output)
-    nbytes: int
 
 
 def dropout_masks(graph: Graph) -> list[DropoutMask]:
@@ -104,7 +102,7 @@ def dropout_masks(graph: Graph) -> list[DropoutMask]:
             continue  # NOTE: read through a view or an earlier version: not rewritten
         if all(r.startswith(f"{last.name}.mask.") for r in reader_names[value.id]):
             continue  # NOTE: kept as bits already
-        out.append(DropoutMask(st, tuple(chain), value.id, value.nbytes))
+        out.append(DropoutMask(tuple(chain), value.id))
     return out
 
 
