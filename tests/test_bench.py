@@ -187,3 +187,13 @@ def test_each_timed_step_sits_between_two_eager_steps_so_drift_cancels(monkeypat
     assert len(eager.times) == 3 * 10 + 1 and all(len(s.ratios) == 3 for s in others)
     # NOTE: ratio to eager once per round would read 2 x (slowdown over a round) = up to 2.3 here
     assert all(abs(r - 2.0) < 0.01 for s in others for r in s.ratios)
+
+
+@pytest.mark.slow
+def test_compact_masks_tradeoff_prints_a_row_per_setting(capsys):
+    from fitgraph.bench.compact_masks_tradeoff import main
+
+    assert main(["--models", "gpt2", "--limits", "1.10", "--budgets", "0.5",
+                 "--time-budget", "5"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gpt2 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["eager plan", "within 1.10x", "budget 50%"]

@@ -13,11 +13,14 @@ and re-makes it just before the backward (and the dropout's output from it) wher
 short — the bytes kept drop from 4 to 1 per element for float32 at the cost of two passes
 over the mask in the forward and a ``where`` per re-make.
 
-Whether that pays depends on the budget: on GPT-2 small (this CPU's measured op costs, one
-thread, simulated, AdamW) ``hotspot`` within 1.10x of eager's step time reaches 0.637x of the
-eager peak on the rewritten graph against 0.702x on the captured one, but at fixed budgets of
-0.6-0.45x of eager it plans 1.5-3% slower. NOTE: so ``auto`` does not search it yet; this is a
-building block for a planner that weighs it per mask.
+Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
+GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
+1.10x of eager's step time reaches 0.637x of the eager peak on the rewritten graph against
+0.702x on the captured one, but within 1.05x only 0.824x against 0.785x, and at fixed budgets
+of 0.6-0.45x of eager it plans 1.5-3% slower: its moves drop the re-made mask together with
+the bits and the draw behind them (``candidates.forward_chains``), replaying the draw anyway.
+NOTE: so ``auto`` does not search it yet; this is a building block for a planner that weighs
+it per mask.
 
 Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty``, written in
 place by ``bernoulli_`` then any ``div_``/``mul_`` by a constant, contiguous, and read after
