@@ -91,3 +91,25 @@ def test_masks_read_through_a_view_are_left_alone(through_view):
     g = fitgraph.capture(_HandMask(through_view), batch, lambda m, b: m(b).sum())
     assert len(dropout_masks(g)) == (0 if through_view else 1)
     assert (compact_masks(g) is g) == through_view
+
+
+def test_chains_keep_the_bits_and_never_replay_the_draw():
+    """A remat move for a re-made mask re-makes it from the bits (and resident inputs) alone:
+    its forward chain holds no random draw and no bits; captured graphs have no bits."""
+    from fitgraph.solvers.candidates import forward_chains, random_bits, remat_candidates
+
+    model, batch, loss_fn = _case()
+    g = fitgraph.capture(model, batch, loss_fn)
+    c = compact_masks(g)
+    assert not random_bits(g)
+    bits = random_bits(c)
+    assert sorted(c.nodes[i].name for i in bits) == sorted(
+        n.name for n in c.nodes if n.name.endswith(".mask.bits")) != []
+    chains = forward_chains(c, remat_candidates(c))
+    full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
+    assert len(full) == 2
+    for nid in full:
+        chain = chains[nid]
+        assert not any(c.nodes[i].random or i in bits for i in chain)
+        read = {v for i in chain for v in c.nodes[i].inputs if c.values[v].producer not in chain}
+        assert all(c.values[v].producer is None or c.values[v].producer in bits for v in read)

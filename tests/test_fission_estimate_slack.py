@@ -81,3 +81,25 @@ def test_a_split_that_measures_past_the_limit_falls_back_within_it():
                       config=FissionConfig(remat=False, spatial=False))
     assert s.sim.latency_s <= 1.05 * eager.latency_s
     assert simulate(s.graph_for(g), s.plan, cm) == s.sim
+
+
+def test_a_split_measured_past_the_limit_is_made_again_in_fewer_parts(monkeypatch):
+    model, batch, loss_fn = _lm_head()
+    g = fitgraph.capture(model, batch, loss_fn)
+
+    class _MeasuredRoofline(_CacheFriendlyParts):
+        FACTOR = 1.0   # NOTE: the roofline charges each small part more than its share
+
+    cm = _MeasuredRoofline()
+    eager = simulate(g, eager_plan(g), cm)
+    problem = Problem(g, cm, latency_limit=1.05, time_budget_s=30)
+    config = FissionConfig(remat=False, spatial=False)
+    s = solve_fission(problem, config=config)
+    assert s.sim.latency_s <= 1.05 * eager.latency_s
+    assert simulate(s.graph_for(g), s.plan, cm) == s.sim
+    assert s.sim.peak_bytes < eager.peak_bytes / 4, s.notes["splits"]
+    # NOTE: the search's most parts (its estimate within the limit plus its slack) measure
+    # past the limit; without trying fewer, nothing is split
+    assert 1 < max(_parts(s)) < max(fission_solver.FissionConfig().ks)
+    monkeypatch.setattr(fission_solver, "FEWER_PARTS_TRIES", 0)
+    assert solve_fission(problem, config=config).sim.peak_bytes > eager.peak_bytes / 4

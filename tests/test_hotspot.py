@@ -232,3 +232,37 @@ def test_hotspot_looks_ahead_to_reach_the_optimum():
     # best and taking the one that lowers the peak most per second added, it reaches 1.0737x.
     slowdown, _ = _plan_block_stack("resnet50", 6, 32, 0.6)
     assert slowdown <= 1.075
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_graphs(), st.floats(1.0, 1.5))
+def test_latency_mode_budget_searches_keep_the_limit_and_never_raise_the_peak(case, limit):
+    """Latency mode: the budget-mode searches after the descent (``_bisect_budgets``) keep
+    the limit, and their plan's peak is never above the descent's."""
+    import fitgraph.solvers.hotspot as hs
+
+    g, cost = case
+    eager = solve(Problem(g, cost, latency_limit=1.0), "eager").sim
+    s = solve_hotspot(Problem(g, cost, latency_limit=limit, time_budget_s=60))
+    verify_plan(g, s.plan)
+    assert s.sim.latency_s <= limit * eager.latency_s * (1 + 1e-12)
+    assert simulate(g, s.plan, cost) == s.sim
+    descent = hs._solve(Problem(g, cost, latency_limit=limit, time_budget_s=30), True, True)
+    assert s.sim.peak_bytes <= descent.sim.peak_bytes
+    assert s.notes["bisected"] <= hs.BISECT_STEPS
+
+
+def test_latency_mode_reaches_below_the_descent_where_budget_mode_does():
+    """BERT small (generic CPU roofline) within 1.10x of eager: the budget searches reach a
+    peak 6.5% below the descent's."""
+    import fitgraph
+    import fitgraph.solvers.hotspot as hs
+    from fitgraph import zoo
+
+    case = zoo.build("bert-base", "small")
+    g = fitgraph.capture(case.model, case.batch, case.loss_fn)
+    cm = RooflineCostModel(get_device("cpu-generic"))
+    descent = hs._solve(Problem(g, cm, latency_limit=1.10, time_budget_s=30), True, True)
+    s = solve_hotspot(Problem(g, cm, latency_limit=1.10, time_budget_s=60))
+    assert s.sim.peak_bytes < 0.97 * descent.sim.peak_bytes, s.notes
+    assert s.sim.latency_s <= 1.10 * s.notes["eager_latency_s"]

@@ -12,7 +12,7 @@ from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase
 from ..plan.remat import recomputable
 
-__all__ = ["MIN_RECOMPUTE_S", "forward_chains", "remat_candidates"]
+__all__ = ["MIN_RECOMPUTE_S", "forward_chains", "random_bits", "remat_candidates"]
 
 # NOTE: recompute cost floor, so that free-looking ops (views) do not divide by zero
 MIN_RECOMPUTE_S = 1e-7
@@ -28,14 +28,33 @@ def remat_candidates(g: Graph, ok: dict[int, str] | None = None,
             if not ok[n.id] and fresh[n.id] and n.phase in (Phase.FORWARD, Phase.LOSS)}
 
 
+def random_bits(g: Graph) -> set[int]:
+    """Nodes that compact a random draw into bits: a bool output made by reading a storage
+    that a random op wrote (``transform.compact_masks``'s ``mask != 0``)."""
+    drawn = {g.values[v].storage for n in g.nodes if n.random
+             for v in (*n.mutates, *(o for o in n.outputs if o is not None))}
+    return {n.id for n in g.nodes
+            if any(o is not None and g.values[o].dtype == "bool" for o in n.outputs)
+            and any(g.values[v].storage in drawn for v in n.inputs)}
+
+
 def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
     """node -> itself plus, transitively, the candidate producers of its inputs whose outputs
-    are read by no backward node (kept alive only to recompute it)."""
+    are read by no backward node (kept alive only to recompute it), except random bits
+    (``random_bits``).
+
+    NOTE: a chain never absorbs a node that compacts a random draw into bits: those bits
+    (1 byte an element) are what makes their readers a cheap deterministic recompute;
+    absorbed, the move that drops a re-made dropout mask would replay the draw behind it,
+    the dearest forward op on a CPU. Captured graphs have no such node (their masks are
+    floats read by the backward), so this changes only ``compact_masks``'s rewrites.
+    """
     readers = users(g)
     members: dict[int, list[int]] = {}
     for v in g.values:
         members.setdefault(v.storage, []).append(v.id)
     backward = {n.id for n in g.nodes if n.phase in (Phase.BACKWARD, Phase.OPTIMIZER)}
+    bits = random_bits(g)
 
     only: dict[int, bool] = {}
 
@@ -51,7 +70,8 @@ def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
         while stack:
             for v in g.nodes[stack.pop()].inputs:
                 p = g.values[v].producer
-                if p is not None and p in candidates and p not in group and forward_only(p):
+                if (p is not None and p in candidates and p not in group and p not in bits
+                        and forward_only(p)):
                     group.add(p)
                     stack.append(p)
         out[nid] = group

@@ -29,7 +29,10 @@ The search, in budget mode (least latency within ``budget_bytes``):
    is better (fewer recomputes at the same budget, or a budget the captured order cannot reach).
 
 With a ``latency_limit`` it keeps lowering the peak while the simulated step stays within the
-limit. Deterministic: the result is a function of the inputs; the deadline (``time_budget_s``)
+limit (a descent, given half the time), then runs the budget-mode search at lower budgets —
+galloping down below the descent's peak, then bisecting — and keeps the least peak within the
+limit (``_bisect_budgets``: the budget-mode search's pairs, exchange and pruning often reach
+lower than the descent: BERT small on a generic CPU's roofline within 1.10x, 6.5% lower). Deterministic: the result is a function of the inputs; the deadline (``time_budget_s``)
 only cuts the search short, and then ``notes["timed_out"]`` is True — the one case where timing
 changes the plan. Anytime: it returns the best plan found when time runs out.
 
@@ -57,6 +60,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..plan.remat import remat_plan, remat_tables
@@ -73,10 +77,72 @@ __all__ = ["solve_hotspot"]
 FINAL_SHARE = 0.1
 
 
+# NOTE: latency mode: at most this many budget-mode searches at lower budgets after the greedy
+# descent (``_bisect_budgets``), and the share of the time budget the descent may use first
+BISECT_STEPS = 6
+DESCENT_SHARE = 0.5
+GALLOP_FIRST = 0.02
+BISECT_TOL = 0.01
+
+
 @register("hotspot")
 def solve_hotspot(problem: Problem, *, reorder: bool = True, per_use: bool = True) -> Solution:
     """Plan ``problem`` (see the module doc); ``reorder=False`` keeps the captured order;
     ``per_use=False`` recomputes each node at most once (``fitgraph.backend`` needs that)."""
+    if problem.latency_limit is None:
+        return _solve(problem, reorder, per_use)
+    t0 = time.perf_counter()
+    sol = _solve(dataclasses.replace(problem, time_budget_s=DESCENT_SHARE
+                                     * problem.time_budget_s), reorder, per_use)
+    return _bisect_budgets(problem, sol, t0, reorder, per_use)
+
+
+def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
+                    per_use: bool) -> Solution:
+    """Latency mode: lower budgets searched in budget mode below ``sol``'s peak — galloping
+    down (``GALLOP_FIRST`` below it, then twice as far each time) until one is over the
+    limit, then bisecting to ``BISECT_TOL`` — at most ``BISECT_STEPS`` searches; the least
+    peak within the limit wins.
+
+    NOTE: the latency-mode descent stops where no move lowers the peak within the limit, but
+    the budget-mode search (two starts, pairs, exchange, pruning) at a lower budget often
+    still fits it: GPT-2 small's graph with its loss split, within 1.10x, descent 0.408x of
+    eager at 1.065x, budget mode 0.38x at 1.10x. Where the descent is already as low (one
+    budget 2% lower is over the limit), this costs one search."""
+    limit = problem.latency_limit * sol.notes["eager_latency_s"]
+    best, tried, step = sol, 0, GALLOP_FIRST
+    hi, lo = sol.sim.peak_bytes, None   # NOTE: lo: the highest budget found over the limit
+    deadline = t0 + problem.time_budget_s
+    while tried < BISECT_STEPS:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        if lo is None:
+            mid = max(int(hi * (1 - step)), problem.graph.resident_bytes)
+            step *= 2
+        elif hi - lo > BISECT_TOL * hi:
+            mid = (lo + hi) // 2
+        else:
+            break
+        tried += 1
+        try:
+            cand = _solve(dataclasses.replace(problem, latency_limit=None, budget_bytes=mid,
+                                              time_budget_s=left / (BISECT_STEPS - tried + 1)),
+                          reorder, per_use)
+        except BudgetInfeasible:
+            lo = mid
+            continue
+        if cand.sim.latency_s <= limit:
+            best, hi = cand, cand.sim.peak_bytes
+        else:
+            lo = mid
+    notes = dict(best.notes, bisected=tried, eager_latency_s=sol.notes["eager_latency_s"],
+                 timed_out=bool(sol.notes.get("timed_out") or best.notes.get("timed_out")))
+    return Solution(best.plan, best.sim, "hotspot", time.perf_counter() - t0, notes=notes)
+
+
+def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
+    """One search (see the module doc): budget mode, or latency mode's greedy descent."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
     tables = remat_tables(g)

@@ -6,7 +6,10 @@ and their gradient over a large vocabulary stay the floor of its peak. Operator 
 (``fission``) cuts that, but its search costs seconds and gains nothing where the peak is
 remat's to cut. ``auto`` runs hotspot first (``HOTSPOT_SHARE`` of the time budget); then, when
 the eager plan is over the budget and hotspot's plan is slower than it (or a latency limit is
-asked), the eager peak holds a region that fission can split
+asked), and the graph has dropout masks, hotspot plans ``transform.compact_masks``'s rewrite too
+(each mask kept as bits, re-made where read: a cheap deterministic recompute instead of a
+replayed draw); the better of the two graphs is the one every later option plans on. Then, when
+the eager peak holds a region that fission can split
 (``fission_regions.candidate_regions``) and time is left, it runs fission, handing it hotspot's
 answer as the no-split option. Between the two, where the cost model says device memory is
 apart from the host's (``host_memory_apart``: GPUs; not the CPU, whose "host" is the same RAM)
@@ -17,7 +20,7 @@ splits, remat and offloading combine in one plan.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
-``notes["joint"]`` / ``notes["fission"]`` what each reached. Deterministic as its solvers are:
+``notes["compact_masks"]`` / ``notes["joint"]`` / ``notes["fission"]`` what each reached. Deterministic as its solvers are:
 only the deadline (``time_budget_s``) cuts them short.
 
 Example:
@@ -42,6 +45,7 @@ import time
 
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
+from ..transform.compact_masks import compact_masks, dropout_masks
 from .base import BudgetInfeasible, Problem, Solution, register
 from .fission import FissionConfig, solve_fission
 from .fission_regions import candidate_regions, peak_starts
@@ -108,6 +112,43 @@ def _joint(problem: Problem, hot: Solution | None, eager: SimResult, t0: float):
         return None, e, None
 
 
+def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_fast: bool,
+               t0: float):
+    """``hotspot`` on ``transform.compact_masks``'s rewrite (dropout masks kept as bits) where
+    the graph has dropout masks and remat may be needed: (solution with ``graph`` set and
+    ``notes["latency_factor"]``: the limit as a factor of the rewrite's eager step; error; why
+    not run)."""
+    if not dropout_masks(problem.graph):
+        return None, None, "no dropout mask to keep as bits"
+    if problem.budget_bytes is not None and eager.peak_bytes <= problem.budget_bytes:
+        return None, None, "the eager plan fits the budget"
+    if remat_fast:
+        # NOTE: the rewrite's eager plan makes the bits too, so it is slower than the captured
+        # graph's: it cannot beat an eager-fast plan
+        return None, None, "hotspot's plan is as fast as the eager plan"
+    left = problem.time_budget_s - (time.perf_counter() - t0)
+    if left < MIN_FISSION_S:
+        return None, None, f"no time left ({max(left, 0.0):.1f} s)"
+    cm = problem.cost_model
+    graph = compact_masks(problem.graph)
+    if hasattr(cm, "profile"):
+        cm.profile(graph)  # NOTE: measured costs: only the bits' new ops are profiled
+    factor = None
+    if problem.latency_limit is not None:
+        own = simulate(graph, eager_plan(graph), cm).latency_s
+        factor = problem.latency_limit * eager.latency_s / own
+        if factor < 1.0:
+            return None, None, "making the bits alone passes the latency limit"
+    sub = dataclasses.replace(problem, graph=graph, latency_limit=factor,
+                              time_budget_s=HOTSPOT_SHARE * left)
+    try:
+        sol = solve_hotspot(sub)
+    except BudgetInfeasible as e:
+        return None, e, None
+    return dataclasses.replace(sol, graph=graph, notes=dict(
+        sol.notes, graph="compact_masks", latency_factor=factor)), None, None
+
+
 @register("auto")
 def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
@@ -124,8 +165,19 @@ def solve_auto(problem: Problem) -> Solution:
     eager = simulate(problem.graph, eager_plan(problem.graph), cm)
     notes = {"hotspot": _summary(hot, hot_err)}
     remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
-    off, off_err, off_skip = _joint(problem, hot, eager, t0)
+    bits, bits_err, bits_skip = _compacted(problem, hot, eager, remat_fast, t0)
+    notes["compact_masks"] = (_summary(bits, bits_err) if bits_skip is None
+                              else f"not run: {bits_skip}")
+    if bits is not None and (hot is None or _key(bits, budget) < _key(hot, budget)):
+        # NOTE: the dropout masks kept as bits: the graph every later option plans on
+        hot, hot_err = bits, None
+    base = problem if hot is None or hot.graph is None else dataclasses.replace(
+        problem, graph=hot.graph, latency_limit=bits.notes["latency_factor"]
+        if problem.latency_limit is not None else None)
+    off, off_err, off_skip = _joint(base, hot, eager, t0)
     notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
+    if off is not None and base is not problem:
+        off = dataclasses.replace(off, graph=base.graph)
     if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
         # NOTE: remat + offload beats remat alone: it is the no-split option fission must beat
         hot, hot_err = off, None
@@ -139,15 +191,18 @@ def solve_auto(problem: Problem) -> Solution:
         skip = "hotspot's plan is as fast as the eager plan: no split can be faster"
     elif left < MIN_FISSION_S:
         skip = f"no time left for fission ({max(left, 0.0):.1f} s of {problem.time_budget_s:g})"
-    elif not splittable_regions(problem, eager):
+    elif not splittable_regions(base, eager if base is problem else simulate(
+            base.graph, eager_plan(base.graph), cm)):
         skip = "no region live at the eager peak can be split"
     fis, fis_err = None, None
     if skip is None:
         try:
             config = (_SEARCH_OFFLOAD if getattr(cm, "host_memory_apart", False)
                       else _SEARCH)
-            fis = solve_fission(dataclasses.replace(problem, time_budget_s=left),
+            fis = solve_fission(dataclasses.replace(base, time_budget_s=left),
                                 config=config, remat_alone=(hot, hot_err))
+            if fis.graph is None and base is not problem:
+                fis = dataclasses.replace(fis, graph=base.graph)
         except BudgetInfeasible as e:
             fis_err = e
         notes["fission"] = _summary(fis, fis_err)
@@ -162,7 +217,7 @@ def solve_auto(problem: Problem) -> Solution:
                f"hotspot cannot reach the budget ({hot_err.smallest_peak_bytes / _MIB:,.1f} "
                f"MiB at least); fission {_describe(fis)}")
     elif hot is not None:
-        win, name = hot, hot.solver
+        win, name = hot, hot.solver + (" (masks as bits)" if hot.graph is not None else "")
         why = (f"{name} {_describe(hot)}; " + (skip if skip is not None else
                "fission found no split plan better " + ("within the budget" if budget is not None
                                                         else "within the latency limit")))

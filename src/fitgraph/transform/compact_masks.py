@@ -15,12 +15,12 @@ over the mask in the forward and a ``where`` per re-make.
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
-1.10x of eager's step time reaches 0.637x of the eager peak on the rewritten graph against
-0.702x on the captured one, but within 1.05x only 0.824x against 0.785x, and at fixed budgets
-of 0.6-0.45x of eager it plans 1.5-3% slower: its moves drop the re-made mask together with
-the bits and the draw behind them (``candidates.forward_chains``), replaying the draw anyway.
-NOTE: so ``auto`` does not search it yet; this is a building block for a planner that weighs
-it per mask.
+1.05x / 1.10x of eager's step time reaches 0.748x / 0.631x of the eager peak on the rewritten
+graph against 0.785x / 0.702x on the captured one; at a budget of 0.6x it plans 2.7% faster,
+at 0.5x and 0.45x within 0.6% either way. So ``auto`` plans both graphs and keeps the better.
+The one a mask is re-made from is made from a graph input of the mask's dtype, and remat moves
+never absorb the bits (``solvers.candidates.forward_chains``): re-made, a mask needs only its
+bits.
 
 Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty``, written in
 place by ``bernoulli_`` then any ``div_``/``mul_`` by a constant, contiguous, and read after
@@ -143,7 +143,11 @@ def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
     made = ValueRef(w.whole[mask.value])
     bits = w.add_node(f"{name}.bits", "aten.ne.Scalar", (made, 0), {},
                       [OutSpec(f"{name}.bits", dense, "bool", role=role)], **kw)[0]
-    scale = w.add_node(f"{name}.one", "aten.new_ones.default", (made, []), {},
+    # NOTE: the one is made from a graph input of the mask's dtype where there is one: re-made,
+    # it then needs neither the float mask alive nor the draw behind it
+    like = w.input_of_dtype(v.dtype, kw["device"])
+    scale = w.add_node(f"{name}.one", "aten.new_ones.default",
+                       (ValueRef(made if like is None else like), []), {},
                        [OutSpec(f"{name}.one", scalar, v.dtype, role=role)], **kw)[0]
     for j, i in enumerate(mask.chain[2:]):
         s, tag = graph.nodes[i], f"{name}.scale" + (f"{j}" if j else "")

@@ -99,9 +99,7 @@ def _count(w: GraphWriter, graph: Graph, fwd: Node) -> int:
     """Nodes computing the count of ``fwd``'s targets, just before it; the new value id."""
     target = graph.values[_source(graph, arg_of(fwd, 1, "target").id)]
     tw = graph.values[fwd.outputs[1]]
-    # NOTE: a tensor of the loss's dtype to make the 1 from: dtypes are torch objects
-    like = next((new for vid, new in w.whole.items() if graph.values[vid].producer is None
-                 and graph.values[vid].dtype == tw.dtype), None)
+    like = w.input_of_dtype(tw.dtype)  # NOTE: to make the 1 from
     if like is None:
         raise ValueError(f"{fwd.name}: no graph input has the loss's dtype {tw.dtype}")
     kw = dict(phase=fwd.phase, module=fwd.module, device=graph.storages[tw.storage].device)

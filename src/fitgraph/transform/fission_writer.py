@@ -107,6 +107,16 @@ class GraphWriter:
                                  dtype, storage, meta.offset, role, phase, module, producer))
         return len(self.values) - 1
 
+    def input_of_dtype(self, dtype: str, device: str | None = None) -> int | None:
+        """A graph input of ``dtype`` (on ``device`` if given) already mapped (its new value
+        id), or None: a tensor to
+        make a constant of that dtype from (``new_ones``), since dtypes in node arguments are
+        torch objects; inputs live through the step, so reading one keeps nothing alive."""
+        return next((new for vid, new in self.whole.items()
+                     if self.old.values[vid].producer is None
+                     and self.old.values[vid].dtype == dtype
+                     and device in (None, self.old.storage_of(vid).device)), None)
+
     def meta(self, vid: int) -> Meta:
         v = self.values[vid]
         return Meta(v.shape, v.stride, v.storage_offset)
