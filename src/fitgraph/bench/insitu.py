@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import time
 from collections import defaultdict
@@ -58,7 +59,11 @@ def timed_plans(graph, plans: dict, model, optimizer, batch, repeats: int) -> di
     scratch = copy.deepcopy(model)
     opt = None
     if optimizer is not None:
-        opt = type(optimizer)(scratch.parameters(), **optimizer.defaults)
+        # NOTE: defaults may hold keys the constructor does not take (AdamW's
+        # decoupled_weight_decay in torch 2.13): the state dict restores every one of them
+        takes = inspect.signature(type(optimizer)).parameters
+        opt = type(optimizer)(scratch.parameters(),
+                              **{k: v for k, v in optimizer.defaults.items() if k in takes})
         opt.load_state_dict(optimizer.state_dict())
     times: dict = {}
     for _ in range(2):  # NOTE: interleaved: both plans see the machine alike

@@ -15,9 +15,9 @@ over the mask in the forward and a ``where`` per re-make.
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
-1.05x / 1.10x of eager's step time reaches 0.748x / 0.631x of the eager peak on the rewritten
-graph against 0.785x / 0.702x on the captured one; at a budget of 0.6x it plans 2.7% faster,
-at 0.5x and 0.45x within 0.6% either way. So ``auto`` plans both graphs and keeps the better.
+1.05x / 1.10x of eager's step time reaches 0.693x / 0.624x of the eager peak on the rewritten
+graph against 0.758x / 0.694x on the captured one; at budgets of 0.6x and 0.5x it plans 3.2% and
+0.9% faster, at 0.45x 2.1% slower. So ``auto`` plans both graphs and keeps the better.
 The one a mask is re-made from is made from a graph input of the mask's dtype, and remat moves
 never absorb the bits (``solvers.candidates.forward_chains``): re-made, a mask needs only its
 bits.
