@@ -14,7 +14,8 @@ of the plan's time / the mean of the eager steps around it). ``--reprofile`` mea
 from a busy machine). Torch runs on one thread. The table gives each
 plan's measured peak / eager's and measured overhead, and the verdict against the target: at
 most 10% overhead with a peak at most ``TARGETS[model]`` of eager's (the MAGIS paper's GPU
-range, 15–60% of PyTorch at ≤10%).
+range, 15–60% of PyTorch at ≤10%). A second table gives, per model, the least measured peak
+among the plans that measured within 10% (``best_within``), whatever limit each was planned for.
 
 On the CPU, "host" and "device" are the same RAM: an offloaded tensor (solver ``joint``) moves
 into a host buffer allocated before the step, off the measured peak exactly as host memory is
@@ -125,6 +126,30 @@ def verdict(row: dict, target: float) -> str:
     return "meets" if row["peak_ratio"] <= target else f"peak above {target:.0%}"
 
 
+def best_within(rows: list[dict], overhead: float = OVERHEAD) -> dict[str, dict | None]:
+    """model -> the plan row with the least measured peak among those measured within
+    ``overhead`` (None: no plan was), whatever limit it was planned for: the acceptance asks
+    for the peak at a measured overhead, and a plan made for 1.10x may measure past it while
+    one made for 1.05x does not.
+
+    Example:
+        >>> rows = [{"model": "m", "system": "eager", "peak_ratio": 1.0, "overhead": 0.0},
+        ...         {"model": "m", "system": "auto", "peak_ratio": 0.5, "overhead": 0.04},
+        ...         {"model": "m", "system": "auto", "peak_ratio": 0.4, "overhead": 0.12}]
+        >>> best_within(rows)["m"]["peak_ratio"]
+        0.5
+    """
+    out: dict[str, dict | None] = {}
+    for r in rows:
+        out.setdefault(r["model"], None)
+        if r["system"] == "eager" or r.get("error") or r["overhead"] is None:
+            continue
+        best = out[r["model"]]
+        if r["overhead"] <= overhead and (best is None or r["peak_ratio"] < best["peak_ratio"]):
+            out[r["model"]] = r
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="bert-base,vit-b16,gpt2,unet,resnet50")
@@ -144,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| model | system | latency limit | measured peak / eager | measured overhead "
           "| solve (s) | target | verdict |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
+    every: list[dict] = []
     for name in args.models.split(","):
         cm = None
         if args.reprofile:
@@ -160,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {r['system']} | {r['limit']:.2f} | {peak} | {ovh} "
                   f"| {r['solve_s']:.0f} | {target:.0%} | {verdict(r, target)}"
                   f"{' ' + r['error'] if r['error'] else ''} |", flush=True)
+        every += rows
+    print(f"\nLeast measured peak among the plans measured within {OVERHEAD:.0%} overhead:\n")
+    print("| model | measured peak / eager | measured overhead | planned for | target | verdict |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, r in best_within(every).items():
+        target = TARGETS.get(name, 0.40)
+        if r is None:
+            print(f"| {name} | — | — | — | {target:.0%} | no plan within {OVERHEAD:.0%} |")
+            continue
+        print(f"| {name} | {r['peak_ratio']:.3f} | {r['overhead']:+.1%} | {r['system']} "
+              f"{r['limit']:.2f} | {target:.0%} | {verdict(r, target)} |")
     return 0
 
 
