@@ -30,7 +30,9 @@ split graphs from the original graph's measurements (``cost.scaled.ScaledCostMod
 profiles nothing new; the split graph it picks is profiled once and planned again on its
 measured costs (remat on top where still needed), and kept only if it then fits and beats
 remat alone (else its last split is measured in more parts, ``MORE_PARTS_TRIES`` times, then
-the next-best split option is measured).
+the next-best split option is measured). In latency mode its last split is also measured in
+fewer parts (``FEWER_PARTS_TRIES`` counts, ``_fewer_parts``) and the least peak within the
+limit wins: small parts run below the whole's efficiency, which the scaled estimate misses.
 
 Example:
     >>> import torch, fitgraph

@@ -20,8 +20,8 @@ splits, remat and offloading combine in one plan.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
-``notes["compact_masks"]`` / ``notes["joint"]`` / ``notes["fission"]`` what each reached. Deterministic as its solvers are:
-only the deadline (``time_budget_s``) cuts them short.
+``notes["compact_masks"]`` / ``notes["joint"]`` / ``notes["fission"]`` what each reached.
+Deterministic as its solvers are: only the deadline (``time_budget_s``) cuts them short.
 
 Example:
     >>> import torch, fitgraph
