@@ -16,8 +16,12 @@ HF = ["hf-gpt2", "hf-bert", "hf-llama", "hf-t5", "hf-vit"]
 pytestmark = pytest.mark.hf
 
 
+LR = 1e-3
+NOISE_GRAD = 1e-6   # NOTE: |gradient| below this share of the largest one is rounding noise
+
+
 def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
 
 
 def _loss(case, model):
@@ -43,6 +47,7 @@ def test_optimize_trains_like_eager_within_the_budget(name):
     torch.manual_seed(1)
     la = _loss(case, a)
     la.backward()
+    grads = {n: p.grad.detach().clone() for n, p in a.named_parameters()}
     oa.step()
     torch.manual_seed(1)
     lb = step(case.batch)  # NOTE: the first step measures itself (report().measured_*)
@@ -51,9 +56,16 @@ def test_optimize_trains_like_eager_within_the_budget(name):
         torch.testing.assert_close(lb, la.detach())
     else:
         assert torch.equal(lb, la.detach())
+    top = max(g.abs().max() for g in grads.values())
     for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         if split:
-            torch.testing.assert_close(pb, pa, msg=n)
+            # NOTE: a gradient that is zero in exact arithmetic (a key projection's bias:
+            # softmax ignores a shift of a query's scores) is rounding noise, which reordered
+            # sums change and AdamW scales to a whole step: there the updates can differ by
+            # up to two steps (2 x lr); everywhere else they are close
+            noise = grads[n].abs() <= NOISE_GRAD * top
+            assert ((pb - pa)[noise].abs() <= 2.5 * LR).all(), n
+            torch.testing.assert_close(pb[~noise], pa[~noise], msg=n)
         else:
             assert torch.equal(pa, pb), f"{name}: parameter {n} differs after the update"
     measured = step.report()

@@ -237,6 +237,18 @@ def _measure_best(problem: Problem, options: list[_Option], limit: float,
     return exact, profiled
 
 
+def _resplits(problem: Problem, measured: _Step, ks: list[int], t0: float):
+    """The last split of ``measured`` made again in each of ``ks`` parts (each profiled, with
+    measured costs), while time is left and the region splits."""
+    for k in ks:
+        if time.perf_counter() - t0 > problem.time_budget_s:
+            return
+        step = _split(measured.base, measured.region, k, problem.cost_model)
+        if isinstance(step, FissionError):
+            return
+        yield step
+
+
 # NOTE: measured splits of one region in more parts tried when the estimate undershot; each
 # profiles one split graph (seconds on a CPU), and the first that fits ends the search
 MORE_PARTS_TRIES = 2
@@ -251,12 +263,8 @@ def _more_parts(problem: Problem, measured: _Step, steps: list[_Step],
     profiled = 0
     if measured.region is None:
         return None, why, steps, measured, profiled
-    for k in [k for k in config.ks if k > measured.k][:MORE_PARTS_TRIES]:
-        if time.perf_counter() - t0 > problem.time_budget_s:
-            break
-        step = _split(measured.base, measured.region, k, problem.cost_model)
-        if isinstance(step, FissionError):
-            break
+    more = [k for k in config.ks if k > measured.k][:MORE_PARTS_TRIES]
+    for step in _resplits(problem, measured, more, t0):
         profiled += 1
         if step.sim.peak_bytes >= measured.sim.peak_bytes or step.sim.latency_s > limit:
             break
@@ -285,12 +293,8 @@ def _fewer_parts(problem: Problem, measured: _Step, steps: list[_Step], limit: f
     profiled = 0
     if measured.region is None:
         return out, profiled
-    for k in sorted((k for k in config.ks if k < measured.k), reverse=True)[:FEWER_PARTS_TRIES]:
-        if time.perf_counter() - t0 > problem.time_budget_s:
-            break
-        step = _split(measured.base, measured.region, k, problem.cost_model)
-        if isinstance(step, FissionError):
-            break
+    fewer = sorted((k for k in config.ks if k < measured.k), reverse=True)[:FEWER_PARTS_TRIES]
+    for step in _resplits(problem, measured, fewer, t0):
         profiled += 1
         if step.sim.latency_s > limit:
             continue
