@@ -32,8 +32,9 @@ With a ``latency_limit`` it keeps lowering the peak while the simulated step sta
 limit (a descent, given half the time), then runs the budget-mode search at lower budgets —
 galloping down below the descent's peak, then bisecting — and keeps the least peak within the
 limit (``_bisect_budgets``: the budget-mode search's pairs, exchange and pruning often reach
-lower than the descent: BERT small on a generic CPU's roofline within 1.10x, 6.5% lower). Deterministic: the result is a function of the inputs; the deadline (``time_budget_s``)
-only cuts the search short, and then ``notes["timed_out"]`` is True — the one case where timing
+lower than the descent: BERT small on a generic CPU's roofline within 1.10x, 6.5% lower).
+Deterministic: the result is a function of the inputs; the deadline (``time_budget_s``) only
+cuts the search short, and then ``notes["timed_out"]`` is True — the one case where timing
 changes the plan. Anytime: it returns the best plan found when time runs out.
 
 Example:

@@ -172,8 +172,7 @@ def solve_auto(problem: Problem) -> Solution:
         # NOTE: the dropout masks kept as bits: the graph every later option plans on
         hot, hot_err = bits, None
     base = problem if hot is None or hot.graph is None else dataclasses.replace(
-        problem, graph=hot.graph, latency_limit=bits.notes["latency_factor"]
-        if problem.latency_limit is not None else None)
+        problem, graph=hot.graph, latency_limit=hot.notes["latency_factor"])
     off, off_err, off_skip = _joint(base, hot, eager, t0)
     notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
     if off is not None and base is not problem:
