@@ -9,6 +9,7 @@ import torch
 import fitgraph
 from fitgraph.cost import ProfiledCostModel
 from fitgraph.cost.first_touch import untouched_writes
+from fitgraph.execute.host_memory import MMAP_CEILING_BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -34,9 +35,10 @@ def test_the_first_writer_of_an_empty_like_writes_it_untouched():
     assert any(n.target == "aten.div_.Scalar" and n.id not in blank for n in g.nodes)
 
 
-def test_profiled_cost_adds_the_faults_to_that_writer_alone():
+def test_profiled_cost_adds_the_faults_to_that_writer_alone(monkeypatch):
     g = _dropout_graph()
     cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    monkeypatch.setattr("fitgraph.cost.profiler.kept", lambda: False)  # glibc left adaptive
     cm.profile(g)
     per_byte = 1e-9
     cm.first_touch_seconds_per_byte = lambda: per_byte
@@ -46,6 +48,18 @@ def test_profiled_cost_adds_the_faults_to_that_writer_alone():
         want = measured + blank.get(n.id, 0) * per_byte
         assert cm.node_cost(g, n).seconds == pytest.approx(want, rel=1e-12, abs=0)
     assert sum(blank.values()) > 0
+
+
+def test_with_host_memory_kept_only_blocks_past_the_mmap_ceiling_are_charged(monkeypatch):
+    g = _dropout_graph()
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    cm.first_touch_seconds_per_byte = lambda: 1e-9
+    monkeypatch.setattr("fitgraph.cost.profiler.kept", lambda: True)
+    for n in g.nodes:  # NOTE: a 4 KiB mask comes back warm from the heap: no faults to add
+        assert cm.node_cost(g, n).seconds == cm._entry(cm.key(g, n), n).seconds
+    assert untouched_writes(g, MMAP_CEILING_BYTES) == {}
+    assert untouched_writes(g, 16 * 64 * 4) != {}
 
 
 def test_first_touch_is_measured_once_and_cached(monkeypatch):

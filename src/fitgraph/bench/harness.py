@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..capture.calling import compute_loss
+from ..execute.host_memory import keep_host_memory
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
@@ -386,6 +387,10 @@ def _time_rounds(systems: list[_System], repeats: int, device=None,
     seconds and this machine's speed drifts within that; a bracket is two seconds wide, so
     the ratio cancels the drift that a once-per-round reference keeps (ViT in the first
     report: the same plan measured 20% apart as two systems)."""
+    # NOTE: every system, eager PyTorch included, times with freed host memory kept mapped
+    # (execute/host_memory.py): otherwise glibc's adaptive thresholds fault pages in for
+    # whichever system's allocation order happens to trip them
+    keep_host_memory()
     others = [s for s in systems if s is not reference]
     for s in others:
         s.times, s.ratios = [], []

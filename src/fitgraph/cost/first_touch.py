@@ -14,7 +14,10 @@ an uninitialised allocation (``empty``, ``empty_like``, ``new_empty``, ``empty_s
 ``ProfiledCostModel`` adds ``bytes × seconds_per_byte`` to such a node's measured time, with
 ``seconds_per_byte`` measured once per machine (``measure_seconds_per_byte``: a fresh 64 MiB
 buffer filled against the same buffer filled again). On CUDA the caching allocator hands back
-memory already mapped, so there is nothing to add.
+memory already mapped, so there is nothing to add; on a CPU whose freed memory is kept mapped
+(``execute/host_memory.py``) only blocks of 32 MiB or more come fresh, and only those are
+charged. (Without it, which blocks come fresh depends on glibc's adaptive thresholds: in a
+later GPT-2 step the same masks measured 11 ms *below* the charged price, their pages warm.)
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -47,9 +50,14 @@ _PROBE_BYTES = 64 * 2**20
 _PROBE_REPEATS = 7
 
 
-def untouched_writes(graph: Graph) -> dict[int, int]:
+def untouched_writes(graph: Graph, min_bytes: int = 0) -> dict[int, int]:
     """node id -> bytes of storage it is the first to write, where an uninitialising
-    allocation made that storage. Nodes that write nothing untouched are absent."""
+    allocation made that storage of at least ``min_bytes``. Nodes that write nothing untouched
+    are absent.
+
+    NOTE: with ``execute.host_memory.keep_host_memory`` in force, a block below glibc's mmap
+    ceiling comes back warm from the heap from the second step on: only larger ones fault
+    (``ProfiledCostModel`` passes the ceiling then)."""
     made_blank: dict[int, int] = {}   # storage -> bytes, until its first writer
     out: dict[int, int] = {}
     for n in graph.nodes:
@@ -61,7 +69,8 @@ def untouched_writes(graph: Graph) -> dict[int, int]:
             for vid in n.outputs:
                 if vid is not None:
                     st = graph.storages[graph.values[vid].storage]
-                    made_blank[st.id] = st.nbytes
+                    if st.nbytes >= min_bytes:
+                        made_blank[st.id] = st.nbytes
     return out
 
 

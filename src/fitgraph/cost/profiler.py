@@ -18,7 +18,8 @@ Example:
     True
 
 Synthetic inputs: floating tensors are ``torch.rand`` (uniform in [0, 1), so sqrt/log/
-multinomial stay valid), integers are zeros (valid indices and labels), bools are ones. Inputs
+multinomial stay valid), integers are zeros (valid indices and labels), bools are ones, except
+random bits (a dropout mask kept as bits), drawn at their density (``cost/drawn_bits.py``). Inputs
 that share a storage in the graph share one here, with the graph's strides and offsets. Nodes
 that write their inputs in place get freshly made inputs before every run, so repeated runs
 never drift (to denormals, overflow) and every run does the same work. All of this happens
@@ -26,7 +27,8 @@ under ``torch.random.fork_rng``: profiling never shifts the caller's random stre
 
 Measured inputs are already written; where the real step writes first into memory an
 ``empty``/``empty_like`` just allocated (dropout's mask), ``node_cost`` adds the page faults the
-profile never saw (``cost/first_touch.py``, measured once per machine).
+profile never saw (``cost/first_touch.py``, measured once per machine; on the CPU, whose freed
+memory the model keeps mapped, ``execute/host_memory.py``, only for blocks of 32 MiB or more).
 
 Workspace: ``peak - fresh``, where peak is the meter's peak over the node's run (inputs already
 allocated, outputs still alive at exit) and fresh is the bytes of the storages the IR says the
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
 from ..execute.meter import MemoryMeter
 from ..execute.ops import ArgBinder, resolve_target
 from ..execute.optimizer_ops import run_optimizer_node
@@ -54,6 +57,7 @@ from ..graph.analysis import new_storages
 from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, ValueRef, storage_bytes
 from .base import NodeCost
 from .cache import CacheEntry, CostCache
+from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
@@ -112,8 +116,9 @@ def _canon(obj, pos: dict[int, int]) -> str:
     return text
 
 
-def node_signature(graph: Graph, node: Node) -> str:
-    """The device-independent part of a node's cache key: op, input layouts, constants.
+def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None = None) -> str:
+    """The device-independent part of a node's cache key: op, input layouts, constants, and
+    the density of random bits an input holds (``densities``: ``cost.drawn_bits``).
 
     Two nodes with equal signatures run the same kernel on the same layouts, so one
     measurement serves both (the many ``aten.t`` / ``detach`` nodes of a graph, the layers of
@@ -126,6 +131,8 @@ def node_signature(graph: Graph, node: Node) -> str:
         v = graph.values[vid]
         share = first_of_storage.setdefault(v.storage, i)  # NOTE: aliasing between inputs
         ins.append(f"{v.dtype}{list(v.shape)}/{list(v.stride)}+{v.storage_offset}@{share}")
+        if densities and v.storage in densities:  # NOTE: bits drawn at random, not ones
+            ins[-1] += f"~p{densities[v.storage]:.3g}"
     if node.target.startswith(_OPTIMIZER_PREFIX):
         consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
     else:
@@ -137,10 +144,14 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _fill(buf: torch.Tensor, dtype: torch.dtype) -> None:
-    """Fill a byte buffer with valid data for ``dtype`` (see module docstring)."""
+def _fill(buf: torch.Tensor, dtype: torch.dtype, density: float | None = None) -> None:
+    """Fill a byte buffer with valid data for ``dtype`` (see module docstring); bools with
+    random bits of ``density`` where given."""
     if dtype == torch.bool:
-        buf.fill_(1)
+        if density is None:
+            buf.fill_(1)
+        else:
+            buf.copy_(torch.rand(buf.numel(), device=buf.device) < density)
         return
     if not (dtype.is_floating_point or dtype.is_complex):
         buf.zero_()
@@ -187,6 +198,8 @@ class ProfiledCostModel:
         if repeats < 1 or warmup < 0:
             raise ValueError("ProfiledCostModel needs repeats >= 1 and warmup >= 0")
         self.device = dev
+        if dev.type == "cpu":  # NOTE: steps then reuse warm memory, as the profile does
+            keep_host_memory()
         # NOTE: on the CPU the executor copies in line, and "host" is the same RAM
         self.copies_overlap = self.host_memory_apart = dev.type == "cuda"
         self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
@@ -200,7 +213,8 @@ class ProfiledCostModel:
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
         self._constants: dict[tuple, tuple[float, ...]] = {}  # (env, names) -> values
-        self._blank: dict[int, tuple[Graph, dict[int, int]]] = {}  # id(graph) -> untouched
+        # id(graph) -> (graph, untouched writes, random-bit densities)
+        self._blank: dict[int, tuple[Graph, dict[int, int], dict[int, float]]] = {}
 
     # -- keys -----------------------------------------------------------------------------------
     @property
@@ -219,7 +233,8 @@ class ProfiledCostModel:
         memo = self._keys.get(id(node))
         if memo is not None and memo[0] is node and memo[2] == env:
             return memo[3]
-        sig = memo[1] if memo is not None and memo[0] is node else node_signature(graph, node)
+        sig = (memo[1] if memo is not None and memo[0] is node
+               else node_signature(graph, node, self._graph_facts(graph)[1]))
         key = hashlib.sha256(f"{sig}||{env}".encode()).hexdigest()
         self._keys[id(node)] = (node, sig, env, key)
         return key
@@ -234,12 +249,18 @@ class ProfiledCostModel:
         return NodeCost(e.seconds, e.workspace_bytes)
 
     def _untouched_bytes(self, graph: Graph) -> dict[int, int]:
+        return self._graph_facts(graph)[0]
+
+    def _graph_facts(self, graph: Graph) -> tuple[dict[int, int], dict[int, float]]:
+        """(node -> untouched bytes it writes first, bool storage -> random-bit density)."""
         memo = self._blank.get(id(graph))
         if memo is None or memo[0] is not graph:
             if len(self._blank) >= _BLANK_MEMO:  # NOTE: fission plans many graphs; keep few
                 self._blank.clear()
-            memo = self._blank[id(graph)] = (graph, untouched_writes(graph))
-        return memo[1]
+            floor = MMAP_CEILING_BYTES if self.device.type == "cpu" and kept() else 0
+            memo = self._blank[id(graph)] = (graph, untouched_writes(graph, floor),
+                                             bit_densities(graph))
+        return memo[1], memo[2]
 
     def first_touch_seconds_per_byte(self) -> float:
         """Page-fault seconds per byte written first into fresh memory (CPU; 0 on CUDA, whose
@@ -270,7 +291,7 @@ class ProfiledCostModel:
         if not todo:
             return 0
         fresh = new_storages(graph)
-        runner = _Runner(graph, self.device)
+        runner = _Runner(graph, self.device, self._graph_facts(graph)[1])
         from tqdm import tqdm
 
         bar = tqdm(todo.items(), desc=f"profiling on {self.label}", unit="op",
@@ -439,8 +460,10 @@ class ProfiledCostModel:
 class _Runner:
     """Makes synthetic inputs for a graph's nodes and the callables that run them."""
 
-    def __init__(self, graph: Graph, device: torch.device) -> None:
+    def __init__(self, graph: Graph, device: torch.device,
+                 densities: dict[int, float] | None = None) -> None:
         self.graph, self.device = graph, device
+        self.densities = densities or {}
         first = graph.storages[graph.values[graph.inputs[0]].storage] if graph.inputs else None
         self.graph_device = first.device if first is not None else "cpu"
         self.remap = torch.device(self.graph_device) != device
@@ -469,7 +492,7 @@ class _Runner:
             if buf is None:
                 buf = torch.empty(need[v.storage], dtype=torch.uint8,
                                   device=self._device_for(g.storages[v.storage]))
-                _fill(buf, dtype)
+                _fill(buf, dtype, self.densities.get(v.storage))
                 bufs[v.storage] = buf
             t = torch.empty(0, dtype=dtype, device=buf.device)
             t.set_(buf.untyped_storage(), v.storage_offset, v.shape, v.stride)
