@@ -200,10 +200,17 @@ class _ResidualDropout(torch.nn.Module):
         return x
 
 
+# NOTE: a roofline prices a random draw as a pass over its bytes; a CPU generates each number
+# (bernoulli_ over GPT-2's 2M-element attention mask: 8.6 ms, against 0.82 ms to convert and
+# scale the same mask's bits)
+DRAW_FACTOR = 10
+
+
 class _RooflineTimesMeasuredBytes:
-    """Times from the generic CPU roofline (the same plan on any machine, however loaded) and
-    bytes from the profile: measured workspaces (a Python scalar wrapped in a tensor, the RNG
-    state a replayed draw sets) make measured == simulated to the byte."""
+    """Times from the generic CPU roofline, random draws ``DRAW_FACTOR`` times dearer (the same
+    plan on any machine, however loaded), and bytes from the profile: measured workspaces (a
+    Python scalar wrapped in a tensor, the RNG state a replayed draw sets) make measured ==
+    simulated to the byte."""
 
     name = "roofline times, measured bytes"
 
@@ -215,7 +222,8 @@ class _RooflineTimesMeasuredBytes:
         return self.measured.profile(graph)
 
     def node_cost(self, g, n):
-        return NodeCost(CPU.node_cost(g, n).seconds, self.measured.node_cost(g, n).workspace_bytes)
+        seconds = CPU.node_cost(g, n).seconds * (DRAW_FACTOR if n.random else 1)
+        return NodeCost(seconds, self.measured.node_cost(g, n).workspace_bytes)
 
     def copy_seconds(self, nbytes):
         return CPU.copy_seconds(nbytes)
@@ -229,10 +237,13 @@ def test_auto_keeps_dropout_masks_as_bits_where_that_lowers_the_peak(tmp_path):
     cm = _RooflineTimesMeasuredBytes(ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0,
                                                        progress=False))
     cm.profile(g)
-    hot = solve(Problem(g, cm, latency_limit=1.10, time_budget_s=10), "hotspot")
+    # NOTE: on the roofline, making the bits and the float mask again is 5% of this step (on
+    # a CPU the draw it saves is dearer): within 1.10 both graphs reach the same peak
+    limit = 1.20
+    hot = solve(Problem(g, cm, latency_limit=limit, time_budget_s=10), "hotspot")
     ref = copy.deepcopy(model)
     want = eager_step(ref, batch, loss_fn, seed=7)
-    step = fitgraph.optimize(model, batch, loss_fn, latency_limit=1.10, cost_model=cm,
+    step = fitgraph.optimize(model, batch, loss_fn, latency_limit=limit, cost_model=cm,
                              time_budget=10)
     r = step.report()
     assert r.notes["winner"] == "hotspot (masks as bits)", r.notes["why"]

@@ -5,22 +5,24 @@ tensor of the activation's dtype whose entries are 0 or one value ``1/p``, saved
 backward. Kept as it is, each mask costs as much memory as its activation (the attention
 dropout's mask as much as the softmax); re-made by recompute it replays the random draw, which
 on a CPU is the dearest op of a transformer's forward. Here each such mask is read once, right
-after it is made, into ``bits = mask != 0`` (1 byte an element) and a 0-dim ``scale`` (a one
-put through the chain's own scalar ops, ``1 / p``, so it is the mask's value bit for bit), and
-every reader gets ``full = where(bits, scale, 0)``, equal to the mask bit for bit. The float mask
-dies at once; ``full`` is a cheap, deterministic recompute of the bits, so a planner drops it
-and re-makes it just before the backward (and the dropout's output from it) where memory is
-short — the bytes kept drop from 4 to 1 per element for float32 at the cost of two passes
-over the mask in the forward and a ``where`` per re-make.
+after it is made, into ``bits = mask != 0`` (1 byte an element), and every reader gets
+``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
+through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit.
+The float mask dies at once; ``full`` is a cheap, deterministic recompute of the bits, so a
+planner drops it and re-makes it just before the backward (and the dropout's output from it)
+where memory is short — the bytes kept drop from 4 to 1 per element for float32 at the cost of
+a pass over the mask in the forward and a conversion and a scaling per re-make. (The first
+version re-made it as ``where(bits, 1/p, 0)``: over random bits a ``where`` mispredicts its
+branches, 2.1 ms against 0.8 for the conversion and scaling on GPT-2's 2M-element attention
+masks.)
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
 1.05x / 1.10x of eager's step time reaches 0.693x / 0.624x of the eager peak on the rewritten
 graph against 0.758x / 0.694x on the captured one; at budgets of 0.6x and 0.5x it plans 3.2% and
 0.9% faster, at 0.45x 2.1% slower. So ``auto`` plans both graphs and keeps the better.
-The one a mask is re-made from is made from a graph input of the mask's dtype, and remat moves
-never absorb the bits (``solvers.candidates.forward_chains``): re-made, a mask needs only its
-bits.
+Remat moves never absorb the bits (``solvers.candidates.forward_chains``): re-made, a mask
+needs only its bits.
 
 Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty``, written in
 place by ``bernoulli_`` then any ``div_``/``mul_`` by a constant, contiguous, and read after
@@ -37,7 +39,7 @@ Example:
     >>> len(dropout_masks(g)), len(dropout_masks(compact_masks(g)))
     (1, 0)
     >>> [n.target for n in compact_masks(g).nodes if ".mask." in n.name]
-    ['aten.ne.Scalar', 'aten.new_ones.default', 'aten.div.Scalar', 'aten.where.ScalarOther']
+    ['aten.ne.Scalar', 'aten._to_copy.default', 'aten.div_.Scalar']
     >>> _ = torch.manual_seed(0); a = execute(g, fitgraph.eager_plan(g), model, batch)
     >>> model.zero_grad(set_to_none=True)
     >>> c = compact_masks(g)
@@ -51,6 +53,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Real
 
+import torch
+
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from ..plan.remat import inplace_chains
@@ -61,9 +65,9 @@ __all__ = ["DropoutMask", "compact_masks", "dropout_masks"]
 
 _CREATORS = frozenset({"aten.empty_like.default", "aten.empty.memory_format"})
 _DRAWS = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
-# NOTE: in-place scalings of the 0/1 draw -> the out-of-place op that scales the 0-dim one
-_SCALINGS = {"aten.div_.Scalar": "aten.div.Scalar", "aten.mul_.Scalar": "aten.mul.Scalar",
-             "aten.div_.Tensor": "aten.div.Tensor", "aten.mul_.Tensor": "aten.mul.Tensor"}
+# NOTE: in-place scalings of the 0/1 draw by a constant (replayed on the re-made 0/1)
+_SCALINGS = frozenset({"aten.div_.Scalar", "aten.mul_.Scalar", "aten.div_.Tensor",
+                       "aten.mul_.Tensor"})
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
@@ -131,29 +135,28 @@ def compact_masks(graph: Graph, masks: list[DropoutMask] | None = None) -> Graph
 
 
 def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
-    """After the chain's last writer: bits, the 0-dim scale and the re-made mask; readers of
-    the mask are remapped to the re-made one."""
+    """After the chain's last writer: the bits and the re-made mask (the bits as the mask's
+    dtype, put through the chain's own in-place scalings); readers of the mask are remapped to
+    the re-made one."""
     v = graph.values[mask.value]
     last = graph.nodes[mask.chain[-1]]
     name = f"{last.name}.mask"
     kw = dict(phase=last.phase, module=last.module, device=graph.storages[v.storage].device)
     dense = Meta(v.shape, v.stride, 0)
-    scalar = Meta((), (), 0)
     role = Role.ACTIVATION
     made = ValueRef(w.whole[mask.value])
     bits = w.add_node(f"{name}.bits", "aten.ne.Scalar", (made, 0), {},
                       [OutSpec(f"{name}.bits", dense, "bool", role=role)], **kw)[0]
-    # NOTE: the one is made from a graph input of the mask's dtype where there is one: re-made,
-    # it then needs neither the float mask alive nor the draw behind it
-    like = w.input_of_dtype(v.dtype, kw["device"])
-    scale = w.add_node(f"{name}.one", "aten.new_ones.default",
-                       (ValueRef(made if like is None else like), []), {},
-                       [OutSpec(f"{name}.one", scalar, v.dtype, role=role)], **kw)[0]
+    # NOTE: 0/1 as the draw left them, then the very ops that scaled the draw: the mask bit for
+    # bit. A conversion reads the bits without a branch; where(bits, scale, 0) measured 2.1 ms
+    # against 0.8 on GPT-2's 2M-element attention masks (random bits defeat its branches)
+    full = w.add_node(f"{name}.full", "aten._to_copy.default", (ValueRef(bits),),
+                      {"dtype": getattr(torch, v.dtype)},
+                      [OutSpec(f"{name}.full", dense, v.dtype, role=role)], **kw)[0]
     for j, i in enumerate(mask.chain[2:]):
         s, tag = graph.nodes[i], f"{name}.scale" + (f"{j}" if j else "")
-        scale = w.add_node(tag, _SCALINGS[s.target], (ValueRef(scale), s.args[1]), {},
-                           [OutSpec(tag, scalar, v.dtype, role=role)], **kw)[0]
-    full = w.add_node(f"{name}.full", "aten.where.ScalarOther",
-                      (ValueRef(bits), ValueRef(scale), 0.0), {},
-                      [OutSpec(f"{name}.full", dense, v.dtype, role=role)], **kw)[0]
+        st = w.values[full].storage
+        full = w.add_node(tag, s.target, (ValueRef(full), s.args[1]), {},
+                          [OutSpec(tag, dense, v.dtype, storage=st, role=role)],
+                          mutates=(full,), **kw)[0]
     w.whole[mask.value] = full
