@@ -35,13 +35,23 @@ def _case(dtype=torch.float32):
     return _Mlp(dtype), torch.randn(256, 64, dtype=dtype), lambda m, b: m(b).square().mean()
 
 
+@pytest.mark.parametrize("drawn", [True, False], ids=["bits-drawn", "bits-read"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_bits_remake_the_mask_and_training_matches_eager(dtype):
+def test_bits_remake_the_mask_and_training_matches_eager(dtype, drawn, monkeypatch):
+    """Both forms: bits drawn straight into a bool tensor (the CPU's) and bits read from the
+    float mask (``mask != 0``, where a device's draws may differ by dtype)."""
+    from fitgraph.transform import compact_masks as cm
+
+    assert cm.draws_alike("cpu")  # NOTE: this CPU's bernoulli_ draws alike for bool and float
+    monkeypatch.setattr(cm, "draws_alike", lambda device: drawn)
     model, batch, loss_fn = _case(dtype)
     twin = copy.deepcopy(model)
     g = fitgraph.capture(twin, batch, loss_fn)
     c = compact_masks(g)
     assert len(dropout_masks(g)) == 2 and not dropout_masks(c)
+    kinds = {n.target for n in c.nodes if n.name.endswith(".mask.bits")}
+    assert kinds == ({"aten.bernoulli_.float"} if drawn else {"aten.ne.Scalar"})
+    assert sum(n.random for n in c.nodes) == 2  # NOTE: one draw per mask, never two
     la = eager_step(model, batch, loss_fn, seed=3)
     torch.manual_seed(3)
     lb = execute(c, fitgraph.eager_plan(c), twin, batch)
@@ -103,8 +113,10 @@ def test_chains_keep_the_bits_and_never_replay_the_draw():
     c = compact_masks(g)
     assert not random_bits(g)
     bits = random_bits(c)
+    # NOTE: on the CPU the bits are drawn straight into a bool tensor: its blank is bits too
     assert sorted(c.nodes[i].name for i in bits) == sorted(
-        n.name for n in c.nodes if n.name.endswith(".mask.bits")) != []
+        n.name for n in c.nodes if n.name.endswith((".mask.bits", ".mask.blank"))) != []
+    assert not bits & remat_candidates(c)  # NOTE: re-made, bits would replay the draw
     chains = forward_chains(c, remat_candidates(c))
     full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
     assert len(full) == 2

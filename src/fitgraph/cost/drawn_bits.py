@@ -7,7 +7,8 @@ branches the CPU cannot predict: on ViT small the re-made masks' ``where`` measu
 step in place against 4.3 ms profiled over ones. ``bit_densities(graph)`` names each bool
 storage computed from a random draw with the chance that an element is True, and the profiler
 fills those with Bernoulli bits of that density (keyed apart from the ones-filled
-measurement).
+measurement). (On the CPU, ``compact_masks`` draws the bits straight into a bool tensor; the
+``ne`` form is the one it makes elsewhere.)
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -41,9 +42,10 @@ def _draw_density(node: Node) -> float:
 
 
 def bit_densities(graph: Graph) -> dict[int, float]:
-    """bool storage id -> the fraction of its elements that are True, for the bool outputs of
-    nodes that read a storage a random op wrote. ``ne(x, 0)`` keeps the draw's density,
-    ``eq(x, 0)`` flips it; any other reading gets ``UNKNOWN_DENSITY``."""
+    """bool storage id -> the fraction of its elements that are True, for bool tensors a
+    random op draws into (at its density) and the bool outputs of nodes that read a storage a
+    random op wrote: ``ne(x, 0)`` keeps the draw's density, ``eq(x, 0)`` flips it; any other
+    reading gets ``UNKNOWN_DENSITY``."""
     drawn: dict[int, float] = {}
     for n in graph.nodes:
         if n.random:
@@ -51,6 +53,11 @@ def bit_densities(graph: Graph) -> dict[int, float]:
                 drawn[graph.values[vid].storage] = _draw_density(n)
     out: dict[int, float] = {}
     for n in graph.nodes:
+        if n.random:  # NOTE: bits drawn straight into a bool tensor
+            for o in n.outputs:
+                if o is not None and graph.values[o].dtype == "bool":
+                    out[graph.values[o].storage] = _draw_density(n)
+            continue
         read = [drawn[graph.values[v].storage] for v in n.inputs
                 if graph.values[v].storage in drawn]
         if not read:

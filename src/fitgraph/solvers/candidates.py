@@ -37,13 +37,15 @@ def remat_candidates(g: Graph, ok: dict[int, str] | None = None,
 
 
 def random_bits(g: Graph) -> set[int]:
-    """Nodes that compact a random draw into bits: a bool output made by reading a storage
-    that a random op wrote (``transform.compact_masks``'s ``mask != 0``)."""
+    """Nodes that make random bits: a bool output made by reading a storage that a random op
+    wrote (``transform.compact_masks``'s ``mask != 0``), or in a storage that one writes (the
+    bits drawn straight into a bool tensor, and the empty tensor they are drawn into)."""
     drawn = {g.values[v].storage for n in g.nodes if n.random
              for v in (*n.mutates, *(o for o in n.outputs if o is not None))}
     return {n.id for n in g.nodes
             if any(o is not None and g.values[o].dtype == "bool" for o in n.outputs)
-            and any(g.values[v].storage in drawn for v in n.inputs)}
+            and (any(g.values[v].storage in drawn for v in n.inputs)
+                 or any(o is not None and g.values[o].storage in drawn for o in n.outputs))}
 
 
 def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:

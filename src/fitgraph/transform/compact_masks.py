@@ -4,17 +4,18 @@ A captured dropout builds its mask in place — ``empty_like → bernoulli_(p) �
 tensor of the activation's dtype whose entries are 0 or one value ``1/p``, saved for the
 backward. Kept as it is, each mask costs as much memory as its activation (the attention
 dropout's mask as much as the softmax); re-made by recompute it replays the random draw, which
-on a CPU is the dearest op of a transformer's forward. Here each such mask is read once, right
-after it is made, into ``bits = mask != 0`` (1 byte an element), and every reader gets
-``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
-through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit.
-The float mask dies at once; ``full`` is a cheap, deterministic recompute of the bits, so a
+on a CPU is the dearest op of a transformer's forward. Here each such mask becomes bits (1
+byte an element): on the CPU the draw goes straight into a bool tensor (``empty_like(x,
+dtype=bool) → bernoulli_(p)``: the same draw, the generator left in the same state,
+``draws_alike``), elsewhere the float mask is read once, right after it is made, into
+``bits = mask != 0``. Every reader gets ``full``: the bits converted to the mask's dtype (0 or
+1, as the draw left them) and put through the chain's own in-place scalings (``div_(p)``), so
+equal to the mask bit for bit. ``full`` is a cheap, deterministic recompute of the bits, so a
 planner drops it and re-makes it just before the backward (and the dropout's output from it)
 where memory is short — the bytes kept drop from 4 to 1 per element for float32 at the cost of
-a pass over the mask in the forward and a conversion and a scaling per re-make. (The first
-version re-made it as ``where(bits, 1/p, 0)``: over random bits a ``where`` mispredicts its
-branches, 2.1 ms against 0.8 for the conversion and scaling on GPT-2's 2M-element attention
-masks.)
+a conversion and a scaling per make. (The first version re-made it as ``where(bits, 1/p,
+0)``: over random bits a ``where`` mispredicts its branches, 2.1 ms against 0.82 for the
+conversion and scaling on GPT-2's 2M-element attention masks.)
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
@@ -39,7 +40,7 @@ Example:
     >>> len(dropout_masks(g)), len(dropout_masks(compact_masks(g)))
     (1, 0)
     >>> [n.target for n in compact_masks(g).nodes if ".mask." in n.name]
-    ['aten.ne.Scalar', 'aten._to_copy.default', 'aten.div_.Scalar']
+    ['aten.empty_like.default', 'aten.bernoulli_.float', 'aten._to_copy.default', 'aten.div_.Scalar']
     >>> _ = torch.manual_seed(0); a = execute(g, fitgraph.eager_plan(g), model, batch)
     >>> model.zero_grad(set_to_none=True)
     >>> c = compact_masks(g)
@@ -53,15 +54,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Real
 
-import torch
-
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from ..plan.remat import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["DropoutMask", "compact_masks", "dropout_masks"]
+__all__ = ["DropoutMask", "compact_masks", "draws_alike", "dropout_masks"]
 
 _CREATORS = frozenset({"aten.empty_like.default", "aten.empty.memory_format"})
 _DRAWS = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
@@ -123,15 +122,101 @@ def compact_masks(graph: Graph, masks: list[DropoutMask] | None = None) -> Graph
     masks = dropout_masks(graph) if masks is None else masks
     if not masks:
         return graph
-    at_end = {m.chain[-1]: m for m in masks}
+    direct = {m.chain[1]: m for m in masks if draws_alike(graph.storages[
+        graph.values[m.value].storage].device)}
+    dropped = {i for m in direct.values() for i in m.chain}
+    at_end = {m.chain[-1]: m for m in masks if m.chain[1] not in direct}
     w = GraphWriter(graph)
     for n in graph.nodes:
+        if n.id in direct:
+            _drawn_bits(w, graph, direct[n.id])
+        if n.id in dropped:
+            continue
         w.copy_node(n)
         if n.id in at_end:
             _bits(w, graph, at_end[n.id])
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
+
+
+_ALIKE: dict[str, bool] = {}
+_PROBE = 4099  # NOTE: odd, so a vectorised body and its scalar tail are both drawn
+
+
+def draws_alike(device: str) -> bool:
+    """Whether ``bernoulli_`` on ``device`` draws the same bits, leaving the generator in the
+    same state, into a bool tensor as into a float one — so a mask's bits can be drawn
+    directly, bit for bit what eager draws. The CPU's kernels draw in double precision (or MKL
+    integers) whatever the dtype; a probe on a private generator confirms it. Other devices:
+    False (not relied on)."""
+    if device not in _ALIKE:
+        import torch  # NOTE: local: planning modules import without torch (test_boundary)
+
+        ok = device == "cpu"
+        if ok:
+            a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+            x = torch.empty(_PROBE).bernoulli_(0.9, generator=a)
+            y = torch.empty(_PROBE, dtype=torch.bool).bernoulli_(0.9, generator=b)
+            ok = torch.equal(x != 0, y) and torch.equal(a.get_state(), b.get_state())
+        _ALIKE[device] = ok
+    return _ALIKE[device]
+
+
+def _remapped(w: GraphWriter, obj):
+    if isinstance(obj, ValueRef):
+        return ValueRef(w.whole[obj.id])
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_remapped(w, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _remapped(w, o) for k, o in obj.items()}
+    return obj
+
+
+def _drawn_bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
+    """In place of the chain, at its draw: the bits drawn straight into a bool tensor (the
+    same draw, ``draws_alike``), and the mask re-made from them; readers get the re-made one."""
+    import torch
+
+    creator, draw = graph.nodes[mask.chain[0]], graph.nodes[mask.chain[1]]
+    v = graph.values[mask.value]
+    last = graph.nodes[mask.chain[-1]]
+    name = f"{last.name}.mask"
+    kw = dict(phase=draw.phase, module=draw.module, device=graph.storages[v.storage].device)
+    dense = Meta(v.shape, v.stride, 0)
+    role = Role.ACTIVATION
+    blank = w.add_node(f"{name}.blank", creator.target, _remapped(w, creator.args),
+                       dict(_remapped(w, creator.kwargs), dtype=torch.bool),
+                       [OutSpec(f"{name}.blank", dense, "bool", role=role)], **kw)[0]
+    st = w.values[blank].storage
+    bits = w.add_node(f"{name}.bits", draw.target, (ValueRef(blank), *draw.args[1:]),
+                      dict(draw.kwargs), [OutSpec(f"{name}.bits", dense, "bool", storage=st,
+                                                  role=role)],
+                      mutates=(blank,), random=True, **kw)[0]
+    w.whole[mask.value] = _remade(w, graph, mask, bits, name, kw)
+
+
+def _remade(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: str,
+            kw: dict) -> int:
+    """The mask from its bits: converted to the mask's dtype (0 or 1, as the draw left them)
+    and put through the chain's own in-place scalings, so equal to it bit for bit."""
+    import torch
+
+    v = graph.values[mask.value]
+    dense = Meta(v.shape, v.stride, 0)
+    # NOTE: a conversion reads the bits without a branch: where(bits, scale, 0) measured
+    # 2.1 ms against 0.82 on GPT-2's 2M-element attention masks (random bits defeat its
+    # branches)
+    full = w.add_node(f"{name}.full", "aten._to_copy.default", (ValueRef(bits),),
+                      {"dtype": getattr(torch, v.dtype)},
+                      [OutSpec(f"{name}.full", dense, v.dtype, role=Role.ACTIVATION)], **kw)[0]
+    for j, i in enumerate(mask.chain[2:]):
+        s, tag = graph.nodes[i], f"{name}.scale" + (f"{j}" if j else "")
+        st = w.values[full].storage
+        full = w.add_node(tag, s.target, (ValueRef(full), s.args[1]), {},
+                          [OutSpec(tag, dense, v.dtype, storage=st, role=Role.ACTIVATION)],
+                          mutates=(full,), **kw)[0]
+    return full
 
 
 def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
@@ -147,16 +232,4 @@ def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
     made = ValueRef(w.whole[mask.value])
     bits = w.add_node(f"{name}.bits", "aten.ne.Scalar", (made, 0), {},
                       [OutSpec(f"{name}.bits", dense, "bool", role=role)], **kw)[0]
-    # NOTE: 0/1 as the draw left them, then the very ops that scaled the draw: the mask bit for
-    # bit. A conversion reads the bits without a branch; where(bits, scale, 0) measured 2.1 ms
-    # against 0.8 on GPT-2's 2M-element attention masks (random bits defeat its branches)
-    full = w.add_node(f"{name}.full", "aten._to_copy.default", (ValueRef(bits),),
-                      {"dtype": getattr(torch, v.dtype)},
-                      [OutSpec(f"{name}.full", dense, v.dtype, role=role)], **kw)[0]
-    for j, i in enumerate(mask.chain[2:]):
-        s, tag = graph.nodes[i], f"{name}.scale" + (f"{j}" if j else "")
-        st = w.values[full].storage
-        full = w.add_node(tag, s.target, (ValueRef(full), s.args[1]), {},
-                          [OutSpec(tag, dense, v.dtype, storage=st, role=role)],
-                          mutates=(full,), **kw)[0]
-    w.whole[mask.value] = full
+    w.whole[mask.value] = _remade(w, graph, mask, bits, name, kw)

@@ -192,10 +192,13 @@ class GraphWriter:
         input (``new_empty_strided`` / ``new_zeros`` / ``new_ones`` / ``new_full``)."""
         out = self.old.values[node.outputs[0]]
         dev = self.old.storages[out.storage].device
+        # NOTE: with a dtype= of its own (compact_masks' bool bits), any input's dtype will do:
+        # the kwarg is kept
+        any_dtype = "dtype" in node.kwargs
         base = next((new for vid, new in self.whole.items()
-                     if self.old.values[vid].producer is None and self.old.values[vid].dtype ==
-                     out.dtype and self.old.storages[self.old.values[vid].storage].device == dev),
-                    None)
+                     if self.old.values[vid].producer is None
+                     and (any_dtype or self.old.values[vid].dtype == out.dtype)
+                     and self.old.storages[self.old.values[vid].storage].device == dev), None)
         if base is None:
             raise RuntimeError(f"fission: {node.name} must run before the region but reads its "
                                f"shape from it, and no graph input has its dtype {out.dtype}")
