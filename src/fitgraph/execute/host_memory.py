@@ -17,6 +17,13 @@ second step on, and every block of 32 MiB or more is mapped fresh each time, in 
 in the step — what ``cost/first_touch.py`` charges is exactly the writes into those. This is
 what the CUDA caching allocator does for device memory, and why PyTorch's CPU tuning guide
 recommends jemalloc or tcmalloc; the process's resident memory stays at its high-water mark.
+What this does not fix: PyTorch asks for 64-byte-aligned blocks (``posix_memalign``), and
+glibc serves an aligned request with a chunk a little larger than the request, so a block just
+freed is too small for the next request of the same size. Unless its neighbours are free too,
+the new block is carved from the heap's top, fresh pages again: an op run on the same inputs in
+a loop faulted its whole 8 MiB output each time in some processes and never in others (3.5
+against 0.9 ms). That stays as run-to-run noise, in the profile and in the step.
+
 ``ProfiledCostModel`` on the CPU applies it (set ``FITGRAPH_KEEP_HOST_MEMORY=0`` to opt out);
 the benchmarks apply it before timing eager PyTorch and fitgraph alike. Other C libraries:
 nothing is changed and ``kept()`` is False.
