@@ -19,7 +19,7 @@ import torch
 from ..capture.api import capture
 from ..capture.calling import compute_loss
 from ..execute.executor import Executor
-from ..execute.host_memory import keep_host_memory, reserve_host_memory
+from ..execute.host_memory import keep_host_memory
 from ..plan.eager import eager_plan
 from .harness import paired_ratio
 
@@ -39,7 +39,6 @@ def measure_overhead(model, batch, loss_fn, optimizer, repeats: int) -> tuple[fl
         optimizer.zero_grad(set_to_none=True)
 
     keep_host_memory()  # NOTE: both time with warm memory (harness._time_rounds says why)
-    reserve_host_memory(512 * 2**20)
     zero()
     eager()  # NOTE: creates optimizer state, so the captured graph is the steady-state one
     zero()

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..capture.calling import compute_loss
-from ..execute.host_memory import keep_host_memory, reserve_host_memory
+from ..execute.host_memory import keep_host_memory
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
@@ -40,8 +40,6 @@ __all__ = ["COMPILERS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow",
            "checkpointed", "fitgraph_at", "outcome", "paired_ratio", "peer_label", "sac_policy",
            "verdicts"]
 
-# NOTE: warm heap for timing, at least (execute/host_memory.py; twice the largest peak if more)
-_RESERVE_MIN = 512 * 2**20
 # NOTE: the order rows come in; eager always runs (every overhead is against it)
 SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
            "compile_aot_eager", "compile_inductor")
@@ -393,7 +391,6 @@ def _time_rounds(systems: list[_System], repeats: int, device=None,
     # (execute/host_memory.py): otherwise glibc's adaptive thresholds fault pages in for
     # whichever system's allocation order happens to trip them
     keep_host_memory()
-    reserve_host_memory(max(_RESERVE_MIN, 2 * max((s.peak or 0 for s in systems), default=0)))
     others = [s for s in systems if s is not reference]
     for s in others:
         s.times, s.ratios = [], []

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept, reserve_host_memory
+from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
 from ..execute.meter import MemoryMeter
 from ..execute.ops import ArgBinder, resolve_target
 from ..execute.optimizer_ops import run_optimizer_node
@@ -66,10 +66,6 @@ log = logging.getLogger(__name__)
 
 # NOTE: bump when what is measured or how changes, so old cache entries are not reused
 _KEY_VERSION = 1
-# NOTE: warm heap the profiler makes first (execute/host_memory.py): an op's inputs, outputs
-# and workspace, a few times its largest storage, never less than this
-_RESERVE_MIN = 256 * 2**20
-_RESERVE_PER_STORAGE = 4
 _OPTIMIZER_PREFIX = "fitgraph.optimizer."
 _OPTIMIZER_KWARGS = ("hyper", "state_keys", "have")  # not "group"/"param": they don't change cost
 # NOTE: copy bandwidth is fitted from two sizes: a small one (fixed latency dominates) and a
@@ -292,9 +288,6 @@ class ProfiledCostModel:
         todo = {k: n for k, n in todo.items() if k not in self._entries}
         self._copy_params()
         self.first_touch_seconds_per_byte()
-        if self.device.type == "cpu":  # NOTE: warm heap to carve outputs from (host_memory)
-            reserve_host_memory(max(_RESERVE_MIN, _RESERVE_PER_STORAGE * max(
-                (st.nbytes for st in graph.storages), default=0)))
         if not todo:
             return 0
         fresh = new_storages(graph)

@@ -17,18 +17,12 @@ second step on, and every block of 32 MiB or more is mapped fresh each time, in 
 in the step — what ``cost/first_touch.py`` charges is exactly the writes into those. This is
 what the CUDA caching allocator does for device memory, and why PyTorch's CPU tuning guide
 recommends jemalloc or tcmalloc; the process's resident memory stays at its high-water mark.
-Kept memory is not enough alone: PyTorch asks for 64-byte-aligned blocks (``posix_memalign``),
-and glibc serves an aligned request with a chunk a little larger than the request, so a block
-just freed is too small for the next request of the same size. Unless its neighbours are free
-too, the new block is carved from the heap's top — fresh pages whenever the top grows past its
-high-water mark: an op run on the same inputs in a loop faulted its whole 8 MiB output each
-time in some processes and never in others (3.5 against 0.9 ms), in the profile as in a step.
-``reserve_host_memory(nbytes)`` grows the heap by ``nbytes`` of written pages once (blocks
-below the ceiling, written, freed: they merge back into the top and, never trimmed, stay
-mapped), so that carving from the top finds warm pages: 0 faults in the same loop. The
-profiler reserves 4x the graph's largest storage (at least 256 MiB), the benchmarks twice the
-largest peak they measure; resident memory grows by as much, allocator bytes (what fitgraph
-measures) do not.
+What this does not fix: PyTorch asks for 64-byte-aligned blocks (``posix_memalign``), and
+glibc serves an aligned request with a chunk a little larger than the request, so a block just
+freed is too small for the next request of the same size. Unless its neighbours are free too,
+the new block is carved from the heap's top, fresh pages again: an op run on the same inputs in
+a loop faulted its whole 8 MiB output each time in some processes and never in others (3.5
+against 0.9 ms). That stays as run-to-run noise, in the profile and in the step.
 
 ``ProfiledCostModel`` on the CPU applies it (set ``FITGRAPH_KEEP_HOST_MEMORY=0`` to opt out);
 the benchmarks apply it before timing eager PyTorch and fitgraph alike. Other C libraries:
@@ -46,7 +40,7 @@ import ctypes
 import os
 import platform
 
-__all__ = ["MMAP_CEILING_BYTES", "keep_host_memory", "kept", "reserve_host_memory", "reserved"]
+__all__ = ["MMAP_CEILING_BYTES", "keep_host_memory", "kept"]
 
 # NOTE: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (4 MiB * sizeof(long)); mallopt refuses more
 MMAP_CEILING_BYTES = 32 * 2**20
@@ -55,9 +49,6 @@ _M_MMAP_THRESHOLD = -3
 _NEVER_TRIM = 2**31 - 1  # NOTE: mallopt takes an int; 2 GiB free at the top before a trim
 
 _state: dict[str, bool] = {}
-_reserved = [0]
-# NOTE: below the mmap ceiling, so each block comes from the heap
-_BLOCK = 16 * 2**20
 
 
 def kept() -> bool:
@@ -84,28 +75,3 @@ def keep_host_memory() -> bool:
             ok = False
     _state["kept"] = ok
     return ok
-
-
-def reserved() -> int:
-    """Bytes of warm heap ``reserve_host_memory`` has made in this process."""
-    return _reserved[0]
-
-
-def reserve_host_memory(nbytes: int) -> int:
-    """Grow the heap by written pages until ``nbytes`` are reserved (see the module doc); only
-    with memory kept (``keep_host_memory``), else nothing. Returns the bytes reserved so far.
-
-    Example:
-        >>> from fitgraph.execute.host_memory import reserve_host_memory, reserved
-        >>> reserve_host_memory(0) == reserved()
-        True
-    """
-    if not keep_host_memory() or nbytes <= _reserved[0]:
-        return _reserved[0]
-    import torch  # NOTE: local: this module is imported by the planning core's cost model
-
-    blocks = [torch.empty(_BLOCK, dtype=torch.uint8).fill_(0)
-              for _ in range(-(-nbytes // _BLOCK))]
-    del blocks  # NOTE: freed together, they merge into the heap's top, written
-    _reserved[0] = max(_reserved[0], -(-nbytes // _BLOCK) * _BLOCK)
-    return _reserved[0]
