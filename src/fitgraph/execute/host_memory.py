@@ -12,7 +12,7 @@ kept. A plan that frees early and re-allocates (rematerialization) meets more of
 than eager does, and the simulator, fed warm measurements, cannot see them.
 
 ``keep_host_memory()`` fixes both thresholds (glibc's ``mallopt``): no trimming, and the
-mmap threshold at its ceiling, 32 MiB. Then every block below 32 MiB is reused warm from the
+mmap threshold at the ceiling of glibc's adaptive one, 32 MiB. Then every block below 32 MiB is reused warm from the
 second step on, and every block of 32 MiB or more is mapped fresh each time, in the profile as
 in the step — what ``cost/first_touch.py`` charges is exactly the writes into those. This is
 what the CUDA caching allocator does for device memory, and why PyTorch's CPU tuning guide
@@ -42,7 +42,9 @@ import platform
 
 __all__ = ["MMAP_CEILING_BYTES", "keep_host_memory", "kept"]
 
-# NOTE: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (4 MiB * sizeof(long)); mallopt refuses more
+# NOTE: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit (4 MiB * sizeof(long)), where its adaptive
+# threshold stops; glibc 2.36 took larger values here too, but faults then came and went with
+# the process (64 and 256 MiB each faulted 32 MiB blocks in one process, not in another)
 MMAP_CEILING_BYTES = 32 * 2**20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

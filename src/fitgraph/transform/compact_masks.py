@@ -163,14 +163,12 @@ def draws_alike(device: str) -> bool:
     return _ALIKE[device]
 
 
-def _remapped(w: GraphWriter, obj):
-    if isinstance(obj, ValueRef):
-        return ValueRef(w.whole[obj.id])
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_remapped(w, o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _remapped(w, o) for k, o in obj.items()}
-    return obj
+def _names(graph: Graph, mask: DropoutMask, at: Node) -> tuple[str, dict]:
+    """The re-made mask's node-name prefix and the phase/module/device its nodes take (those
+    of ``at``, the chain node they stand beside)."""
+    v = graph.values[mask.value]
+    return (f"{graph.nodes[mask.chain[-1]].name}.mask",
+            dict(phase=at.phase, module=at.module, device=graph.storages[v.storage].device))
 
 
 def _drawn_bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
@@ -180,13 +178,11 @@ def _drawn_bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
 
     creator, draw = graph.nodes[mask.chain[0]], graph.nodes[mask.chain[1]]
     v = graph.values[mask.value]
-    last = graph.nodes[mask.chain[-1]]
-    name = f"{last.name}.mask"
-    kw = dict(phase=draw.phase, module=draw.module, device=graph.storages[v.storage].device)
+    name, kw = _names(graph, mask, draw)
     dense = Meta(v.shape, v.stride, 0)
     role = Role.ACTIVATION
-    blank = w.add_node(f"{name}.blank", creator.target, _remapped(w, creator.args),
-                       dict(_remapped(w, creator.kwargs), dtype=torch.bool),
+    args, kwargs = w.remapped(creator.args, creator.kwargs)
+    blank = w.add_node(f"{name}.blank", creator.target, args, dict(kwargs, dtype=torch.bool),
                        [OutSpec(f"{name}.blank", dense, "bool", role=role)], **kw)[0]
     st = w.values[blank].storage
     bits = w.add_node(f"{name}.bits", draw.target, (ValueRef(blank), *draw.args[1:]),
@@ -224,12 +220,9 @@ def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
     dtype, put through the chain's own in-place scalings); readers of the mask are remapped to
     the re-made one."""
     v = graph.values[mask.value]
-    last = graph.nodes[mask.chain[-1]]
-    name = f"{last.name}.mask"
-    kw = dict(phase=last.phase, module=last.module, device=graph.storages[v.storage].device)
-    dense = Meta(v.shape, v.stride, 0)
-    role = Role.ACTIVATION
+    name, kw = _names(graph, mask, graph.nodes[mask.chain[-1]])
     made = ValueRef(w.whole[mask.value])
     bits = w.add_node(f"{name}.bits", "aten.ne.Scalar", (made, 0), {},
-                      [OutSpec(f"{name}.bits", dense, "bool", role=role)], **kw)[0]
+                      [OutSpec(f"{name}.bits", Meta(v.shape, v.stride, 0), "bool",
+                               role=Role.ACTIVATION)], **kw)[0]
     w.whole[mask.value] = _remade(w, graph, mask, bits, name, kw)

@@ -152,6 +152,14 @@ class GraphWriter:
                                moved, out_is_tuple))
         return out_ids
 
+    def remapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` of an old node with their refs mapped through ``whole``."""
+        from ..graph.analysis import flatten_refs
+
+        # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
+        stream = iter([self.whole[v] for v in flatten_refs((args, kwargs))])
+        return substitute_refs(args, stream), substitute_refs(kwargs, stream)
+
     def copy_node(self, node: Node) -> int:
         """Copy an untouched node: its refs remapped through ``whole``, its outputs new values
         in the mapped storages."""
@@ -166,10 +174,7 @@ class GraphWriter:
         if missing:
             raise RuntimeError(f"fission: node {node.name} reads {missing[0]}, which the "
                                "rewritten graph has not produced yet (a bug in the node order)")
-        # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
-        stream = iter([remap(v) for v in refs])
-        args = substitute_refs(node.args, stream)
-        kwargs = substitute_refs(node.kwargs, stream)
+        args, kwargs = self.remapped(node.args, node.kwargs)
         outs = []
         for o in node.outputs:
             if o is None:
