@@ -35,15 +35,20 @@ def _case(dtype=torch.float32):
     return _Mlp(dtype), torch.randn(256, 64, dtype=dtype), lambda m, b: m(b).square().mean()
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "bool"])
 @pytest.mark.parametrize("drawn", [True, False], ids=["bits-drawn", "bits-read"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_bits_remake_the_mask_and_training_matches_eager(dtype, drawn, monkeypatch):
+def test_bits_remake_the_mask_and_training_matches_eager(dtype, drawn, packed, monkeypatch):
     """Both forms: bits drawn straight into a bool tensor (the CPU's) and bits read from the
-    float mask (``mask != 0``, where a device's draws may differ by dtype)."""
+    float mask (``mask != 0``, where a device's draws may differ by dtype); each kept packed
+    eight to a byte (where ``packs_alike``) or as a bool tensor."""
+    from fitgraph.execute import bit_packing
     from fitgraph.transform import compact_masks as cm
 
     assert cm.draws_alike("cpu")  # NOTE: this CPU's bernoulli_ draws alike for bool and float
+    assert bit_packing.packs_alike("cpu")
     monkeypatch.setattr(cm, "draws_alike", lambda device: drawn)
+    monkeypatch.setattr(bit_packing, "packs_alike", lambda device: packed)
     model, batch, loss_fn = _case(dtype)
     twin = copy.deepcopy(model)
     g = fitgraph.capture(twin, batch, loss_fn)
@@ -51,6 +56,9 @@ def test_bits_remake_the_mask_and_training_matches_eager(dtype, drawn, monkeypat
     assert len(dropout_masks(g)) == 2 and not dropout_masks(c)
     kinds = {n.target for n in c.nodes if n.name.endswith(".mask.bits")}
     assert kinds == ({"aten.bernoulli_.float"} if drawn else {"aten.ne.Scalar"})
+    kept = [c.values[n.outputs[0]] for n in c.nodes if n.name.endswith(".mask.packed")]
+    assert [(v.dtype, v.nbytes) for v in kept] == ([("uint8", 256 * 64 // 8),
+                                                    ("uint8", 256 * 512 // 8)] if packed else [])
     assert sum(n.random for n in c.nodes) == 2  # NOTE: one draw per mask, never two
     la = eager_step(model, batch, loss_fn, seed=3)
     torch.manual_seed(3)
@@ -64,10 +72,22 @@ def test_dropping_the_remade_masks_lowers_the_peak_bitwise_and_as_simulated(tmp_
     g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
     c = compact_masks(g)
     full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
-    plan = remat_plan(c, full)
-    sim = simulate(c, plan, _profiled(c, tmp_path))
+    unpacked = [n.id for n in c.nodes if n.name.endswith(".mask.unpacked")]
+    assert len(full) == len(unpacked) == 2
+    cost = _profiled(c, tmp_path)
+    bools = simulate(c, remat_plan(c, full), cost)  # NOTE: the unpacked bool bits kept
+    plan = remat_plan(c, full + unpacked)
+    sim = simulate(c, plan, cost)
     eager = simulate(g, fitgraph.eager_plan(g), _profiled(g, tmp_path))
-    assert sim.peak_bytes < eager.peak_bytes
+    assert sim.peak_bytes <= bools.peak_bytes < eager.peak_bytes
+    # NOTE: into the backward go one bit an element where the unpacked bools took a byte (the
+    # hidden layer's mask: the input's is not read by the backward, no gradient flows there)
+    n_bits = 256 * 512
+
+    def kept(s):
+        return s.live_after[s.phase_starts["backward"] - 1]
+
+    assert kept(bools) - kept(sim) == n_bits - n_bits // 8
     twin = copy.deepcopy(model)
     measured = measure_plan(c, plan, twin, batch, repeats=0)
     assert measured.peak_bytes == sim.peak_bytes
@@ -95,6 +115,20 @@ class _HandMask(torch.nn.Module):
         return self.lin(x * mask) * (mask.t().t() if self.through_view else mask)
 
 
+def test_masks_of_a_size_not_a_multiple_of_8_stay_bool_bits():
+    model = torch.nn.Sequential(torch.nn.Linear(9, 9), torch.nn.Dropout(0.5))
+    batch = torch.randn(7, 9)
+    loss_fn = lambda m, b: m(b).square().sum()  # noqa: E731
+    twin = copy.deepcopy(model)
+    c = compact_masks(fitgraph.capture(twin, batch, loss_fn))
+    names = [n.name for n in c.nodes if ".mask." in n.name]
+    assert any(n.endswith(".mask.bits") for n in names)
+    assert not any(n.endswith((".mask.packed", ".mask.unpacked")) for n in names)
+    la = eager_step(model, batch, loss_fn, seed=2)
+    torch.manual_seed(2)
+    assert torch.equal(la, execute(c, fitgraph.eager_plan(c), twin, batch))
+
+
 @pytest.mark.parametrize("through_view", [False, True])
 def test_masks_read_through_a_view_are_left_alone(through_view):
     batch = torch.randn(8, 16)
@@ -113,9 +147,11 @@ def test_chains_keep_the_bits_and_never_replay_the_draw():
     c = compact_masks(g)
     assert not random_bits(g)
     bits = random_bits(c)
-    # NOTE: on the CPU the bits are drawn straight into a bool tensor: its blank is bits too
+    # NOTE: on the CPU the bits are drawn straight into a bool tensor: its blank is bits too,
+    # and so are the bits packed eight to a byte (unpacking them is a cheap recompute)
     assert sorted(c.nodes[i].name for i in bits) == sorted(
-        n.name for n in c.nodes if n.name.endswith((".mask.bits", ".mask.blank"))) != []
+        n.name for n in c.nodes
+        if n.name.endswith((".mask.bits", ".mask.blank", ".mask.packed"))) != []
     assert not bits & remat_candidates(c)  # NOTE: re-made, bits would replay the draw
     chains = forward_chains(c, remat_candidates(c))
     full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]

@@ -21,13 +21,23 @@ def _bits_graph(p_drop: float = 0.25):
 
 
 def test_the_bits_of_a_dropout_mask_are_as_dense_as_its_keep_probability():
+    from fitgraph.execute.bit_packing import unpack_bits
+    from fitgraph.graph.own_ops import UNPACK_BITS
+
     g = _bits_graph(0.25)
     dens = bit_densities(g)
-    assert list(dens.values()) == [pytest.approx(0.75)]
-    (storage,) = dens
-    readers = [n for n in g.nodes if not n.random  # NOTE: the draw itself writes the bits
-               and any(g.values[v].storage == storage for v in n.inputs)]
+    # NOTE: the drawn bits, the same bits packed eight to a byte, and unpacked again
+    kinds = sorted(g.storages[st].name.rsplit(".", 1)[-1] for st in dens)
+    assert kinds == ["blank", "packed", "unpacked"]
+    assert list(dens.values()) == [pytest.approx(0.75)] * 3
+    (storage,) = (st for st in dens if g.storages[st].name.endswith(".unpacked"))
+    readers = [n for n in g.nodes if any(g.values[v].storage == storage for v in n.inputs)]
     assert readers and all(n.target == "aten._to_copy.default" for n in readers)
+    unpack = next(n for n in g.nodes if n.target == UNPACK_BITS)
+    packed = g.values[unpack.inputs[0]]
+    env = _Runner(g, torch.device("cpu"), dens).inputs(unpack)
+    bits = unpack_bits(env[packed.id], [packed.numel * 8])
+    assert bits.float().mean().item() == pytest.approx(0.75, abs=0.02)
     for n in readers:
         env = _Runner(g, torch.device("cpu"), dens).inputs(n)
         bits = next(env[v] for v in n.inputs if g.values[v].storage == storage)

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node
+from ..graph.own_ops import PACK_BITS, UNPACK_BITS
 
 __all__ = ["UNKNOWN_DENSITY", "bit_densities"]
 
@@ -42,10 +43,11 @@ def _draw_density(node: Node) -> float:
 
 
 def bit_densities(graph: Graph) -> dict[int, float]:
-    """bool storage id -> the fraction of its elements that are True, for bool tensors a
+    """bool (or packed-bits) storage id -> the fraction of its elements that are True, for bool tensors a
     random op draws into (at its density) and the bool outputs of nodes that read a storage a
     random op wrote: ``ne(x, 0)`` keeps the draw's density, ``eq(x, 0)`` flips it; any other
-    reading gets ``UNKNOWN_DENSITY``."""
+    reading gets ``UNKNOWN_DENSITY``; bits packed eight to a byte (``fitgraph::pack_bits``) and
+    unpacked again keep the density of the bits they hold."""
     drawn: dict[int, float] = {}
     for n in graph.nodes:
         if n.random:
@@ -57,6 +59,12 @@ def bit_densities(graph: Graph) -> dict[int, float]:
             for o in n.outputs:
                 if o is not None and graph.values[o].dtype == "bool":
                     out[graph.values[o].storage] = _draw_density(n)
+            continue
+        if n.target in (PACK_BITS, UNPACK_BITS):  # NOTE: the same bits, packed or unpacked
+            known = [out[graph.values[v].storage] for v in n.inputs[:1]
+                     if graph.values[v].storage in out]
+            if known:
+                out[graph.values[n.outputs[0]].storage] = known[0]
             continue
         read = [drawn[graph.values[v].storage] for v in n.inputs
                 if graph.values[v].storage in drawn]

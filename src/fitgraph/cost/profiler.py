@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute.bit_packing import pack_bits
 from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
 from ..execute.meter import MemoryMeter
 from ..execute.ops import ArgBinder, resolve_target
@@ -145,13 +146,16 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def _fill(buf: torch.Tensor, dtype: torch.dtype, density: float | None = None) -> None:
-    """Fill a byte buffer with valid data for ``dtype`` (see module docstring); bools with
-    random bits of ``density`` where given."""
+    """Fill a byte buffer with valid data for ``dtype`` (see module docstring); bools (and
+    bits packed into bytes) with random bits of ``density`` where given."""
     if dtype == torch.bool:
         if density is None:
             buf.fill_(1)
         else:
             buf.copy_(torch.rand(buf.numel(), device=buf.device) < density)
+        return
+    if dtype == torch.uint8 and density is not None:  # NOTE: bits packed eight to a byte
+        buf.copy_(pack_bits(torch.rand(buf.numel() * 8, device=buf.device) < density))
         return
     if not (dtype.is_floating_point or dtype.is_complex):
         buf.zero_()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..graph.ir import Node, ValueRef
+from . import bit_packing  # noqa: F401  (registers the fitgraph:: ops that graphs name)
 
 __all__ = ["OVERSIZED_OUTPUT_OPS", "ArgBinder", "resolve_target"]
 

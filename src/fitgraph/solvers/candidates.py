@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase
+from ..graph.own_ops import PACK_BITS
 from ..plan.remat import recomputable
 
 __all__ = ["MIN_RECOMPUTE_S", "forward_chains", "random_bits", "remat_candidates"]
@@ -23,7 +24,7 @@ def remat_candidates(g: Graph, ok: dict[int, str] | None = None,
     """Forward/loss nodes that allocate and may be dropped and recomputed (``ok``, ``fresh``:
     ``recomputable(g)`` and ``new_storages(g)`` if the caller has them), except random bits.
 
-    NOTE: bits (``random_bits``) are a draw kept at 1 byte an element so that nothing ever
+    NOTE: bits (``random_bits``) are a draw kept at a bit an element so that nothing ever
     replays it; re-made, they replay it, the dearest forward op on a CPU. Left as candidates,
     hotspot re-ran whole attention blocks of GPT-2 small draw included (9.4 ms for 2 MiB of
     bits): without them, 0.375x of the eager peak within 1.10x instead of 0.424x. A plan that
@@ -39,13 +40,18 @@ def remat_candidates(g: Graph, ok: dict[int, str] | None = None,
 def random_bits(g: Graph) -> set[int]:
     """Nodes that make random bits: a bool output made by reading a storage that a random op
     wrote (``transform.compact_masks``'s ``mask != 0``), or in a storage that one writes (the
-    bits drawn straight into a bool tensor, and the empty tensor they are drawn into)."""
+    bits drawn straight into a bool tensor, and the empty tensor they are drawn into), and the
+    ``fitgraph::pack_bits`` of such bits."""
     drawn = {g.values[v].storage for n in g.nodes if n.random
              for v in (*n.mutates, *(o for o in n.outputs if o is not None))}
-    return {n.id for n in g.nodes
+    bits = {n.id for n in g.nodes
             if any(o is not None and g.values[o].dtype == "bool" for o in n.outputs)
             and (any(g.values[v].storage in drawn for v in n.inputs)
                  or any(o is not None and g.values[o].storage in drawn for o in n.outputs))}
+    # NOTE: bits packed eight to a byte are the same draw, kept smaller still (their unpacking
+    # is a deterministic recompute from the packed bytes, and a candidate)
+    return bits | {n.id for n in g.nodes if n.target == PACK_BITS
+                   and any(g.values[v].producer in bits for v in n.inputs)}
 
 
 def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
@@ -54,7 +60,7 @@ def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
     (``random_bits``).
 
     NOTE: a chain never absorbs a node that compacts a random draw into bits: those bits
-    (1 byte an element) are what makes their readers a cheap deterministic recompute;
+    (a bit an element, packed) are what makes their readers a cheap deterministic recompute;
     absorbed, the move that drops a re-made dropout mask would replay the draw behind it,
     the dearest forward op on a CPU. Captured graphs have no such node (their masks are
     floats read by the backward), so this changes only ``compact_masks``'s rewrites.

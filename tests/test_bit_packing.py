@@ -1,0 +1,57 @@
+"""``fitgraph::pack_bits`` / ``fitgraph::unpack_bits``: eight bits to a byte and back, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fitgraph.execute.bit_packing import pack_bits, packs_alike, unpack_bits
+from fitgraph.execute.ops import resolve_target
+from fitgraph.graph.own_ops import PACK_BITS, UNPACK_BITS
+
+
+def test_every_byte_pattern_packs_to_its_value_and_back():
+    values = torch.arange(256)
+    bits = ((values[:, None] >> torch.arange(8)) & 1).bool()
+    packed = pack_bits(bits)
+    assert packed.dtype == torch.uint8 and torch.equal(packed, values.to(torch.uint8))
+    assert torch.equal(unpack_bits(packed, [256, 8]), bits)
+    assert packs_alike("cpu")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_bits_of_any_density_and_shape_round_trip(seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = [int(s) for s in torch.randint(1, 9, (3,), generator=g)] + [8]
+    density = float(torch.rand((), generator=g))
+    bits = torch.rand(shape, generator=g) < density
+    packed = pack_bits(bits)
+    assert packed.shape == (bits.numel() // 8,)
+    back = unpack_bits(packed, shape)
+    assert back.dtype == torch.bool and back.shape == bits.shape and torch.equal(back, bits)
+    # NOTE: a bool tensor holds only 0 and 1 bytes: anything else would compare alike but
+    # misbehave in later arithmetic
+    assert int(back.view(torch.uint8).max()) <= 1
+
+
+def test_the_graph_targets_resolve_to_the_ops():
+    bits = torch.rand(4, 16) < 0.3
+    packed = resolve_target(PACK_BITS)(bits)
+    assert torch.equal(resolve_target(UNPACK_BITS)(packed, [4, 16]), bits)
+
+
+def test_fake_tensors_get_the_real_shapes():
+    with FakeTensorMode():
+        bits = torch.empty(6, 8, dtype=torch.bool)
+        packed = pack_bits(bits)
+        out = unpack_bits(packed, [6, 8])
+    assert (packed.shape, packed.dtype) == ((6,), torch.uint8)
+    assert (out.shape, out.dtype) == ((6, 8), torch.bool)
+
+
+@pytest.mark.parametrize("bad", [torch.ones(7, dtype=torch.bool), torch.ones(8),
+                                 torch.ones(4, 4, dtype=torch.bool).t()])
+def test_what_cannot_be_packed_says_so(bad):
+    with pytest.raises(ValueError, match="contiguous bool tensor of a multiple of 8"):
+        pack_bits(bad)
