@@ -12,9 +12,12 @@ kept. A plan that frees early and re-allocates (rematerialization) meets more of
 than eager does, and the simulator, fed warm measurements, cannot see them.
 
 ``keep_host_memory()`` fixes both thresholds (glibc's ``mallopt``): no trimming, and the
-mmap threshold at the ceiling of glibc's adaptive one, 32 MiB. Then every block below 32 MiB is reused warm from the
-second step on, and every block of 32 MiB or more is mapped fresh each time, in the profile as
-in the step — what ``cost/first_touch.py`` charges is exactly the writes into those. This is
+mmap threshold at the ceiling of glibc's adaptive one, 32 MiB. Then every block below 32 MiB is
+reused warm from the second step on, and a block of 32 MiB or more is mapped fresh — unless a
+free chunk or the untrimmed top of the heap is large enough, which malloc tries first: BERT
+small's 120-MiB logits faulted 16k pages a step in one process and 32k in another (its step
+time moved by under 1%). ``cost/first_touch.py`` charges the writes into blocks of 32 MiB or
+more, as if always mapped fresh. This is
 what the CUDA caching allocator does for device memory, and why PyTorch's CPU tuning guide
 recommends jemalloc or tcmalloc; the process's resident memory stays at its high-water mark.
 What this does not fix: PyTorch asks for 64-byte-aligned blocks (``posix_memalign``), and
