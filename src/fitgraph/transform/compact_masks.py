@@ -22,10 +22,12 @@ Packing took BERT small within 1.10x of eager's step from 0.404x to 0.394x of it
 simulated on this CPU's costs.)
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
-GPT-2 small, this CPU's measured op costs, one thread, simulated, AdamW): ``hotspot`` within
-1.05x / 1.10x of eager's step time reaches 0.693x / 0.624x of the eager peak on the rewritten
-graph against 0.758x / 0.694x on the captured one; at budgets of 0.6x and 0.5x it plans 3.2% and
-0.9% faster, at 0.45x 2.1% slower. So ``auto`` plans both graphs and keeps the better.
+small configs, this CPU's measured op costs, one thread, simulated, AdamW): the rewrite's eager
+plan is 0.7-1.9% slower (it makes, packs and unpacks the bits), and ``hotspot`` within 1.10x
+of eager's step time reaches 0.609x / 0.616x / 0.493x of the eager peak (GPT-2 / BERT / ViT) on
+the rewritten graph against 0.710x / 0.666x / 0.661x on the captured one; at a budget of 0.5x it
+plans 6-13% faster. Where no remat is needed the captured graph is faster, so ``auto`` plans
+both graphs and keeps the better.
 Remat moves never absorb the bits nor their packed bytes (``solvers.candidates.forward_chains``):
 re-made, a mask needs only its packed bits.
 
