@@ -20,7 +20,9 @@ among the plans that measured within 10% (``best_within``), whatever limit each 
 ``--processes N`` runs each model in N fresh processes in turn and reports the median overhead
 over them, each process's in brackets (``merged``): a plan's measured overhead moves by several
 points from one process to the next (where its tensors land in the heap), more than the
-rounds within one process show.
+rounds within one process show. The page-faults column gives the minor page faults of a timed
+step, eager PyTorch's → the plan's (medians, per process): eager's blocks of 32 MiB or more
+fault a varying number of pages from one process to the next, plans' usually none.
 
 On the CPU, "host" and "device" are the same RAM: an offloaded tensor (solver ``joint``) moves
 into a host buffer allocated before the step, off the measured peak exactly as host memory is
@@ -119,7 +121,9 @@ def _rows(case, limits: list[float], solvers: list[str], repeats: int, time_budg
         out.append({"model": case.name, "system": s.name, "limit": s.budget, "peak": s.peak,
                     "peak_ratio": s.peak / eager.peak if s.peak else None,
                     "overhead": ratio - 1 if ratio else None,
-                    "solve_s": s.prepare_s, "error": s.error})
+                    "solve_s": s.prepare_s, "error": s.error,
+                    "faults": statistics.median(s.faults) if s.faults else None,
+                    "eager_faults": statistics.median(eager.faults) if eager.faults else None})
     return out
 
 
@@ -183,8 +187,9 @@ def merged(runs: list[list[dict]]) -> list[dict]:
     for rows in runs:
         for r in rows:
             key = (r["model"], r["system"], r["limit"])
-            m = out.setdefault(key, dict(r, overheads=[], peaks=[], errors=[]))
+            m = out.setdefault(key, dict(r, overheads=[], peaks=[], errors=[], faulted=[]))
             m["overheads"].append(r["overhead"])
+            m["faulted"].append((r.get("eager_faults"), r.get("faults")))
             m["peaks"].append(r["peak_ratio"])
             m["errors"].append(r["error"])
     for m in out.values():
@@ -250,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.__version__}; measured; AdamW in the step; {args.repeats} interleaved rounds,"
           " medians\n")
     print("| model | system | latency limit | measured peak / eager | measured overhead "
-          "| solve (s) | target | verdict |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+          "| page faults a step (eager → plan) | solve (s) | target | verdict |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     every: list[dict] = []
     for name in args.models.split(","):
         rows = (_in_processes(name, args, args.processes) if args.processes > 1
@@ -262,13 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             target = TARGETS.get(name, 0.40)
             peak = "—" if r["peak_ratio"] is None else f"{r['peak_ratio']:.3f}"
             ovh = "—" if r["overhead"] is None else f"{r['overhead']:+.1%}"
+            pairs = r.get("faulted") or [(r.get("eager_faults"), r.get("faults"))]
+            faults = ", ".join("—" if e is None or p is None else f"{e:,.0f} → {p:,.0f}"
+                               for e, p in pairs)
             if len(r.get("overheads", ())) > 1:
                 ovh += " (" + ", ".join("—" if o is None else f"{o:+.1%}"
                                         for o in r["overheads"]) + ")"
             if r.get("peaks_differ"):
                 peak += " (max; plans differed)"
             print(f"| {name} | {r['system']} | {r['limit']:.2f} | {peak} | {ovh} "
-                  f"| {r['solve_s']:.0f} | {target:.0%} | {verdict(r, target)}"
+                  f"| {faults} | {r['solve_s']:.0f} | {target:.0%} | {verdict(r, target)}"
                   f"{' ' + r['error'] if r['error'] else ''} |", flush=True)
         every += rows
     print(f"\nLeast measured peak among the plans measured within {OVERHEAD:.0%} overhead:\n")

@@ -132,6 +132,7 @@ class _System:
     times: list | None = None
     error: str = ""
     ratios: list | None = None    # step time / the mean of the eager steps around it
+    faults: list | None = None    # minor page faults of each timed step (None: not counted)
     matched: str = ""
     solve_s: float | None = None
     notes: str = ""
@@ -379,6 +380,15 @@ def _measure_memory(systems: list[_System], batch, device=None) -> None:
         s.peak = before + meter.peak_bytes
 
 
+def _minor_faults() -> int | None:
+    """This process's minor page faults so far (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # NOTE: not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _time_rounds(systems: list[_System], repeats: int, device=None,
                  reference: _System | None = None) -> None:
     """Time each system ``repeats`` times, in rounds whose order rotates. With a
@@ -393,17 +403,21 @@ def _time_rounds(systems: list[_System], repeats: int, device=None,
     keep_host_memory()
     others = [s for s in systems if s is not reference]
     for s in others:
-        s.times, s.ratios = [], []
+        s.times, s.ratios, s.faults = [], [], None
     if reference is not None:
-        reference.times = []
+        reference.times, reference.faults = [], None
 
     def timed(s: _System) -> float:
         s.optimizer.zero_grad(set_to_none=True)
         _sync(device)
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         s.step()
         _sync(device)
-        return time.perf_counter() - t0
+        t = time.perf_counter() - t0
+        if f0 is not None:
+            s.faults = (s.faults or []) + [_minor_faults() - f0]
+        return t
 
     before = timed(reference) if reference is not None else None
     if before is not None:
