@@ -222,7 +222,8 @@ def _in_processes(name: str, args, n: int) -> list[dict]:
                    str(args.repeats), "--time-budget", str(args.time_budget),
                    "--rows-json", f.name] + (["--reprofile"] if args.reprofile and i == 0 else [])
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            runs.append(json.load(open(f.name)))
+            with open(f.name) as rows:
+                runs.append(json.load(rows))
     return merged(runs)
 
 

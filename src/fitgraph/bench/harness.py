@@ -132,7 +132,7 @@ class _System:
     times: list | None = None
     error: str = ""
     ratios: list | None = None    # step time / the mean of the eager steps around it
-    faults: list | None = None    # minor page faults of each timed step (None: not counted)
+    faults: list | None = None    # minor page faults of each timed step (empty: not counted)
     matched: str = ""
     solve_s: float | None = None
     notes: str = ""
@@ -403,9 +403,9 @@ def _time_rounds(systems: list[_System], repeats: int, device=None,
     keep_host_memory()
     others = [s for s in systems if s is not reference]
     for s in others:
-        s.times, s.ratios, s.faults = [], [], None
+        s.times, s.ratios, s.faults = [], [], []
     if reference is not None:
-        reference.times, reference.faults = [], None
+        reference.times, reference.faults = [], []
 
     def timed(s: _System) -> float:
         s.optimizer.zero_grad(set_to_none=True)
@@ -416,7 +416,7 @@ def _time_rounds(systems: list[_System], repeats: int, device=None,
         _sync(device)
         t = time.perf_counter() - t0
         if f0 is not None:
-            s.faults = (s.faults or []) + [_minor_faults() - f0]
+            s.faults.append(_minor_faults() - f0)
         return t
 
     before = timed(reference) if reference is not None else None
