@@ -18,6 +18,7 @@ from . import dim_rules_norm as nm
 from . import dim_rules_pointwise as pw
 from . import dim_rules_views as vw
 from . import dim_rules_window as wn
+from .own_ops import UNPACK_BITS
 
 __all__ = ["BOUNDARY", "BOUNDARY_PREFIXES", "RANDOM_CHECKED", "RULES", "SHAPE_ONLY"]
 
@@ -104,6 +105,7 @@ RULES.update({
     "aten.unbind.int": vw.unbind,
     "aten.cat.default": vw.cat,
     "aten.stack.default": vw.stack,
+    UNPACK_BITS: vw.unpack_bits,
 })
 
 _RANDOM = "random: a part would draw other numbers than the whole op (law 1)"

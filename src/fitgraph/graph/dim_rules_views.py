@@ -20,7 +20,7 @@ from math import lcm, prod
 from .dim_types import Along, SizeArg, Split, arg_of, norm_dim
 
 __all__ = ["cat", "expand", "identity_dims", "permute", "select", "select_backward", "slice_", "split",
-           "squeeze", "stack", "t", "transpose", "unbind", "unsqueeze", "view"]
+           "squeeze", "stack", "t", "transpose", "unbind", "unpack_bits", "unsqueeze", "view"]
 
 Shape = tuple[int, ...]
 
@@ -68,6 +68,29 @@ def view(node, ins, outs) -> list[Split]:
         splits.append(Split((Along(ga[0], block // ta),), (Along(gb[0], block // tb),),
                             sizes=(size,)))
     return splits
+
+
+def unpack_bits(node, ins, outs) -> list[Split]:
+    """fitgraph::unpack_bits(packed, shape): bytes [numel/8] -> bits of ``shape``, element 8i+j
+    in bit j of byte i: a reshape whose input holds eight elements a byte. Its outermost dim of
+    size > 1 cuts into blocks of whole bytes when a row of it is a multiple of 8 elements (a
+    part unpacks its own bytes: a dropout mask's bits unpacked per part of a batch region).
+
+    Example:
+        >>> from fitgraph.graph.ir import Node, Phase, ValueRef
+        >>> n = Node(0, "unpack", "fitgraph.unpack_bits.default", (ValueRef(0), [4, 3, 8]), {},
+        ...          (0,), (1,), (), Phase.FORWARD, "")
+        >>> [(s.operands[0].unit, s.outputs[0].dim) for s in unpack_bits(n, [(12,)], [(4, 3, 8)])]
+        [(3, 0)]
+    """
+    shape = outs[0]
+    d = next((i for i, s in enumerate(shape) if s != 1), None)
+    if d is None or shape[d] < 2:
+        return []
+    row = prod(shape[d + 1:])
+    if row % 8:
+        return []
+    return [Split((Along(0, row // 8),), (Along(d),), sizes=(SizeArg((1, d), ("out", 0), d),))]
 
 
 def expand(node, ins, outs) -> list[Split]:

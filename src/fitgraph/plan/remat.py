@@ -28,7 +28,8 @@ from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
-__all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "inplace_chains",
+__all__ = ["RematError", "RematTables", "complete_drop", "drop_point", "drop_points",
+           "inplace_chains",
            "is_view_node", "per_use", "recomputable", "recompute_without_writes", "remat_plan",
            "remat_tables", "split_drop"]
 
@@ -222,8 +223,9 @@ def not_recomputable(graph: Graph, vid: int) -> RematError:
 def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None, *,
                tables: RematTables | None = None) -> Plan:
     """The plan that computes ``order`` (default: captured order) and drops the outputs of the
-    nodes in ``drop`` at the end of the forward+loss phases (``drop_point``), recomputing them
-    on demand.
+    nodes in ``drop`` at the end of the forward+loss phases (``drop_points``: of the forward
+    run that precedes their first backward reader, for a graph split in parts along its batch
+    whose parts each run forward then backward), recomputing them on demand.
 
     A ``per_use(graph, nid)`` entry drops node ``nid`` too, and frees what a backward node's
     recomputes re-create of it only to feed other recomputes once that node has run (where the
@@ -272,12 +274,13 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                 remade.add(frame[0])
 
     updated: set[int] = set()  # NOTE: weights an update has already changed
-    boundary = drop_point(graph, order)
-    dropped_storages = {s for nid in drop for s in t.fresh[nid]}
+    points = drop_points(graph, order)
+    released: dict[int, list[int]] = {}
+    for s in sorted({s for nid in drop for s in t.fresh[nid]}):
+        released.setdefault(points[s], []).append(s)
     for pos, nid in enumerate(order):
-        if pos == boundary:
-            for s in dropped_storages:
-                avail.difference_update(t.members[s])
+        for s in released.get(pos, ()):
+            avail.difference_update(t.members[s])
         for u in graph.nodes[nid].inputs:
             ensure(u)
         events.append(Compute(nid))
@@ -310,6 +313,51 @@ def drop_point(graph: Graph, order: list[int]) -> int:
     transposes, earlier; they do not end the forward.)"""
     return 1 + max((i for i, nid in enumerate(order)
                     if graph.nodes[nid].phase in (Phase.FORWARD, Phase.LOSS)), default=-1)
+
+
+def drop_points(graph: Graph, order: list[int]) -> list[int]:
+    """storage -> where in ``order`` it is released if its maker is dropped: after the last
+    forward or loss node before the first backward node that reads it (``drop_point`` where
+    nothing in the backward reads it), the earliest of its node's storages. In a captured step the forward ends before any backward
+    node reads an activation, so every storage is released at ``drop_point``; in a step split
+    in parts along its batch (``transform.fission``) each part runs forward then backward, and
+    a part's activations are released where its own forward ends.
+
+    Example:
+        >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+        >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.INPUT)
+        >>> a = b.add_node("aten.relu.default", [x], [((4,), "float32")])[0]      # part 0
+        >>> b.add_node("aten.neg.default", [a], [((4,), "float32")], phase=Phase.BACKWARD)
+        [2]
+        >>> c = b.add_node("aten.exp.default", [x], [((4,), "float32")])[0]       # part 1
+        >>> y = b.add_node("aten.neg.default", [c], [((4,), "float32")], phase=Phase.BACKWARD)[0]
+        >>> g = b.finish({"loss": y})
+        >>> points = drop_points(g, [0, 1, 2, 3])
+        >>> points[g.values[a].storage], points[g.values[c].storage], drop_point(g, [0, 1, 2, 3])
+        (1, 3, 3)
+    """
+    end = drop_point(graph, order)
+    last_fwd = -1
+    points = [end] * len(graph.storages)
+    seen: set[int] = set()
+    for pos, nid in enumerate(order):
+        n = graph.nodes[nid]
+        if n.phase in (Phase.FORWARD, Phase.LOSS):
+            last_fwd = pos
+            continue
+        for v in n.inputs:
+            st = graph.values[v].storage
+            if st not in seen:
+                seen.add(st)
+                points[st] = min(end, last_fwd + 1)
+    # NOTE: a recompute re-makes every storage of its node: they are released together (one
+    # released later would be released again after the recompute that brought it back)
+    for ss in new_storages(graph).values():
+        if len(ss) > 1:
+            first = min(points[st] for st in ss)
+            for st in ss:
+                points[st] = first
+    return points
 
 
 def is_view_node(graph: Graph, nid: int, fresh: dict[int, list[int]]) -> bool:

@@ -116,11 +116,13 @@ def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] 
             raise not_recomputable(ev.graph, vid)
         return p
 
+    bound, storage_of = ev.bound, G.storage_of
     for q in positions:
         made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
         last: dict[int, int] = {}
         for j, u in enumerate(G.inputs[ev.order[q]]):
-            if u not in unavail:
+            # NOTE: a dropped storage is gone only from its release on (``drop_points``)
+            if u not in unavail or q < bound[storage_of[u]]:
                 continue
             stack = [[producer(u), 0]]  # NOTE: remat_plan's depth-first walk, in input order
             while stack:
@@ -129,7 +131,7 @@ def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] 
                 if frame[1] < len(ins):
                     v = ins[frame[1]]
                     frame[1] += 1
-                    if v in unavail:
+                    if v in unavail and q >= bound[storage_of[v]]:
                         stack.append([producer(v), 0])
                     continue
                 stack.pop()

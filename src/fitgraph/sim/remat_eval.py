@@ -40,7 +40,7 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
-from ..plan.remat import RematTables, complete_drop, drop_point, per_use, remat_tables, split_drop
+from ..plan.remat import RematTables, complete_drop, drop_points, per_use, remat_tables, split_drop
 from .recompute_parts import Packed, Part, walk_parts
 
 __all__ = ["RematEval", "RematEvaluator"]
@@ -111,8 +111,10 @@ class RematEvaluator:
         pos = [0] * n
         for p, nid in enumerate(order):
             pos[nid] = p
-        self.boundary = b = drop_point(graph, order)
-        # storage lifetimes in positions: allocated at prod, last used at last (before the
+        # NOTE: where each storage is released if dropped (``drop_points``: one boundary in a
+        # captured step, one per part in a step split along its batch)
+        self.bound = bound = drop_points(graph, order)
+        # storage lifetimes in positions: allocated at prod, last used at last (before its
         # boundary: last_fwd); -1 where never
         prod, last, last_fwd = [-1] * S, [-1] * S, [-1] * S
         self.back_readers: dict[int, list[int]] = {}
@@ -124,21 +126,23 @@ class RematEvaluator:
             for v in (*G.inputs[nid], *G.outputs[nid]):
                 s = G.storage_of[v]
                 last[s] = p
-                if p < b:
+                if p < bound[s]:
                     last_fwd[s] = p
             for v in G.inputs[nid]:
-                if p >= b:
+                if p >= bound[G.storage_of[v]]:
                     self.back_readers.setdefault(v, []).append(p)
                 else:
                     fwd_readers.setdefault(v, []).append(nid)
         self.prod, self.last = prod, last
-        # a value made unavailable by dropping a node: in its storage, made before the boundary
+        # a value made unavailable by dropping a node: in its storage, made before its boundary
         self.owner = [G.maker[G.storage_of[v]] if G.producer[v] is not None
-                      and pos[G.producer[v]] < b else None for v in range(len(graph.values))]
+                      and pos[G.producer[v]] < bound[G.storage_of[v]] else None
+                      for v in range(len(graph.values))]
         for v, o in enumerate(self.owner):
             if o is not None and o < 0:
                 self.owner[v] = None
-        self.dropped_storages = {d: [s for s in fresh[d] if prod[s] < b] for d in range(n)}
+        self.dropped_storages = {d: [s for s in fresh[d] if prod[s] < bound[s]]
+                                 for d in range(n)}
         self.unavail_of = {d: [v for s in self.dropped_storages[d] for v in G.t.members[s]
                                if self.owner[v] is not None] for d in range(n)}
         # NOTE: dropped nodes whose recomputes may read each other's values (see _region)
@@ -162,6 +166,7 @@ class RematEvaluator:
         self.base_keep = np.array([s in G.t.keep for s in produced], dtype=bool)
         self.last_arr = np.array(last, dtype=np.int64)
         self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
+        self.bound_arr = np.array(bound, dtype=np.int64)
 
     def reordered(self, order: list[int]) -> RematEvaluator:
         """An evaluator for the same graph and costs under another node order."""
@@ -249,10 +254,17 @@ class RematEvaluator:
         t_rows = self.row_of[pk.t_st]
         plain = ~is_dropped[pk.t_st] & (t_rows >= 0)
         np.maximum.at(end_e, t_rows[plain], touch_g[plain])
+        # NOTE: a recompute before a dropped storage's release (``drop_points``: parts released
+        # apart) reads it in its first lifetime; the release is an event index: its position
+        # plus the recomputes placed before it
+        bound_t = self.bound_arr[pk.t_st]
+        early = is_dropped[pk.t_st] & (t_rows >= 0) & (
+            touch_g < bound_t + np.searchsorted(q_sorted, bound_t, side="left"))
+        np.maximum.at(end_e, t_rows[early], touch_g[early])
         again = drop_g >= 0
         st2, prod2 = drop_st[again], drop_g[again]
         last2 = self.last_arr[st2]
-        end2 = np.maximum(prod2, np.where(last2 >= self.boundary, cidx[last2], -1))
+        end2 = np.maximum(prod2, np.where(last2 >= self.bound_arr[st2], cidx[last2], -1))
         if len(st2):
             reach = np.full(len(G.nbytes), -1, dtype=np.int64)
             np.maximum.at(reach, pk.t_st[~plain], touch_g[~plain])

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from ..graph.analysis import new_storages, users, verify_graph
 from ..graph.dim_region import Region
+from ..graph.dim_rules import SHAPE_ONLY
 from ..graph.dim_types import Along, Reduced
 from ..graph.dims import operands, part_args
 from ..graph.ir import Graph, Phase, contiguous_strides
@@ -132,8 +133,11 @@ class _Splitter(PartsCombiner):
         readers = users(g)
         graph_outs = set(g.outputs.values())
         produced = [o for nid in self.r.nodes for o in g.nodes[nid].outputs if o is not None]
+        # NOTE: a shape-only reader (a dropout's ``empty_like`` blank) runs before the block,
+        # made from the shape alone (``GraphWriter._shape_only``): it keeps no whole copy live
         leaving = [v for v in produced
-                   if v in graph_outs or any(u not in inside for u in readers[v])]
+                   if v in graph_outs or any(u not in inside and g.nodes[u].target not in
+                                             SHAPE_ONLY for u in readers[v])]
         fresh = new_storages(g)
         self.root_of: dict[int, int] = {}             # region-fresh storage -> its first value
         for nid in self.r.nodes:
