@@ -81,6 +81,17 @@ def assert_same_as_eager(case_model, batch, loss_fn, graph, rtol=1e-4, atol=1e-5
                                    msg=lambda s, n=name: f"grad of {n}: {s}")
 
 
+def assert_same_as_eager_plan(model, batch, loss_fn, graph, plan):
+    """``plan`` on ``graph`` gives eager PyTorch's loss and gradients (allclose)."""
+    ref, m = copy.deepcopy(model), copy.deepcopy(model)
+    want = eager_step(ref, batch, loss_fn, seed=0)
+    torch.manual_seed(0)
+    got = Executor(graph, plan, m)(batch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * (1 + q.grad.abs().max()))
+
+
 def assert_simulator_tells_truth(graph, model, batch):
     cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
     cm.profile(graph)
@@ -171,6 +182,34 @@ def test_whole_step_along_batch_keeps_no_whole_copy_for_dropout_blanks():
     assert not whole, whole                      # only gradients and the loss leave, combined
     assert_same_as_eager(case.model, case.batch, case.loss_fn, split)
     assert_simulator_tells_truth(split, case.model, case.batch)
+
+
+def test_remat_inside_parts_of_a_batch_split():
+    """Each part runs its forward then its backward: remat releases a part's activations where
+    its own forward ends (``plan.remat.drop_points``), so it goes below what is live before the
+    last part starts (with one release point for the whole step, after the last part's forward,
+    no plan could)."""
+    model, batch, loss_fn = _mlp_case(depth=3, classes=10, rows=1024)
+    g = count_targets_apart(fitgraph.capture(model, batch, loss_fn))
+    rows = g.inputs[g.input_names.index("batch:0")]
+    split = split_region(g, grow_region(g, rows, 0, exclude=counting_nodes(g)), 2)
+    plan = eager_plan(split)
+    alone = simulate(split, plan, ROOFLINE)
+    last = next(i for i, ins in enumerate(plan)
+                if ins.op == "compute" and split.nodes[ins.node].name.endswith(".part1"))
+    floor = max(alone.live_after[:last])
+    budget = alone.resident_bytes + int(0.8 * (floor - alone.resident_bytes))
+    s = solve(Problem(split, ROOFLINE, budget_bytes=budget), "hotspot")
+    assert s.sim.peak_bytes <= budget and s.plan.counts()["recompute"]
+    assert_same_as_eager_plan(model, batch, loss_fn, split, s.plan)
+    measured = measure_plan(split, s.plan, copy.deepcopy(model), batch, repeats=0)
+    assert measured.peak_bytes == simulate(split, s.plan, _profiled(split)).peak_bytes
+
+
+def _profiled(graph):
+    cm = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cm.profile(graph)
+    return cm
 
 
 def test_whole_step_along_batch_in_parts_cuts_vits_activations():
