@@ -246,11 +246,20 @@ def test_auto_keeps_dropout_masks_as_bits_where_that_lowers_the_peak(tmp_path):
     step = fitgraph.optimize(model, batch, loss_fn, latency_limit=limit, cost_model=cm,
                              time_budget=10)
     r = step.report()
-    assert r.notes["winner"] == "hotspot (masks as bits)", r.notes["why"]
+    assert r.notes["compact_masks"]["peak_bytes"] < hot.sim.peak_bytes, r.notes["why"]
+    # NOTE: the bits graph is what every later option plans on: fission too, which here also
+    # runs the step in parts along its batch and wins
+    assert r.notes["winner"] in ("hotspot (masks as bits)", "fission"), r.notes["why"]
     assert r.planned_peak_bytes < hot.sim.peak_bytes
     assert any(n.name.endswith(".mask.bits") for n in step.graph.nodes)
     torch.manual_seed(7)
-    assert torch.equal(step(batch), want)          # NOTE: bitwise: the same draws, re-made
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    got = step(batch)
+    if r.notes["winner"] == "fission":  # NOTE: parts sum in another order: allclose (law 1)
+        torch.testing.assert_close(got, want)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    else:                               # NOTE: bitwise: the same draws, re-made
+        assert torch.equal(got, want)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
     assert step.report().measured_peak_bytes == r.planned_peak_bytes

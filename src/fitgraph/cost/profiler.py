@@ -30,6 +30,11 @@ Measured inputs are already written; where the real step writes first into memor
 profile never saw (``cost/first_touch.py``, measured once per machine; on the CPU, whose freed
 memory the model keeps mapped, ``execute/host_memory.py``, only for blocks of 32 MiB or more).
 
+In situ (the default on a CPU): every node is also timed inside its graph's eager step
+(``cost/in_situ.py``), and ``node_cost`` charges that time: an op alone runs with warm caches
+and recycled blocks, and small ops gain more from that than large ones, so the alone-times
+mislead a choice between a step and its parts. Workspaces stay the alone-measurement's.
+
 Workspace: ``peak - fresh``, where peak is the meter's peak over the node's run (inputs already
 allocated, outputs still alive at exit) and fresh is the bytes of the storages the IR says the
 node allocates (``new_storages``). The meter's ``end_bytes`` — what the node really left
@@ -60,6 +65,7 @@ from .base import NodeCost
 from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
+from .in_situ import profile_in_situ
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -181,6 +187,9 @@ class ProfiledCostModel:
         progress: show a tqdm bar over the nodes being measured.
         refresh: measure again even what the cache holds, and overwrite it (a profile taken
             while other work shared the machine stays in the cache until refreshed).
+        in_situ: also time every node inside its graph's eager step (``cost/in_situ.py``) and
+            cost it by that time: ops alone run with warm caches and recycled blocks, and
+            small ops gain more from it than large ones. Default: on the CPU.
 
     Measurements are valid for this device, torch version and ``torch.get_num_threads()`` (all
     part of the key): change the thread count and the graph must be profiled again. Nodes and
@@ -189,7 +198,8 @@ class ProfiledCostModel:
 
     def __init__(self, device: str | torch.device = "cpu",
                  cache: CostCache | str | os.PathLike | None = None, repeats: int = 5,
-                 warmup: int = 2, progress: bool = True, refresh: bool = False) -> None:
+                 warmup: int = 2, progress: bool = True, refresh: bool = False,
+                 in_situ: bool | None = None) -> None:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -201,6 +211,10 @@ class ProfiledCostModel:
             raise ValueError(f"ProfiledCostModel supports 'cpu' and 'cuda' devices, got {dev}")
         if repeats < 1 or warmup < 0:
             raise ValueError("ProfiledCostModel needs repeats >= 1 and warmup >= 0")
+        if in_situ and dev.type != "cpu":
+            raise ValueError("in_situ times ops inside the step one by one, which on CUDA would "
+                             "serialise its asynchronous kernels: use in_situ=False there")
+        self.in_situ = dev.type == "cpu" if in_situ is None else in_situ
         self.device = dev
         if dev.type == "cpu":  # NOTE: steps then reuse warm memory, as the profile does
             keep_host_memory()
@@ -214,6 +228,7 @@ class ProfiledCostModel:
                                 else torch.cuda.default_generators[dev.index].get_state().numel())
         self.label, self.hardware = _describe(dev)
         self._entries: dict[str, CacheEntry] = {}
+        self._situ: dict[str, float] = {}   # key -> seconds in its step (cost/in_situ.py)
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
         self._constants: dict[tuple, tuple[float, ...]] = {}  # (env, names) -> values
@@ -245,7 +260,11 @@ class ProfiledCostModel:
 
     # -- the CostModel protocol -----------------------------------------------------------------
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
-        e = self._entry(self.key(graph, node), node)
+        key = self.key(graph, node)
+        e = self._entry(key, node)
+        situ = self._situ.get(key)
+        if situ is not None:  # NOTE: timed in its step, page faults included
+            return NodeCost(situ, e.workspace_bytes)
         blank = self._untouched_bytes(graph).get(node.id, 0)
         if blank:  # NOTE: page faults the profile never saw (cost/first_touch.py)
             return NodeCost(e.seconds + blank * self.first_touch_seconds_per_byte(),
@@ -292,8 +311,14 @@ class ProfiledCostModel:
         todo = {k: n for k, n in todo.items() if k not in self._entries}
         self._copy_params()
         self.first_touch_seconds_per_byte()
-        if not todo:
-            return 0
+        if todo:
+            self._profile_alone(graph, todo)
+        if self.in_situ:
+            profile_in_situ(self, graph)
+        return len(todo)
+
+    def _profile_alone(self, graph: Graph, todo: dict[str, Node]) -> None:
+        """Measure the nodes of ``todo`` (key -> node) one by one, alone."""
         fresh = new_storages(graph)
         runner = _Runner(graph, self.device, self._graph_facts(graph)[1])
         from tqdm import tqdm
@@ -319,7 +344,6 @@ class ProfiledCostModel:
             log.info("%d profiled nodes left a different number of bytes allocated than the "
                      "IR's alias model predicts: %s (see ProfiledCostModel.alias_mismatches)",
                      len(mismatched), sorted({n.target for n in mismatched}))
-        return len(todo)
 
     def measurement(self, graph: Graph, node: Node) -> Measurement:
         """What was measured for ``node``, with the IR's fresh bytes to compare."""
@@ -481,15 +505,20 @@ class _Runner:
 
     def inputs(self, node: Node) -> list:
         """An env (indexed by value id) holding fresh synthetic tensors for ``node.inputs``."""
+        return self.values(node.inputs)
+
+    def values(self, vids) -> list:
+        """An env (indexed by value id) holding fresh synthetic tensors for ``vids``; values
+        that share a storage in the graph share one here."""
         g = self.graph
         env: list = [None] * len(g.values)
         need: dict[int, int] = {}
-        for vid in node.inputs:
+        for vid in vids:
             v = g.values[vid]
             extent = storage_bytes(v.shape, v.stride, v.storage_offset, DTYPE_BYTES[v.dtype])
             need[v.storage] = max(need.get(v.storage, g.storages[v.storage].nbytes), extent)
         bufs: dict[int, torch.Tensor] = {}
-        for vid in node.inputs:
+        for vid in vids:
             v = g.values[vid]
             dtype = _torch_dtype(v.dtype)
             buf = bufs.get(v.storage)

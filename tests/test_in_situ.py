@@ -1,0 +1,104 @@
+"""Op times in situ (``cost/in_situ.py``): each node timed inside its graph's eager step, and
+``ProfiledCostModel`` costing nodes by those times (cached per key, like the alone-profile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fitgraph
+import fitgraph.cost.in_situ as in_situ
+from fitgraph.cost import ProfiledCostModel
+from fitgraph.cost.in_situ import time_in_situ
+from fitgraph.execute.executor import Executor
+from fitgraph.plan.eager import eager_plan
+from fitgraph.sim import simulate
+
+
+def _graph():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    return fitgraph.capture(model, batch, lambda m, b: torch.nn.functional.cross_entropy(
+        m(b[0]), b[1]), torch.optim.Adam(model.parameters()))
+
+
+def _fake_times(graph, device, repeats, warmup, densities=None):
+    return [1e-3 * (n.id + 1) for n in graph.nodes]
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("in-situ timing ran again")
+
+
+def test_nodes_cost_their_in_situ_time_median_per_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(in_situ, "time_in_situ", _fake_times)
+    g = _graph()
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    cm.profile(g)
+    by_key: dict[str, list[float]] = {}
+    for n in g.nodes:
+        by_key.setdefault(cm.key(g, n), []).append(1e-3 * (n.id + 1))
+    shared = [k for k, v in by_key.items() if len(v) > 1]
+    assert shared  # NOTE: the two same-shape ReLUs, the detaches, Adam's updates...
+    for n in g.nodes:
+        times = sorted(by_key[cm.key(g, n)])
+        mid = len(times) // 2
+        want = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        assert cm.node_cost(g, n).seconds == pytest.approx(want), n.name
+    # NOTE: the simulator charges each node its in-situ time, nothing else
+    sim = simulate(g, eager_plan(g), cm)
+    assert sim.latency_s == pytest.approx(sum(cm.node_cost(g, n).seconds for n in g.nodes))
+
+
+def test_in_situ_times_are_cached_across_instances(tmp_path, monkeypatch):
+    g = _graph()
+    cm = ProfiledCostModel(cache=tmp_path, repeats=2, warmup=1, progress=False)
+    cm.profile(g)
+    monkeypatch.setattr(in_situ, "time_in_situ", _refuse)
+    again = ProfiledCostModel(cache=tmp_path, repeats=2, warmup=1, progress=False)
+    assert again.profile(g) == 0
+    assert [again.node_cost(g, n) for n in g.nodes] == [cm.node_cost(g, n) for n in g.nodes]
+    fresh = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False, refresh=True)
+    with pytest.raises(AssertionError, match="ran again"):
+        fresh.profile(g)                     # NOTE: refresh times the step again
+
+
+def test_in_situ_off_costs_ops_timed_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(in_situ, "time_in_situ", _refuse)
+    g = _graph()
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False, in_situ=False)
+    cm.profile(g)
+    assert [cm.node_cost(g, n).seconds for n in g.nodes] == [
+        cm.measurement(g, n).seconds for n in g.nodes]
+
+
+def test_time_in_situ_times_the_work_and_keeps_the_callers_rng(tmp_path):
+    g = _graph()
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    cm = ProfiledCostModel(cache=tmp_path, repeats=2, warmup=1, progress=False)
+    cm.profile(g)
+    assert torch.equal(torch.rand(3), want)
+    seconds = time_in_situ(g, torch.device("cpu"), repeats=2, warmup=1)
+    assert len(seconds) == len(g.nodes) and min(seconds) >= 0
+    matmuls = [seconds[n.id] for n in g.nodes if n.target in ("aten.addmm.default",
+                                                               "aten.mm.default")]
+    assert matmuls and min(matmuls) > 0
+
+
+def test_a_node_failing_in_its_step_is_named(monkeypatch):
+    g = _graph()
+    bad = next(n for n in g.nodes if n.target == "aten.relu.default")
+    run = Executor.run_compute
+
+    def failing(self, ins):
+        if ins.node == bad.id:
+            raise RuntimeError("boom")
+        run(self, ins)
+
+    monkeypatch.setattr(Executor, "run_compute", failing)
+    with pytest.raises(RuntimeError, match=f"{bad.name}.*boom.*in_situ=False"):
+        time_in_situ(g, torch.device("cpu"), repeats=1, warmup=0)
