@@ -159,7 +159,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
             # graph is faster than that graph's eager plan: a split whose eager plan is
             # already slower than remat alone cannot win (nor can more parts of it)
             search_limit = alone[0].sim.latency_s * (1 + ESTIMATE_SLACK if scaled else 1)
-    for strategy in (("least peak",) if budget is None else STRATEGIES):
+    for strategy in (LATENCY_STRATEGIES if budget is None else STRATEGIES):
         steps, cur, out_of_time = _greedy(start, search, budget, search_limit, config,
                                           deadline, strategy, memo)
         timed_out |= out_of_time
@@ -341,20 +341,27 @@ MIN_ADDED_S = 1e-7
 # NOTE: budget mode grows two greedy paths: "cheapest" buys memory at the least time per byte,
 # "deepest" at the least peak per split (fewer, larger splits); each gets remat on top
 STRATEGIES = ("cheapest", "deepest")
+# NOTE: latency mode grows "least peak" and "cheapest": the split that lowers the eager peak
+# most is not always the one that ends lowest once remat is on top (BERT within 1.10x: the
+# whole step in 2 parts along its batch lowered the eager peak most, but its parts' weight
+# gradients and a nested loss split stopped remat at 0.44x; the loss along its tokens,
+# cheaper, left remat the room to reach 0.36x)
+LATENCY_STRATEGIES = ("least peak", "cheapest")
 
 
 def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int | None,
             strategy: str, rounds_left: int) -> bool:
     """"least peak" (latency mode) and "deepest": within the budget the least latency, over
     it the least peak; "cheapest": among splits that close at least their share of the gap to
-    the budget (``1 / rounds_left``; one that fits does) the most bytes saved per second
-    added, else the least peak."""
+    the budget (``1 / rounds_left``; one that fits does; in latency mode, every split) the
+    most bytes saved per second added, else the least peak."""
     def key(s: SimResult):
         fits = budget is not None and s.peak_bytes <= budget
         if fits and strategy != "cheapest":
             return (0, s.latency_s, s.peak_bytes)
         saved = cur.peak_bytes - s.peak_bytes
-        if strategy == "cheapest" and saved * rounds_left >= cur.peak_bytes - budget:
+        if strategy == "cheapest" and (budget is None
+                                       or saved * rounds_left >= cur.peak_bytes - budget):
             return (1, -saved / max(s.latency_s - cur.latency_s, MIN_ADDED_S), s.peak_bytes)
         return (2, s.peak_bytes, s.latency_s)
     return than is None or key(sim) < key(than)
