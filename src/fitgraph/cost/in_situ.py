@@ -66,6 +66,8 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
                 try:
                     step(ex, ins)
                 except Exception as e:
+                    if not hasattr(ins, "node"):
+                        raise
                     n = graph.nodes[ins.node]
                     raise RuntimeError(
                         f"timing node {n.name} ({n.target}) in its step failed on synthetic "
