@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -149,6 +150,22 @@ def _eager_step(model, batch, loss_fn, opt) -> Callable[[], object]:
         opt.step()
         return loss
     return step
+
+
+def _copied(model, optimizer):
+    """(a deep copy of ``model``, an optimizer of the same type over it holding ``optimizer``'s
+    state and settings; None without one).
+
+    NOTE: defaults may hold keys the constructor does not take (AdamW's
+    decoupled_weight_decay in torch 2.13): the state dict restores every one of them."""
+    m = copy.deepcopy(model)
+    if optimizer is None:
+        return m, None
+    takes = inspect.signature(type(optimizer)).parameters
+    o = type(optimizer)(m.parameters(),
+                        **{k: v for k, v in optimizer.defaults.items() if k in takes})
+    o.load_state_dict(optimizer.state_dict())
+    return m, o
 
 
 def _save_on_cpu_step(model, batch, loss_fn, opt) -> Callable[[], object]:

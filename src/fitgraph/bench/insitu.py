@@ -20,8 +20,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import copy
-import inspect
 import statistics
 import time
 from collections import defaultdict
@@ -56,15 +54,9 @@ def timed_plans(graph, plans: dict, model, optimizer, batch, repeats: int) -> di
     """label -> ``timed_instructions`` of each plan, the plans interleaved (twice, the second
     pass kept), run on copies of ``model`` and ``optimizer``: the step's optimizer nodes
     update the weights and state they are given."""
-    scratch = copy.deepcopy(model)
-    opt = None
-    if optimizer is not None:
-        # NOTE: defaults may hold keys the constructor does not take (AdamW's
-        # decoupled_weight_decay in torch 2.13): the state dict restores every one of them
-        takes = inspect.signature(type(optimizer)).parameters
-        opt = type(optimizer)(scratch.parameters(),
-                              **{k: v for k, v in optimizer.defaults.items() if k in takes})
-        opt.load_state_dict(optimizer.state_dict())
+    from .harness import _copied
+
+    scratch, opt = _copied(model, optimizer)
     times: dict = {}
     for _ in range(2):  # NOTE: interleaved: both plans see the machine alike
         for label, plan in plans.items():

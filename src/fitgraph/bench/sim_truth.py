@@ -17,8 +17,6 @@ one that picks right (BENCHMARKS.md, "Simulated vs measured step time").
 from __future__ import annotations
 
 import argparse
-import copy
-import inspect
 import platform
 import statistics
 import time
@@ -59,51 +57,38 @@ def split_graphs(graph, parts: list[int]) -> dict[str, object]:
 def _rows(name: str, parts: list[int], repeats: int) -> list[dict]:
     from .. import zoo
     from ..capture.api import capture
-    from ..capture.calling import compute_loss
     from ..cost import ProfiledCostModel
     from ..execute.executor import Executor
     from ..plan.eager import eager_plan
     from ..sim import simulate
     from ..transform.compact_masks import compact_masks
+    from .harness import _copied, _eager_step
 
     case = zoo.build(name, "small")
     model, batch = case.model, case.batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    compute_loss(model, batch, case.loss_fn).backward()  # NOTE: AdamW state, as in steady state
-    opt.step()
+    _eager_step(model, batch, case.loss_fn, opt)()  # NOTE: AdamW state, as in steady state
     opt.zero_grad(set_to_none=True)
     graphs = split_graphs(compact_masks(capture(model, batch, case.loss_fn, opt)), parts)
     alone = ProfiledCostModel(progress=False, in_situ=False)
     situ = ProfiledCostModel(progress=False)
-    takes = inspect.signature(type(opt)).parameters
-
-    def copies():
-        m = copy.deepcopy(model)
-        o = type(opt)(m.parameters(), **{k: v for k, v in opt.defaults.items() if k in takes})
-        o.load_state_dict(opt.state_dict())
-        return m, o
-
     systems = {}
     for label, g in graphs.items():
         alone.profile(g)
         situ.profile(g)
         plan = eager_plan(g)
-        m, o = copies()
-        systems[label] = (Executor(g, plan, m, o), o, simulate(g, plan, alone).latency_s,
+        m, o = _copied(model, opt)
+        ex = Executor(g, plan, m, o)
+        systems[label] = (lambda ex=ex: ex(batch), o, simulate(g, plan, alone).latency_s,
                           simulate(g, plan, situ).latency_s)
-    m, o = copies()
-
-    def eager(b, m=m, o=o):
-        compute_loss(m, b, case.loss_fn).backward()
-        o.step()
-
-    systems["eager PyTorch"] = (eager, o, None, None)
+    m, o = _copied(model, opt)
+    systems["eager PyTorch"] = (_eager_step(m, batch, case.loss_fn, o), o, None, None)
     times: dict[str, list[float]] = {k: [] for k in systems}
     for _ in range(repeats + 1):  # NOTE: interleaved; the first round is warm-up
         for label, (run, o, _, _) in systems.items():
             o.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            run(batch)
+            run()
             times[label].append(time.perf_counter() - t0)
     whole = systems["whole"]
     base = statistics.median(times["whole"][1:])
