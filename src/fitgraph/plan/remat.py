@@ -274,7 +274,7 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                 remade.add(frame[0])
 
     updated: set[int] = set()  # NOTE: weights an update has already changed
-    points = drop_points(graph, order)
+    points = drop_points(graph, order, t.fresh)
     released: dict[int, list[int]] = {}
     for s in sorted({s for nid in drop for s in t.fresh[nid]}):
         released.setdefault(points[s], []).append(s)
@@ -315,13 +315,15 @@ def drop_point(graph: Graph, order: list[int]) -> int:
                     if graph.nodes[nid].phase in (Phase.FORWARD, Phase.LOSS)), default=-1)
 
 
-def drop_points(graph: Graph, order: list[int]) -> list[int]:
+def drop_points(graph: Graph, order: list[int],
+                fresh: dict[int, list[int]] | None = None) -> list[int]:
     """storage -> where in ``order`` it is released if its maker is dropped: after the last
     forward or loss node before the first backward node that reads it (``drop_point`` where
-    nothing in the backward reads it), the earliest of its node's storages. In a captured step the forward ends before any backward
-    node reads an activation, so every storage is released at ``drop_point``; in a step split
-    in parts along its batch (``transform.fission``) each part runs forward then backward, and
-    a part's activations are released where its own forward ends.
+    nothing in the backward reads it); a node's storages go at the earliest of theirs.
+    ``fresh``: ``new_storages(graph)`` if the caller has it. In a captured step the forward
+    ends before any backward node reads an activation, so every storage is released at
+    ``drop_point``; in a step split in parts along its batch (``transform.fission``) each part
+    runs forward then backward, and a part's activations are released where its forward ends.
 
     Example:
         >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
@@ -352,7 +354,7 @@ def drop_points(graph: Graph, order: list[int]) -> list[int]:
                 points[st] = min(end, last_fwd + 1)
     # NOTE: a recompute re-makes every storage of its node: they are released together (one
     # released later would be released again after the recompute that brought it back)
-    for ss in new_storages(graph).values():
+    for ss in (new_storages(graph) if fresh is None else fresh).values():
         if len(ss) > 1:
             first = min(points[st] for st in ss)
             for st in ss:

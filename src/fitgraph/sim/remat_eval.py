@@ -113,7 +113,7 @@ class RematEvaluator:
             pos[nid] = p
         # NOTE: where each storage is released if dropped (``drop_points``: one boundary in a
         # captured step, one per part in a step split along its batch)
-        self.bound = bound = drop_points(graph, order)
+        self.bound = bound = drop_points(graph, order, G.t.fresh)
         # storage lifetimes in positions: allocated at prod, last used at last (before its
         # boundary: last_fwd); -1 where never
         prod, last, last_fwd = [-1] * S, [-1] * S, [-1] * S
