@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow lint clean
+.PHONY: venv demo test test-slow test-gpu lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests
+
+# the GPU tier (needs CUDA; every test skips without it)
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gpu.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider -k cuda tests/test_meter.py tests/test_offload.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -139,10 +139,20 @@ class TrainStep:
         from .cost import ProfiledCostModel, RooflineCostModel, get_device
 
         if self.cost_model is None:
-            self.cost_model = ProfiledCostModel(progress=False)
+            # NOTE: ops are timed where the model runs: a CUDA model's costs are its kernels'
+            self.cost_model = ProfiledCostModel(self.device, progress=False)
         elif isinstance(self.cost_model, str):
             self.cost_model = RooflineCostModel(get_device(self.cost_model))
         return self.cost_model
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the CPU for a model without any)."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _state_key(self) -> tuple:
         if self.optimizer is None:
@@ -227,12 +237,14 @@ class TrainStep:
             # NOTE: what exists before the step (weights, batch, state, earlier .grad) plus the
             # meter's peak above it; the first run of each plan is measured
             before = resident_bytes(self.model, batch, self.optimizer) + self._grad_bytes()
-            with MemoryMeter() as meter:
+            with MemoryMeter(self.device) as meter:
                 loss = planned.executor(batch)
             planned.measured_peak_bytes = before + meter.peak_bytes
             return loss
+        self._sync()
         t0 = time.perf_counter()
         loss = planned.executor(batch)
+        self._sync()   # NOTE: CUDA kernels run on after the call returns: time them to the end
         planned.step_times.append(time.perf_counter() - t0)
         return loss
 

@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
                    help="write DIR/BENCHMARKS.md (machine, command, per model: plot, summary "
                         "tables, all rows, verdicts, errors) with its PNGs and bench.csv")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where models run: cpu or cuda (save_on_cpu "
+                   "and fitgraph's offloading copy over PCIe there)")
+    p.add_argument("--config", default="small", help="zoo configuration: small (CPU-sized) or "
+                   "paper (the papers' sizes; for a GPU)")
 
 
 def chosen_systems(args) -> list[str]:
@@ -71,6 +75,8 @@ def command(args, systems: list[str]) -> str:
              "--time-budget", f"{args.time_budget:g}",
              "--checkmate-time-limit", f"{args.checkmate_time_limit:g}",
              "--solver", args.solver, "--threads", str(args.threads), "--out", args.out]
+    if args.device != "cpu" or args.config != "small":
+        parts += ["--device", args.device, "--config", args.config]
     if args.report:
         parts += ["--report", args.report]
     return " ".join(shlex.quote(p) for p in parts)
@@ -89,11 +95,13 @@ def cmd_bench(args) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b]
     rows: list[BenchRow] = []
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    print(f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"AdamW, small configs, {args.repeats} interleaved rounds, fitgraph solver "
+    where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+             else platform.machine())
+    print(f"machine: {where}, torch {torch.__version__}, {args.threads} thread(s), "
+          f"AdamW, {args.config} configs, {args.repeats} interleaved rounds, fitgraph solver "
           f"{args.solver}; systems: {', '.join(systems)}\n")
     for name in args.models.split(","):
-        case = zoo.build(name, "small")
+        case = zoo.build(name, args.config, device=args.device)
         model_rows = bench_model(case, budgets, systems=systems, repeats=args.repeats,
                                  time_budget=args.time_budget,
                                  checkmate_time_limit=args.checkmate_time_limit,

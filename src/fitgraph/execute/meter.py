@@ -54,9 +54,12 @@ What is and is not counted on the CPU (read this before trusting a number):
   there; none of the kernels tried, conv2d, SDPA, sort, unique, cdist, ...,
   allocate there).
 
-On CUDA the numbers come from ``torch.cuda.memory_allocated`` and
-``torch.cuda.max_memory_allocated`` and are therefore in the caching
-allocator's rounded block sizes (multiples of 512 bytes); ``timeline`` is
+On CUDA the numbers come from the caching allocator's ``requested_bytes``
+statistics (``torch.cuda.memory_stats``): the bytes tensors asked for, as on
+the CPU, so they compare exactly with the simulator's. ``block_peak_bytes``
+is the peak in the allocator's rounded blocks (multiples of 512 bytes,
+``torch.cuda.max_memory_allocated``), what the card gives out. Where a torch
+build lacks requested bytes, both are the block numbers. ``timeline`` is
 empty there, and entering the meter resets the device's peak statistics.
 """
 
@@ -171,6 +174,8 @@ class MemoryMeter:
         self._thread: int | None = None
         self._start = 0
         self._peak = 0
+        self._block_peak = 0
+        self._start_requested = 0
         self._end = 0
         self._timeline: list[int] = []
 
@@ -187,6 +192,12 @@ class MemoryMeter:
     def peak_bytes(self) -> int:
         """Peak of (allocated - freed) bytes inside the region, relative to entry (>= 0)."""
         return self._result(self._peak)
+
+    @property
+    def block_peak_bytes(self) -> int:
+        """CUDA: the peak in the caching allocator's rounded blocks (what the card handed out),
+        relative to entry; on the CPU the same as ``peak_bytes``."""
+        return self._result(self._block_peak if self.device.type == "cuda" else self._peak)
 
     @property
     def end_bytes(self) -> int:
@@ -343,6 +354,7 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            self._start_requested = _requested(self.device, "current", self._start)
         except BaseException:
             with _LOCK:
                 _ACTIVE_CUDA.pop(index, None)
@@ -352,14 +364,17 @@ class MemoryMeter:
         index = self.device.index
         try:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            end = torch.cuda.memory_allocated(self.device) - self._start
+            blocks = torch.cuda.max_memory_allocated(self.device) - self._start
+            end_blocks = torch.cuda.memory_allocated(self.device)
+            peak = _requested(self.device, "peak", blocks + self._start) - self._start_requested
+            end = _requested(self.device, "current", end_blocks) - self._start_requested
         finally:
             with _LOCK:
                 _ACTIVE_CUDA.pop(index, None)  # type: ignore[arg-type]
         # reset_peak_memory_stats() sets the peak to the current allocation, so
         # peak >= 0 already; max() guards against a concurrent reset elsewhere.
         self._peak = max(peak, 0)
+        self._block_peak = max(blocks, 0)
         self._end = end
         self._timeline = []
 
@@ -413,3 +428,9 @@ def measure_peak(
     with MemoryMeter(device) as meter:
         result = fn(*args, **kwargs)
     return result, meter
+
+
+def _requested(device: torch.device, which: str, fallback: int) -> int:
+    """The CUDA allocator's ``requested_bytes.all.<which>`` (exact tensor bytes), or
+    ``fallback`` (block bytes) where this torch build does not count them."""
+    return int(torch.cuda.memory_stats(device).get(f"requested_bytes.all.{which}", fallback))
