@@ -49,6 +49,24 @@ def test_optimize_steps_bitwise_like_eager_with_adamw():
     assert len(step._plans) == 2
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True)], ids=["adamw", "sgd"])
+def test_foreach_optimizers_step_bitwise_like_eager(make):
+    # NOTE: eager runs the multi-tensor kernels (CUDA's default); fitgraph runs them per parameter
+    a = mlp(depth=3)
+    b = copy.deepcopy(a)
+    oa, ob = make(a.parameters()), make(b.parameters())
+    step = fitgraph.optimize(b, BATCH, loss_fn, ob, budget=0.9, time_budget=5)
+    for i in range(2):
+        la = eager_step(a, BATCH, loss_fn, oa, seed=i)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(BATCH))
+        assert_bitwise_equal_models(a, b, oa, ob)
+        oa.zero_grad(set_to_none=True)
+        ob.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("budget", [0.85, "85%"])
 def test_budget_forms(budget):
     step = fitgraph.optimize(mlp(), BATCH, loss_fn, budget=budget, time_budget=10)

@@ -59,11 +59,12 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
             "AdamW); capture without optimizer= and call optimizer.step() yourself",
             op=f"{type(optimizer).__name__}.step")
     for gi, group in enumerate(optimizer.param_groups):
-        for flag in ("foreach", "fused", "capturable", "differentiable"):
+        for flag in ("fused", "capturable", "differentiable"):
             if group.get(flag):
                 raise CaptureError(
-                    f"param group {gi} has {flag}=True; fitgraph runs torch's single-tensor "
-                    f"update per parameter: construct the optimizer with {flag}=False (or None)",
+                    f"param group {gi} has {flag}=True; fitgraph runs torch's single-tensor or "
+                    f"foreach update per parameter: construct the optimizer with {flag}=False "
+                    "(or None)",
                     op=f"{type(optimizer).__name__}.step")
     return kind
 
