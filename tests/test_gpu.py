@@ -29,11 +29,28 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(autouse=True)
 def _deterministic():
-    # NOTE: cuDNN may pick a different (non-bitwise) algorithm per call unless told not to
-    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    # NOTE: cuDNN may pick a different (non-bitwise) algorithm per call unless told not to, and
+    # some backward kernels (upsample_bilinear2d's, max_pool2d's) add with atomics unless
+    # deterministic algorithms are asked for; nll_loss2d's forward has no deterministic kernel
+    # (warn_only: it runs, and eager PyTorch itself differs run to run there)
+    old = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+           torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
     yield
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old[:2]
+    torch.use_deterministic_algorithms(old[2], warn_only=old[3])
+
+
+def _eager_repeats_bitwise(case) -> bool:
+    """Whether eager PyTorch itself gives the same bits twice on this case (law 1 asks fitgraph
+    for no more than that)."""
+    a, b = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    la = eager_step(a, case.batch, case.loss_fn, seed=0)
+    lb = eager_step(b, case.batch, case.loss_fn, seed=0)
+    return torch.equal(la, lb) and all(torch.equal(p.grad, q.grad) for p, q in
+                                       zip(a.parameters(), b.parameters()))
 
 
 def _adamw(params):
@@ -59,6 +76,8 @@ def test_meter_counts_requested_bytes_and_blocks():
 @pytest.mark.parametrize("name", ["gpt2", "resnet50", "vit-b16", "unet"])
 def test_cuda_eager_plan_is_eager_and_simulator_tells_truth(name):
     case = zoo.build(name, "small", device="cuda")
+    bitwise = _eager_repeats_bitwise(case)
+    assert bitwise or name == "unet", f"{name}: eager PyTorch differs from itself"
     a, b = case.model, copy.deepcopy(case.model)
     oa, ob = _adamw(a.parameters()), _adamw(b.parameters())
     for step in range(2):   # NOTE: the second step runs with AdamW's state
@@ -67,8 +86,13 @@ def test_cuda_eager_plan_is_eager_and_simulator_tells_truth(name):
         torch.manual_seed(step)
         lb = execute(g, fitgraph.eager_plan(g), b, case.batch, ob)
         torch.cuda.synchronize()
-        assert torch.equal(la, lb), f"{name} step {step}: loss {la} != {lb}"
-        assert_bitwise_equal_models(a, b, oa, ob)
+        if bitwise:
+            assert torch.equal(la, lb), f"{name} step {step}: loss {la} != {lb}"
+            assert_bitwise_equal_models(a, b, oa, ob)
+        else:
+            torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+            for p, q in zip(a.parameters(), b.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
         oa.zero_grad(set_to_none=True)
         ob.zero_grad(set_to_none=True)
     g = fitgraph.capture(b, case.batch, case.loss_fn, ob)
