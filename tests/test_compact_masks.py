@@ -161,3 +161,47 @@ def test_chains_keep_the_bits_and_never_replay_the_draw():
         assert not any(c.nodes[i].random or i in bits for i in chain)
         read = {v for i in chain for v in c.nodes[i].inputs if c.values[v].producer not in chain}
         assert all(c.values[v].producer is None or c.values[v].producer in bits for v in read)
+
+
+class _FusedDropout(torch.nn.Module):
+    """Dropout as CUDA runs it: one ``native_dropout`` kernel (output and bool mask), here
+    called directly so that the CPU captures the same node."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x, _ = torch.native_dropout(torch.tanh(lin(x)), 0.2, True)
+        return x
+
+
+def test_fused_dropout_output_is_a_remat_candidate_and_replays_bitwise():
+    """CUDA's ``native_dropout`` writes its mask into the drawn storage and outputs the dropped
+    tensor: it is no "bits" node; re-made, it replays the draw, bitwise like eager."""
+    from fitgraph.solvers.candidates import random_bits, remat_candidates
+
+    torch.manual_seed(0)
+    model, batch = _FusedDropout(), torch.randn(512, 64)
+
+    def loss_fn(m, b):
+        return m(b).square().mean()
+
+    g = fitgraph.capture(model, batch, loss_fn)
+    fused = {n.id for n in g.nodes if n.target == "aten.native_dropout.default"}
+    assert len(fused) == 4 and not random_bits(g)
+    assert fused <= remat_candidates(g)
+    a, b = model, copy.deepcopy(model)
+    step = fitgraph.optimize(b, batch, loss_fn, budget=0.6, solver="hotspot", time_budget=10)
+    replayed = {ins.node for ins in step.plan if type(ins).__name__ == "Recompute"}
+    assert replayed & fused, "the plan re-makes no dropout"
+    for i in range(2):
+        la = eager_step(a, batch, loss_fn, seed=i)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(batch))
+        assert_bitwise_equal_models(a, b)
+        for p in [*a.parameters(), *b.parameters()]:
+            p.grad = None
+    r = step.report()
+    assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
