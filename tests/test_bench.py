@@ -121,7 +121,7 @@ def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypat
 
 
 def test_bench_cli_report_csv_and_plot(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(zoo, "build", lambda name, config: _case())
+    monkeypatch.setattr(zoo, "build", lambda name, config, device="cpu": _case())
     out, rep = tmp_path / "b", tmp_path / "rep"
     assert main(["bench", "--models", "mlp", "--budgets", "0.8", "--repeats", "1",
                  "--systems", "checkpoint,sac,save_on_cpu,fitgraph", "--out", str(out),

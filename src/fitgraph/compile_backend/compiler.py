@@ -37,7 +37,11 @@ from .report import BackendReport
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
 # with ``import fitgraph``
 
-__all__ = ["FitgraphBackend", "backend"]
+__all__ = ["INNER", "FitgraphBackend", "backend"]
+
+# NOTE: what runs the two halves: as they are (ATen kernels, the plan's memory exactly), or
+# compiled by inductor (fused kernels; the plan decides only what the forward saves)
+INNER = ("aot_eager", "inductor")
 
 
 @functools.cache
@@ -69,7 +73,9 @@ class FitgraphBackend:
     shape); ``last_report`` is the latest."""
 
     def __init__(self, budget=None, latency_limit: float | None = None, solver: str = "hotspot",
-                 time_budget: float = 30.0, cost_model=None) -> None:
+                 time_budget: float = 30.0, cost_model=None, inner: str = "aot_eager") -> None:
+        if inner not in INNER:
+            raise ValueError(f"inner={inner!r}: one of {', '.join(INNER)}")
         if budget is not None and latency_limit is not None:
             raise ValueError("give at most one of budget= and latency_limit=")
         if solver not in SOLVERS:
@@ -79,6 +85,7 @@ class FitgraphBackend:
         self.budget, self.latency_limit = budget, latency_limit
         self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
         self.reports: list[BackendReport] = []
+        self.inner = inner
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -88,6 +95,8 @@ class FitgraphBackend:
         self.__name__ = "fitgraph"  # NOTE: Dynamo names the backend in its messages
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs):
+        if self.inner == "inductor":
+            return _inductor_with_partition(self._partition, gm, example_inputs)
         return self._compiler(gm, example_inputs, **kwargs)
 
     @property
@@ -176,6 +185,34 @@ class FitgraphBackend:
         return split.fw, split.bw
 
 
+def _inductor_with_partition(partition, gm: torch.fx.GraphModule, example_inputs: list):
+    """Inductor's own pipeline (decompositions, joint-graph passes, its fused kernels) with
+    fitgraph's plan as the partitioner, through ``torch._inductor.config.custom_partitioner_fn``.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    except ImportError:
+        CustomPartitionerFn = None
+    if CustomPartitionerFn is None or not hasattr(inductor_config, "custom_partitioner_fn"):
+        raise RuntimeError(f"fitgraph.backend(inner='inductor') needs inductor's "
+                           f"custom_partitioner_fn hook, which torch {torch.__version__} lacks: "
+                           "upgrade torch or use inner='aot_eager'")
+
+    class _Planned(CustomPartitionerFn):
+        def __call__(self, joint, joint_inputs, **kwargs):
+            kwargs.pop("compiler", None)
+            return partition(joint, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None  # NOTE: no code cache: a cached graph would keep another budget's plan
+
+    with inductor_config.patch(custom_partitioner_fn=_Planned()):
+        return compile_fx(gm, example_inputs)
+
+
 def _check_realized(jg, drop: set[int], banned: set[int], realized: set[int]) -> None:
     """The modules must recompute exactly the plan's nodes, and no random or impure one.
 
@@ -208,7 +245,8 @@ def _banning(graph: Graph, banned: set[int]) -> Graph:
 
 
 def backend(budget=None, latency_limit: float | None = None, solver: str = "hotspot",
-            time_budget: float = 30.0, cost_model=None) -> FitgraphBackend:
+            time_budget: float = 30.0, cost_model=None,
+            inner: str = "aot_eager") -> FitgraphBackend:
     """A torch.compile backend that fits each compiled training graph in a memory budget.
 
     ``budget``: bytes, a size string ("800MB", "12GiB"), or a fraction of the simulated eager
@@ -220,5 +258,10 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
     roofline model, or any CostModel. Random ops (dropout) are never recomputed, so gradients
     equal eager PyTorch's. An impossible budget raises ``fitgraph.BudgetInfeasible`` at the
     first call. See ``FitgraphBackend`` for the reports.
+
+    ``inner``: "aot_eager" runs the planned forward and backward as they are (ATen kernels:
+    the simulated peak is what runs); "inductor" compiles them with inductor (fused kernels;
+    the plan chooses what the forward saves and the backward recomputes, inductor how: the
+    reports' peaks and times are still those of the ATen graph, measure the compiled step).
     """
-    return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model)
+    return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model, inner)
