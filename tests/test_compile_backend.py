@@ -211,3 +211,25 @@ def test_dynamic_shapes_are_refused_with_what_to_do():
     compiled = torch.compile(mlp(depth=2), backend=be, dynamic=True)
     with pytest.raises(Exception, match=r"dynamic shapes.*dynamic=False"):
         _step(compiled, [], _batch(64), mlp_loss, 0)
+
+
+def test_inductor_inner_compiles_the_planned_partition():
+    """inner="inductor": inductor's pipeline runs with fitgraph's plan as its partitioner; the
+    backward recomputes what the plan drops and the gradients match eager (fused kernels round
+    differently: close, not bitwise); no dropout (inductor draws its own random numbers)."""
+    a = mlp(depth=4, width=128, dropout=False)
+    b = copy.deepcopy(a)
+    batch = _batch(256, 128)
+    be = fitgraph.backend(budget=0.7, inner="inductor", time_budget=5)
+    compiled = torch.compile(b, backend=be)
+    for seed in (0, 1):
+        la = _step(a, a.parameters(), batch, mlp_loss, seed)
+        lb = _step(compiled, b.parameters(), batch, mlp_loss, seed)
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-6, msg=name)
+    r = be.last_report
+    assert len(be.reports) == 1 and r.recomputed_nodes > 0
+    assert r.planned_peak_bytes <= r.budget_bytes and r.planned_saved_bytes < r.eager_saved_bytes
+    with pytest.raises(ValueError, match="inner="):
+        fitgraph.backend(budget=0.7, inner="cudagraphs")

@@ -64,7 +64,7 @@ def chosen_systems(args) -> list[str]:
         raise SystemExit(f"fitgraph bench: error: unknown systems {unknown}; known: "
                          f"{','.join(SYSTEMS)}")
     if args.no_compile:
-        names = [s for s in names if s not in COMPILERS]
+        names = [s for s in names if s not in COMPILERS and s != "fitgraph_inductor"]
     return [s for s in SYSTEMS if s in names or s == "eager"]
 
 

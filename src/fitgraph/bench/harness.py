@@ -37,13 +37,17 @@ from ..execute.host_memory import keep_host_memory
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
-__all__ = ["COMPILERS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
+__all__ = ["COMPILERS", "FITGRAPHS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
            "checkpointed", "fitgraph_at", "outcome", "paired_ratio", "peer_label", "sac_policy",
            "verdicts"]
 
 # NOTE: the order rows come in; eager always runs (every overhead is against it)
 SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
-           "compile_aot_eager", "compile_inductor")
+           "compile_aot_eager", "compile_inductor", "fitgraph_inductor")
+# NOTE: fitgraph's own systems: the whole step planned and run by its executor, and its plan as
+# inductor's partitioner (``fitgraph.backend(inner="inductor")``: fused kernels, the optimizer
+# eager, as the torch.compile peers run it)
+FITGRAPHS = ("fitgraph", "fitgraph_inductor")
 COMPILERS = {"compile_aot_eager": "aot_eager", "compile_inductor": "inductor"}
 PLANNERS = {"fitgraph": None, "dtr": "dtr", "rotor": "rotor", "checkmate": "ilp"}  # None: solver=
 SAVE_ON_CPU_ON_CPU = "save_on_cpu offloads to host memory, which is the same RAM on a CPU run"
@@ -270,6 +274,26 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
                 _measure_memory([variant], batch, device)
                 _time_rounds([variant], repeats, device, reference=eager)
         torch._dynamo.reset()
+    if "fitgraph_inductor" in chosen:
+        # NOTE: at each budget (a fraction of the compiled graph's simulated eager peak), then
+        # at each inductor peer's measured peak: the backend plans forward + backward, so the
+        # optimizer state (which the step's peak holds) comes off the bytes it is given
+        peers_ind = [s for s in compiled if s.name == "compile_inductor" and not s.error
+                     and s.peak] if match_peers else []
+        targets = [(b, b, "") for b in budgets] + [
+            (p.peak / eager.peak, int(p.peak - _state_bytes(p.optimizer)), p.label)
+            for p in peers_ind]
+        for shown, asked, matched in targets:
+            torch._dynamo.reset()
+            variant = add("fitgraph_inductor", shown, copy.deepcopy(case.model),
+                          lambda m, o, a=asked: _fitgraph_compiled_step(m, batch, loss_fn, o, a,
+                                                                        time_budget),
+                          matched=matched)
+            compiled.append(variant)
+            if not variant.error:
+                _measure_memory([variant], batch, device)
+                _time_rounds([variant], repeats, device, reference=eager)
+        torch._dynamo.reset()
     plain = [s for s in out if not s.error and s not in compiled]
     if match_peers and eager.peak and "fitgraph" in chosen:
         by_peak: dict[int, _System] = {}
@@ -341,16 +365,20 @@ def peer_label(peer: BenchRow) -> str:
 
 
 def fitgraph_at(rows: list[BenchRow], peer: BenchRow) -> BenchRow | None:
-    """fitgraph's row planned for ``peer``'s measured peak (None: none was planned)."""
+    """fitgraph's row planned for ``peer``'s measured peak (None: none was planned); of
+    several (``FITGRAPHS``), the fastest within the peer's peak, else the first."""
     label = peer_label(peer)
-    return next((r for r in rows if r.model == peer.model and r.system == "fitgraph"
-                 and label in matched_labels(r)), None)
+    mine = [r for r in rows if r.model == peer.model and r.system in FITGRAPHS
+            and label in matched_labels(r)]
+    fits = [r for r in mine if not r.error and r.step_s is not None and r.peak_bytes is not None
+            and peer.peak_bytes is not None and r.peak_bytes <= peer.peak_bytes]
+    return min(fits, key=lambda r: r.step_s) if fits else next(iter(mine), None)
 
 
 def outcome(rows: list[BenchRow], peer: BenchRow) -> tuple[BenchRow | None, str | None]:
     """(fitgraph's row at ``peer``'s peak, "wins" / "loses" / "did not plan"); (None, None)
     where ``peer`` is not a measured peer or fitgraph was not asked for its peak."""
-    if peer.system in ("eager", "fitgraph") or peer.peak_bytes is None or not peer.step_s:
+    if peer.system in ("eager", *FITGRAPHS) or peer.peak_bytes is None or not peer.step_s:
         return None, None
     fg = fitgraph_at(rows, peer)
     if fg is None:
@@ -467,6 +495,26 @@ def _compiled_step(model, batch, loss_fn, opt, budget: float, backend: str = "ao
         else:
             loss = compute_loss(compiled, batch, loss_fn)
             loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _fitgraph_compiled_step(model, batch, loss_fn, opt, budget, time_budget: float):
+    from ..compile_backend import backend
+
+    torch._dynamo.reset()  # NOTE: compile fresh: a cached graph would keep an earlier plan
+    be = backend(budget=budget, inner="inductor", time_budget=time_budget)
+    compiled = torch.compile(model, backend=be)
+
+    def step():
+        loss = compute_loss(compiled, batch, loss_fn)
+        loss.backward()
         opt.step()
         return loss
     return step

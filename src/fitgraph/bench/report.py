@@ -228,7 +228,11 @@ Each system runs on its own copy of the model with its own AdamW, in one process
   `activation_memory_budget`, compiled fresh per budget; `dtr`, `rotor`, `checkmate` = DTR's
   greedy eviction, Rotor's DP over blocks and Checkmate's MILP (HiGHS, time limit
   {checkmate_time_limit:g} s; "time limit, gap g" = stopped with that proven gap) as fitgraph
-  solvers executed by fitgraph; `fitgraph` = solver `auto`.
+  solvers executed by fitgraph; `fitgraph` = solver `auto`; `fitgraph_inductor` =
+  `torch.compile` with `fitgraph.backend(inner="inductor")`: fitgraph's plan (hotspot) chooses
+  what the forward saves, inductor compiles both halves (its budget is a fraction of the
+  compiled graph's simulated eager peak; at an inductor peer's peak, those bytes less the
+  optimizer state, which the backend does not plan).
 - Step times on a shared machine are noisy: {_noise(rows)}"""
 
 

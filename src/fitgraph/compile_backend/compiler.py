@@ -201,16 +201,33 @@ def _inductor_with_partition(partition, gm: torch.fx.GraphModule, example_inputs
                            f"custom_partitioner_fn hook, which torch {torch.__version__} lacks: "
                            "upgrade torch or use inner='aot_eager'")
 
-    class _Planned(CustomPartitionerFn):
+    with inductor_config.patch(custom_partitioner_fn=_partitioner_class()(partition)):
+        return compile_fx(gm, example_inputs)
+
+
+@functools.cache
+def _partitioner_class() -> type:
+    """``CustomPartitionerFn`` calling fitgraph's partition; made on first use (inductor loads
+    with it) and set in this module by name, so inductor's cache-key pickling finds it."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class PlannedPartition(CustomPartitionerFn):
+        def __init__(self, partition):
+            self.partition = partition
+
         def __call__(self, joint, joint_inputs, **kwargs):
             kwargs.pop("compiler", None)
-            return partition(joint, joint_inputs, **kwargs)
+            return self.partition(joint, joint_inputs, **kwargs)
 
         def uuid(self):
             return None  # NOTE: no code cache: a cached graph would keep another budget's plan
 
-    with inductor_config.patch(custom_partitioner_fn=_Planned()):
-        return compile_fx(gm, example_inputs)
+        def __getstate__(self):
+            return {}    # NOTE: pickled only into inductor's cache key, which uuid() skips
+
+    PlannedPartition.__qualname__ = PlannedPartition.__name__ = "_PlannedPartition"
+    globals()["_PlannedPartition"] = PlannedPartition
+    return PlannedPartition
 
 
 def _check_realized(jg, drop: set[int], banned: set[int], realized: set[int]) -> None:
