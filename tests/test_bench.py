@@ -64,18 +64,24 @@ def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypat
             raise RuntimeError("injected: no C++ compiler\n\nsecond line\nthird\nfourth")
         return real(model, batch, loss_fn, opt, budget, backend)
 
+    def fitgraph_inductor_fails(*args, **kwargs):
+        raise RuntimeError("injected: no C++ compiler\n\nsecond line\nthird\nfourth")
+
     monkeypatch.setattr(harness, "_compiled_step", inductor_fails)
+    monkeypatch.setattr(harness, "_fitgraph_compiled_step", fitgraph_inductor_fails)
     budgets = [1.0, 0.75, 0.05]
     rows = bench_model(_case(), budgets, repeats=1, checkmate_time_limit=10,
                        progress=lambda s: None)
     own = [(r.system, r.budget) for r in rows if not r.matched]
     assert own == [("eager", None), ("checkpoint", None), ("sac", None), ("save_on_cpu", None),
                    *[(s, b) for s in ("fitgraph", "dtr", "rotor", "checkmate",
-                                      "compile_aot_eager", "compile_inductor") for b in budgets]]
+                                      "compile_aot_eager", "compile_inductor",
+                                      "fitgraph_inductor") for b in budgets]]
     by = {(r.system, r.budget): r for r in rows if not r.matched}
     assert by[("save_on_cpu", None)].error == SAVE_ON_CPU_ON_CPU
     assert by[("save_on_cpu", None)].peak_bytes is None
-    assert all(by[("compile_inductor", b)].error == INJECTED for b in budgets)
+    assert all(by[(s, b)].error == INJECTED for b in budgets
+               for s in ("compile_inductor", "fitgraph_inductor"))
     for planner in ("fitgraph", "dtr", "rotor", "checkmate"):
         assert by[(planner, 0.05)].error.startswith("BudgetInfeasible"), planner
         assert by[(planner, 1.0)].solve_s is not None and not by[(planner, 1.0)].error
@@ -197,3 +203,17 @@ def test_compact_masks_tradeoff_prints_a_row_per_setting(capsys):
                  "--time-budget", "5"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gpt2 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["eager plan", "within 1.10x", "budget 50%"]
+
+
+def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
+    """fitgraph's plan compiled by inductor: a row per budget and one at each inductor peer's
+    measured peak (asked for those bytes less the optimizer state), in the verdicts."""
+    rows = bench_model(_case(), [0.8], systems=["compile_inductor", "fitgraph_inductor"],
+                       repeats=1, progress=lambda s: None)
+    by = {(r.system, r.matched): r for r in rows}
+    peer, ours = by[("compile_inductor", "")], by[("fitgraph_inductor", "compile_inductor 0.8")]
+    assert not peer.error and not ours.error and not by[("fitgraph_inductor", "")].error
+    assert harness.fitgraph_at(rows, peer) is ours
+    assert ours.peak_bytes is not None and ours.step_s is not None
+    assert any(line.startswith(f"{peer.model}: at compile_inductor 0.8's peak")
+               for line in verdicts(rows))

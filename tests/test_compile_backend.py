@@ -220,7 +220,7 @@ def test_inductor_inner_compiles_the_planned_partition():
     a = mlp(depth=4, width=128, dropout=False)
     b = copy.deepcopy(a)
     batch = _batch(256, 128)
-    be = fitgraph.backend(budget=0.7, inner="inductor", time_budget=5)
+    be = fitgraph.backend(budget=0.9, inner="inductor", time_budget=5)
     compiled = torch.compile(b, backend=be)
     for seed in (0, 1):
         la = _step(a, a.parameters(), batch, mlp_loss, seed)
