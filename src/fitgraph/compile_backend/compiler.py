@@ -201,7 +201,12 @@ def _inductor_with_partition(partition, gm: torch.fx.GraphModule, example_inputs
                            f"custom_partitioner_fn hook, which torch {torch.__version__} lacks: "
                            "upgrade torch or use inner='aot_eager'")
 
-    with inductor_config.patch(custom_partitioner_fn=_partitioner_class()(partition)):
+    import torch._functorch.config as functorch_config
+
+    # NOTE: no compile caches: a cached graph skips the partitioner (no plan, another budget's)
+    with inductor_config.patch(custom_partitioner_fn=_partitioner_class()(partition),
+                               fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs)
 
 
