@@ -208,12 +208,12 @@ def test_compact_masks_tradeoff_prints_a_row_per_setting(capsys):
 def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
     """fitgraph's plan compiled by inductor: a row per budget and one at each inductor peer's
     measured peak (asked for those bytes less the optimizer state), in the verdicts."""
-    rows = bench_model(_case(), [0.8], systems=["compile_inductor", "fitgraph_inductor"],
+    rows = bench_model(_case(), [1.0], systems=["compile_inductor", "fitgraph_inductor"],
                        repeats=1, progress=lambda s: None)
     by = {(r.system, r.matched): r for r in rows}
-    peer, ours = by[("compile_inductor", "")], by[("fitgraph_inductor", "compile_inductor 0.8")]
+    peer, ours = by[("compile_inductor", "")], by[("fitgraph_inductor", "compile_inductor 1")]
     assert not peer.error and not ours.error and not by[("fitgraph_inductor", "")].error
     assert harness.fitgraph_at(rows, peer) is ours
     assert ours.peak_bytes is not None and ours.step_s is not None
-    assert any(line.startswith(f"{peer.model}: at compile_inductor 0.8's peak")
+    assert any(line.startswith(f"{peer.model}: at compile_inductor 1's peak")
                for line in verdicts(rows))

@@ -29,6 +29,7 @@ from .capture.calling import LossFn
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
 from .graph.ir import Graph
+from .measure import _sync
 from .plan.instructions import Plan
 from .plan.verify import verify_plan
 from .sim.simulate import SimResult, simulate
@@ -150,10 +151,6 @@ class TrainStep:
         """Where the model's parameters live (the CPU for a model without any)."""
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def _state_key(self) -> tuple:
         if self.optimizer is None:
             return ()
@@ -241,10 +238,10 @@ class TrainStep:
                 loss = planned.executor(batch)
             planned.measured_peak_bytes = before + meter.peak_bytes
             return loss
-        self._sync()
+        _sync(self.device)
         t0 = time.perf_counter()
         loss = planned.executor(batch)
-        self._sync()   # NOTE: CUDA kernels run on after the call returns: time them to the end
+        _sync(self.device)   # NOTE: CUDA kernels run on after the call returns: time them to the end
         planned.step_times.append(time.perf_counter() - t0)
         return loss
 

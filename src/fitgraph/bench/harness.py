@@ -500,7 +500,6 @@ def _fitgraph_inductor(add, case, shown: float, asked, matched: str, batch, loss
                        time_budget: float, repeats: int, device, eager) -> _System:
     """One ``fitgraph_inductor`` row: compiled fresh for ``asked`` (a fraction or bytes of the
     compiled graph), measured, timed against eager in its own rounds."""
-    torch._dynamo.reset()
     variant = add("fitgraph_inductor", shown, copy.deepcopy(case.model),
                   lambda m, o: _fitgraph_compiled_step(m, batch, loss_fn, o, asked, time_budget),
                   matched=matched)
@@ -538,14 +537,7 @@ def _fitgraph_compiled_step(model, batch, loss_fn, opt, budget, time_budget: flo
 
     torch._dynamo.reset()  # NOTE: compile fresh: a cached graph would keep an earlier plan
     be = backend(budget=budget, inner="inductor", time_budget=time_budget)
-    compiled = torch.compile(model, backend=be)
-
-    def step():
-        loss = compute_loss(compiled, batch, loss_fn)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
+    return _eager_step(torch.compile(model, backend=be), batch, loss_fn, opt)
 
 
 def _fitgraph_step(model, batch, loss_fn, opt, budget: float, time_budget: float, optimize,
