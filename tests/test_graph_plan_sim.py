@@ -54,6 +54,9 @@ def random_graphs(draw):
     g = b.finish({"loss": loss})
     seconds = draw(st.lists(st.floats(0, 1e-2), min_size=len(g.nodes), max_size=len(g.nodes)))
     ws = draw(st.lists(st.integers(0, 512), min_size=len(g.nodes), max_size=len(g.nodes)))
+    # NOTE: a view allocates nothing: no cost model gives it workspace (the simulator counts 0
+    # whatever a table says, tested in test_ilp)
+    ws = [0 if n.target == "aten.view.default" else w for n, w in zip(g.nodes, ws)]
     return g, TableCost(seconds, ws)
 
 

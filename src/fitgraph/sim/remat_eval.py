@@ -40,7 +40,15 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
-from ..plan.remat import RematTables, complete_drop, drop_points, per_use, remat_tables, split_drop
+from ..plan.remat import (
+    RematTables,
+    complete_drop,
+    drop_points,
+    is_view_node,
+    per_use,
+    remat_tables,
+    split_drop,
+)
 from .recompute_parts import Packed, Part, walk_parts
 
 __all__ = ["RematEval", "RematEvaluator"]
@@ -78,11 +86,13 @@ class _GraphTables:
         costs = [cost_model.node_cost(graph, n) for n in graph.nodes]
         self.seconds = np.array([c.seconds for c in costs], dtype=np.float64)
         rng = getattr(cost_model, "rng_state_bytes", 0)
-        self.workspace = np.array([c.workspace_bytes for c in costs], dtype=np.int64)
+        # NOTE: a view holds no workspace (the simulator)
+        ws = [0 if is_view_node(graph, n.id, self.t.fresh) else c.workspace_bytes
+              for c, n in zip(costs, graph.nodes)]
+        self.workspace = np.array(ws, dtype=np.int64)
         # NOTE: a recomputed random node also holds a copy of the generator state (simulator)
-        self.re_workspace = np.array([max(c.workspace_bytes, rng) if n.random else
-                                      c.workspace_bytes for c, n in zip(costs, graph.nodes)],
-                                     dtype=np.int64)
+        self.re_workspace = np.array([max(w, rng) if n.random else w
+                                      for w, n in zip(ws, graph.nodes)], dtype=np.int64)
         self.nbytes = np.array([s.nbytes for s in graph.storages], dtype=np.int64)
         self.storage_of = [v.storage for v in graph.values]
         self.producer = [v.producer for v in graph.values]

@@ -35,6 +35,7 @@ from ..cost.base import CostModel
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Phase, Role
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
+from ..plan.remat import is_view_node
 
 __all__ = ["BREAKDOWN_GROUPS", "CopySpan", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
 
@@ -148,7 +149,9 @@ class Simulator:
         cost = self.cost.node_cost(self.graph, node)
         fresh = self.fresh[ins.node]
         added = sum(self.nbytes[s] for s in fresh)
-        workspace = cost.workspace_bytes
+        # NOTE: a view allocates nothing, so it holds no workspace, whatever a cost table says
+        # (measured, it is 0); solvers re-create views for free on that promise
+        workspace = 0 if is_view_node(self.graph, ins.node, self.fresh) else cost.workspace_bytes
         if node.random and isinstance(ins, Recompute):
             # NOTE: replaying the RNG: restoring the main stream after the op makes a transient
             # copy of the generator state while the outputs are live (see the executor)

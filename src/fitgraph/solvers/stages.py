@@ -83,8 +83,7 @@ def stage_graph(graph: Graph, cost_model: CostModel) -> StageGraph:
     for n in graph.nodes:
         if n.id in in_chain:
             members[in_chain[n.id]].append(n.id)
-        elif is_view_node(graph, n.id, fresh) and not cost_model.node_cost(
-                graph, n).workspace_bytes:  # NOTE: a view with workspace is scheduled itself
+        elif is_view_node(graph, n.id, fresh):  # NOTE: no workspace either (the simulator)
             folded.append(n.id)
         else:
             members[n.id] = [n.id]
