@@ -205,3 +205,46 @@ def test_fused_dropout_output_is_a_remat_candidate_and_replays_bitwise():
             p.grad = None
     r = step.report()
     assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
+
+
+def test_fused_dropout_masks_are_packed_bitwise_and_as_simulated(tmp_path):
+    """CUDA's fused ``native_dropout`` makes its mask as bool already: ``compact_masks`` packs
+    it eight to a byte; a plan that re-makes the unpacked bits keeps 1/8 of the mask's bytes
+    into the backward, runs bitwise like eager and measures what it simulates."""
+    from fitgraph.graph.own_ops import PACK_BITS
+    from fitgraph.solvers.candidates import random_bits
+
+    torch.manual_seed(0)
+    model, batch = _FusedDropout(), torch.randn(512, 64)
+
+    def loss_fn(m, b):
+        return m(b).square().mean()
+
+    g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
+    masks = dropout_masks(g)
+    assert len(masks) == 4 and all(m.fused for m in masks)
+    c = compact_masks(g)
+    assert not dropout_masks(c), "packed already"
+    packs = {n.id for n in c.nodes if n.target == PACK_BITS}
+    assert len(packs) == 4 and packs <= random_bits(c), "the packed draw is never re-made"
+    unpacked = [n.id for n in c.nodes if n.name.endswith(".mask.unpacked")]
+    cost = _profiled(c, tmp_path)
+    plan = remat_plan(c, unpacked)
+    sim = simulate(c, plan, cost)
+    eager = simulate(g, fitgraph.eager_plan(g), _profiled(g, tmp_path))
+
+    def kept(s):
+        return s.live_after[s.phase_starts["backward"] - 1]
+
+    n_bits = 4 * 512 * 64
+    assert kept(eager) - kept(sim) == n_bits - n_bits // 8
+    assert sim.peak_bytes < eager.peak_bytes
+    twin = copy.deepcopy(model)
+    measured = measure_plan(c, plan, twin, batch, repeats=0)
+    assert measured.peak_bytes == sim.peak_bytes
+    twin.zero_grad(set_to_none=True)
+    la = eager_step(model, batch, loss_fn, seed=5)
+    torch.manual_seed(5)
+    lb = execute(c, plan, twin, batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(model, twin)

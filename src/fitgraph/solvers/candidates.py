@@ -41,7 +41,7 @@ def random_bits(g: Graph) -> set[int]:
     """Nodes that make random bits: a bool output made by reading a storage that a random op
     wrote (``transform.compact_masks``'s ``mask != 0``), or in a storage that one writes (the
     bits drawn straight into a bool tensor, and the empty tensor they are drawn into), and the
-    ``fitgraph::pack_bits`` of such bits."""
+    ``fitgraph::pack_bits`` of such bits or of a drawn storage (a fused dropout's mask)."""
     drawn = {g.values[v].storage for n in g.nodes if n.random
              for v in (*n.mutates, *(o for o in n.outputs if o is not None))}
     # NOTE: every output bool: CUDA's fused ``native_dropout`` writes its mask into a drawn
@@ -56,7 +56,8 @@ def random_bits(g: Graph) -> set[int]:
     # NOTE: bits packed eight to a byte are the same draw, kept smaller still (their unpacking
     # is a deterministic recompute from the packed bytes, and a candidate)
     return bits | {n.id for n in g.nodes if n.target == PACK_BITS
-                   and any(g.values[v].producer in bits for v in n.inputs)}
+                   and any(g.values[v].producer in bits or g.values[v].storage in drawn
+                           for v in n.inputs)}
 
 
 def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:

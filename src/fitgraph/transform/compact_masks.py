@@ -35,6 +35,12 @@ Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty`
 place by ``bernoulli_`` then any ``div_``/``mul_`` by a constant, contiguous, and read after
 the chain only through its final value. Others are left as they are.
 
+CUDA runs dropout as one fused kernel, ``native_dropout(x, p, train) -> (output, mask)``, whose
+mask is already bool (a byte an element) and read by ``native_dropout_backward``. There the
+mask is only packed: ``fitgraph::pack_bits`` right after the kernel, ``unpack_bits`` for its
+readers (a cheap deterministic recompute of the packed bytes, as above), where the mask is
+contiguous, its size a multiple of 8 and ``packs_alike`` its device: 1/8 of the bytes kept.
+
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.execute import execute
@@ -75,14 +81,20 @@ _DRAWS = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
 _SCALINGS = frozenset({"aten.div_.Scalar", "aten.mul_.Scalar", "aten.div_.Tensor",
                        "aten.mul_.Tensor"})
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+_FUSED = "aten.native_dropout.default"
 
 
 @dataclass(frozen=True)
 class DropoutMask:
     """A dropout mask built in place: its chain of nodes and the value readers read."""
 
-    chain: tuple[int, ...]     # creator, bernoulli_, scalings (node ids)
-    value: int                 # the final value (the last writer's output)
+    chain: tuple[int, ...]     # creator, bernoulli_, scalings (node ids); or the fused
+    #                            ``native_dropout`` alone
+    value: int                 # the final value (the last writer's output; the fused mask)
+
+    @property
+    def fused(self) -> bool:
+        return len(self.chain) == 1
 
 
 def dropout_masks(graph: Graph) -> list[DropoutMask]:
@@ -116,6 +128,30 @@ def dropout_masks(graph: Graph) -> list[DropoutMask]:
         if all(r.startswith(f"{last.name}.mask.") for r in reader_names[value.id]):
             continue  # NOTE: kept as bits already
         out.append(DropoutMask(tuple(chain), value.id))
+    out += _fused_masks(graph, readers, reader_names)
+    return sorted(out, key=lambda m: m.chain[0])
+
+
+def _fused_masks(graph: Graph, readers: dict[int, set[int]],
+                 reader_names: dict[int, set[str]]) -> list[DropoutMask]:
+    """The bool masks of fused ``native_dropout`` nodes that packing shrinks."""
+    from ..execute.bit_packing import packs_alike
+
+    out = []
+    for n in graph.nodes:
+        if n.target != _FUSED or len(n.outputs) != 2 or n.outputs[1] is None:
+            continue
+        m = graph.values[n.outputs[1]]
+        if (m.dtype != "bool" or m.storage_offset or m.numel % 8
+                or m.stride != contiguous_strides(m.shape)
+                or graph.storages[m.storage].nbytes != m.nbytes
+                or readers.get(m.storage, set()) - {m.id}
+                or not packs_alike(graph.storages[m.storage].device)):
+            continue  # NOTE: read through a view, or not packable: left as it is
+        if m.id in reader_names and all(r.startswith(f"{n.name}.mask.")
+                                        for r in reader_names[m.id]):
+            continue  # NOTE: packed already
+        out.append(DropoutMask((n.id,), m.id))
     return out
 
 
@@ -129,10 +165,12 @@ def compact_masks(graph: Graph, masks: list[DropoutMask] | None = None) -> Graph
     masks = dropout_masks(graph) if masks is None else masks
     if not masks:
         return graph
-    direct = {m.chain[1]: m for m in masks if draws_alike(graph.storages[
+    fused = {m.chain[0]: m for m in masks if m.fused}
+    chained = [m for m in masks if not m.fused]
+    direct = {m.chain[1]: m for m in chained if draws_alike(graph.storages[
         graph.values[m.value].storage].device)}
     dropped = {i for m in direct.values() for i in m.chain}
-    at_end = {m.chain[-1]: m for m in masks if m.chain[1] not in direct}
+    at_end = {m.chain[-1]: m for m in chained if m.chain[1] not in direct}
     w = GraphWriter(graph)
     for n in graph.nodes:
         if n.id in direct:
@@ -142,6 +180,10 @@ def compact_masks(graph: Graph, masks: list[DropoutMask] | None = None) -> Graph
         w.copy_node(n)
         if n.id in at_end:
             _bits(w, graph, at_end[n.id])
+        if n.id in fused:
+            name, kw = _names(graph, fused[n.id], n)
+            m = fused[n.id].value
+            w.whole[m] = _packed(w, graph, fused[n.id], w.whole[m], name, kw)
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
