@@ -133,7 +133,11 @@ def test_gpt2_bitwise_eager_and_peak_lower_by_the_gradients(opt):
     assert sim_plain - sim_oib >= grads - tied, (sim_plain, sim_oib, grads, tied)
 
 
-def test_clipping_is_named_and_stays_bitwise_eager():
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+def test_clipping_is_named_and_stays_bitwise_eager(foreach, monkeypatch):
+    if foreach:  # NOTE: as on CUDA, where torch's default clipping runs _foreach_norm/_mul_
+        import torch.nn.utils.clip_grad as clip_grad
+        monkeypatch.setattr(clip_grad, "_has_foreach_support", lambda tensors, device: True)
     model, batch, _ = _mlp()
     loss_fn = _sum_loss  # NOTE: large gradients: the clipping is active
     a, b = model, copy.deepcopy(model)
@@ -145,10 +149,12 @@ def test_clipping_is_named_and_stays_bitwise_eager():
         assert norm > 0.05
         oa.step()
         graph = fitgraph.capture(b, batch, loss_fn, ob, clip_grad_norm=0.05)
+        assert foreach == any(n.target == "aten._foreach_norm.Scalar" for n in graph.nodes)
         reason = why_not(graph)
-        assert reason is not None and reason.startswith("node stack (aten.stack.default")
+        culprit = "_foreach_norm (aten._foreach_norm" if foreach else "stack (aten.stack"
+        assert reason is not None and reason.startswith(f"node {culprit}")
         assert "12 parameters" in reason
-        with pytest.raises(OptimizerInBackwardError, match="impossible: node stack"):
+        with pytest.raises(OptimizerInBackwardError, match=f"impossible: node {culprit[:6]}"):
             optimizer_in_backward(graph)
         lb = execute(graph, fitgraph.eager_plan(graph), b, batch, ob)
         assert torch.equal(la.detach(), lb)

@@ -160,7 +160,10 @@ def _convert_op(cs: ConvertState, node: torch.fx.Node, phase: Phase, module: str
     args = cs.map_arg(node.args)
     kwargs = cs.map_arg(node.kwargs)
     inputs = [cs.fx_value[n] for n in node.all_input_nodes]
-    mutates = [cs.fx_value[a] for a in _mutated_args(op, node.args, node.kwargs)
+    # NOTE: a list argument written in place (``Tensor(a!)[]``: ``_foreach_mul_``, as CUDA's
+    # default gradient clipping runs it) mutates each of its tensors
+    mutates = [cs.fx_value[a] for arg in _mutated_args(op, node.args, node.kwargs)
+               for a in (arg if isinstance(arg, (list, tuple)) else [arg])
                if isinstance(a, torch.fx.Node)]
     is_tuple = isinstance(val, (tuple, list))
     vals = list(val) if is_tuple else [val]

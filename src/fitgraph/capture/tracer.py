@@ -153,10 +153,10 @@ def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | 
 
 def _clip_grad_norm(grads: list[torch.Tensor | None], max_norm: float) -> None:
     """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on the traced gradients:
-    torch's own function, with its per-tensor kernels (``foreach=False``; CPU's foreach path runs
-    the same ones)."""
+    torch's own function with its own default kernels for the gradients' device (foreach on
+    CUDA, per tensor on the CPU), so the clipped gradients round as eager's."""
     holders = [SimpleNamespace(grad=g) for g in grads if g is not None]  # NOTE: it reads p.grad
-    torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=False)
+    torch.nn.utils.clip_grad_norm_(holders, max_norm)
 
 
 def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
