@@ -83,7 +83,6 @@ def test_dropping_the_remade_masks_lowers_the_peak_bitwise_and_as_simulated(tmp_
     # NOTE: into the backward go one bit an element where the unpacked bools took a byte (the
     # hidden layer's mask: the input's is not read by the backward, no gradient flows there)
     n_bits = 256 * 512
-
     assert _kept(bools) - _kept(sim) == n_bits - n_bits // 8
     _assert_measures_as_simulated_and_runs_bitwise(c, plan, sim, model, batch, loss_fn)
 
