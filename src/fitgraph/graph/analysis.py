@@ -32,12 +32,19 @@ class GraphError(ValueError):
     """A graph that breaks an IR invariant; the message names the node and what is wrong."""
 
 
+# NOTE: argument types that hold no ref, skipped without a test each (graph rewrites flatten
+# every node's arguments; most are ints and floats)
+_ATOMS = frozenset({int, float, bool, str, type(None)})
+
+
 def flatten_refs(obj) -> list[int]:
     """Value ids referenced in a nested args structure, in order."""
     out: list[int] = []
     stack = [obj]
     while stack:
         o = stack.pop()
+        if type(o) in _ATOMS:
+            continue
         if isinstance(o, ValueRef):
             out.append(o.id)
         elif isinstance(o, (list, tuple)):

@@ -49,16 +49,21 @@ _LIKE = {
 }
 
 
+# NOTE: argument types that hold no ref: returned as they are without a call (the fission
+# search rewrites whole graphs for every split it tries; most arguments are ints and floats)
+_ATOMS = frozenset({int, float, bool, str, type(None)})
+
+
 def substitute_refs(obj: Any, new_ids: Iterator[int]) -> Any:
     """``obj`` with its ValueRefs replaced, in ``flatten_refs`` order, by refs to ``new_ids``."""
     if isinstance(obj, ValueRef):
         return ValueRef(next(new_ids))
-    if isinstance(obj, tuple):
-        return tuple(substitute_refs(o, new_ids) for o in obj)
-    if isinstance(obj, list):
-        return [substitute_refs(o, new_ids) for o in obj]
+    if isinstance(obj, (tuple, list)):
+        out = [o if type(o) in _ATOMS else substitute_refs(o, new_ids) for o in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
     if isinstance(obj, dict):
-        return {k: substitute_refs(v, new_ids) for k, v in obj.items()}
+        return {k: v if type(v) in _ATOMS else substitute_refs(v, new_ids)
+                for k, v in obj.items()}
     return obj
 
 
@@ -152,12 +157,20 @@ class GraphWriter:
                                moved, out_is_tuple))
         return out_ids
 
-    def remapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` of an old node with their refs mapped through ``whole``."""
+    def remapped(self, args: tuple, kwargs: dict,
+                 refs: list[int] | None = None) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` of an old node with their refs (``flatten_refs`` of them,
+        when the caller has it) mapped through ``whole``."""
         from ..graph.analysis import flatten_refs
 
+        refs = flatten_refs((args, kwargs)) if refs is None else refs
+        new = [self.whole[v] for v in refs]
+        if new == refs:
+            # NOTE: nothing to map (the nodes before a split keep their ids): the structure
+            # as it is, ~half of the search's graph rewriting time
+            return args, dict(kwargs)
         # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
-        stream = iter([self.whole[v] for v in flatten_refs((args, kwargs))])
+        stream = iter(new)
         return substitute_refs(args, stream), substitute_refs(kwargs, stream)
 
     def copy_node(self, node: Node) -> int:
@@ -174,7 +187,7 @@ class GraphWriter:
         if missing:
             raise RuntimeError(f"fission: node {node.name} reads {missing[0]}, which the "
                                "rewritten graph has not produced yet (a bug in the node order)")
-        args, kwargs = self.remapped(node.args, node.kwargs)
+        args, kwargs = self.remapped(node.args, node.kwargs, refs)
         outs = []
         for o in node.outputs:
             if o is None:
