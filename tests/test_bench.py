@@ -211,9 +211,35 @@ def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
     rows = bench_model(_case(), [1.0], systems=["compile_inductor", "fitgraph_inductor"],
                        repeats=1, progress=lambda s: None)
     by = {(r.system, r.matched): r for r in rows}
-    peer, ours = by[("compile_inductor", "")], by[("fitgraph_inductor", "compile_inductor 1")]
-    assert not peer.error and not ours.error and not by[("fitgraph_inductor", "")].error
-    assert harness.fitgraph_at(rows, peer) is ours
-    assert ours.peak_bytes is not None and ours.step_s is not None
+    peer = by[("compile_inductor", "")]
+    assert not peer.error and not by[("fitgraph_inductor", "")].error
+    ours = harness.fitgraph_at(rows, peer)
+    assert ours.system == "fitgraph_inductor" and ours.matched == "compile_inductor 1"
+    assert not ours.error and ours.peak_bytes is not None and ours.step_s is not None
     assert any(line.startswith(f"{peer.model}: at compile_inductor 1's peak")
                for line in verdicts(rows))
+
+
+def test_fitgraph_inductor_at_a_peak_calibrates_the_bytes_asked(monkeypatch):
+    """Inductor's step measures otherwise than the ATen plan: a try over the peer's peak is
+    asked again with the excess off, one well under it with the slack on; tries over the peak
+    are not the peer's match."""
+    from types import SimpleNamespace
+
+    mib = 2**20
+    asked, measured = [], iter([110 * mib, 80 * mib, 99 * mib])  # over, far under, close
+
+    def fake(add, case, shown, ask, matched, *rest):
+        asked.append(ask)
+        return SimpleNamespace(error="", peak=next(measured), notes="", matched=matched)
+
+    monkeypatch.setattr(harness, "_fitgraph_inductor", fake)
+    peer = SimpleNamespace(peak=100 * mib, label="compile_inductor 0.9",
+                           optimizer=SimpleNamespace(state={}))
+    rows = harness._fitgraph_inductor_at(None, None, peer, None, None, 1.0, 1, "cpu",
+                                         SimpleNamespace(peak=200 * mib))
+    assert asked == [100 * mib, 90 * mib, 110 * mib]
+    assert [r.matched for r in rows] == ["", "compile_inductor 0.9", "compile_inductor 0.9"]
+    assert [r.notes for r in rows] == ["planned for 100.0 MiB (try 1)",
+                                       "planned for 90.0 MiB (try 2)",
+                                       "planned for 110.0 MiB (try 3)"]

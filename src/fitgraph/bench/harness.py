@@ -284,8 +284,8 @@ def bench_model(case, budgets: list[float], *, systems: Sequence[str] | None = N
             compiled.append(_fitgraph_inductor(add, case, b, b, "", batch, loss_fn,
                                                time_budget, repeats, device, eager))
         for p in peers_ind:
-            compiled.append(_fitgraph_inductor_at(add, case, p, batch, loss_fn, time_budget,
-                                                  repeats, device, eager))
+            compiled += _fitgraph_inductor_at(add, case, p, batch, loss_fn, time_budget,
+                                              repeats, device, eager)
         torch._dynamo.reset()
     plain = [s for s in out if not s.error and s not in compiled]
     if match_peers and eager.peak and "fitgraph" in chosen:
@@ -493,7 +493,11 @@ def _compiled_step(model, batch, loss_fn, opt, budget: float, backend: str = "ao
     return step
 
 
-INDUCTOR_RETRIES = 2   # NOTE: re-plans when inductor's step measures over the peer's peak
+INDUCTOR_RETRIES = 2   # NOTE: re-plans when inductor's step measures off the peer's peak
+# NOTE: a try that measures more than this share under the peer's peak leaves bytes unused that
+# could buy speed (U-Net at inductor's 0.9 peak: planned for 83.3 MiB less the AdamW state, it
+# measured 66.6 MiB): it is planned again with that slack on
+INDUCTOR_SLACK = 0.05
 
 
 def _fitgraph_inductor(add, case, shown: float, asked, matched: str, batch, loss_fn,
@@ -510,21 +514,30 @@ def _fitgraph_inductor(add, case, shown: float, asked, matched: str, batch, loss
 
 
 def _fitgraph_inductor_at(add, case, peer: _System, batch, loss_fn, time_budget: float,
-                          repeats: int, device, eager) -> _System:
+                          repeats: int, device, eager) -> list[_System]:
     """``fitgraph_inductor`` at ``peer``'s measured peak: planned for those bytes less the
-    optimizer state; where inductor's step measures over the peak (its kernels allocate
-    otherwise than the ATen plan), planned again with the excess off, at most
-    ``INDUCTOR_RETRIES`` times; the last try is the row, its notes say how it was asked."""
+    optimizer state. Inductor's kernels allocate otherwise than the ATen plan, so the bytes
+    asked are calibrated on what the step measures: a try over the peak is planned again with
+    the excess off, one more than ``INDUCTOR_SLACK`` under it with the slack on, at most
+    ``INDUCTOR_RETRIES`` times. Every try is a row (its notes say how it was asked); those
+    within the peak are matched to the peer, and the verdict takes the fastest of them
+    (``fitgraph_at``)."""
     asked = int(peer.peak - _state_bytes(peer.optimizer))
+    rows = []
     for attempt in range(INDUCTOR_RETRIES + 1):
         row = _fitgraph_inductor(add, case, peer.peak / eager.peak, asked, peer.label, batch,
                                  loss_fn, time_budget, repeats, device, eager)
         row.notes = f"planned for {asked / 2**20:.1f} MiB (try {attempt + 1})"
-        if row.error or row.peak <= peer.peak or attempt == INDUCTOR_RETRIES:
-            return row
-        row.matched = ""   # NOTE: an earlier try stays a row of its own, not the peer's match
-        asked -= row.peak - peer.peak
-    return row
+        rows.append(row)
+        if row.error:
+            break
+        slack = peer.peak - row.peak
+        if slack < 0:
+            row.matched = ""   # NOTE: over the peak: a row of its own, not the peer's match
+        elif slack <= INDUCTOR_SLACK * peer.peak:
+            break
+        asked += slack
+    return rows
 
 
 def _state_bytes(optimizer) -> int:
