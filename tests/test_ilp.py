@@ -109,8 +109,6 @@ def test_plan_to_stages_round_trips_a_remat_plan():
     g = fitgraph.capture(case.model, case.batch, case.loss_fn)
     from fitgraph.cost.devices import DEVICES
     from fitgraph.cost.roofline import RooflineCostModel
-    from fitgraph.plan.staged import staged_plan
-
     cm = RooflineCostModel(DEVICES["rtx3090"])
     sg = stage_graph(g, cm)
     eager = solve(Problem(g, cm, latency_limit=1.0), "eager")
@@ -158,7 +156,6 @@ def test_lp_relaxation_bounds_the_optimum_from_below(case, frac):
     assert exact.status == "optimal" and root.status == "optimal"
     assert root.objective <= exact.objective * (1 + 1e-9)
     assert root.objective >= sum(u.seconds for u in sg.units) * (1 - 1e-9)
-
 
 
 def _view_with_workspace_graph(view_ws=165):

@@ -33,8 +33,8 @@ class GraphError(ValueError):
 
 
 # NOTE: argument types that hold no ref, skipped without a test each (graph rewrites flatten
-# every node's arguments; most are ints and floats)
-_ATOMS = frozenset({int, float, bool, str, type(None)})
+# and substitute every node's arguments; most are ints and floats)
+REF_FREE_TYPES = frozenset({int, float, bool, str, type(None)})
 
 
 def flatten_refs(obj) -> list[int]:
@@ -43,7 +43,7 @@ def flatten_refs(obj) -> list[int]:
     stack = [obj]
     while stack:
         o = stack.pop()
-        if type(o) in _ATOMS:
+        if type(o) in REF_FREE_TYPES:
             continue
         if isinstance(o, ValueRef):
             out.append(o.id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..graph.analysis import REF_FREE_TYPES, flatten_refs
 from ..graph.ir import (
     DTYPE_BYTES,
     Graph,
@@ -49,20 +50,15 @@ _LIKE = {
 }
 
 
-# NOTE: argument types that hold no ref: returned as they are without a call (the fission
-# search rewrites whole graphs for every split it tries; most arguments are ints and floats)
-_ATOMS = frozenset({int, float, bool, str, type(None)})
-
-
 def substitute_refs(obj: Any, new_ids: Iterator[int]) -> Any:
     """``obj`` with its ValueRefs replaced, in ``flatten_refs`` order, by refs to ``new_ids``."""
     if isinstance(obj, ValueRef):
         return ValueRef(next(new_ids))
     if isinstance(obj, (tuple, list)):
-        out = [o if type(o) in _ATOMS else substitute_refs(o, new_ids) for o in obj]
+        out = [o if type(o) in REF_FREE_TYPES else substitute_refs(o, new_ids) for o in obj]
         return tuple(out) if isinstance(obj, tuple) else out
     if isinstance(obj, dict):
-        return {k: v if type(v) in _ATOMS else substitute_refs(v, new_ids)
+        return {k: v if type(v) in REF_FREE_TYPES else substitute_refs(v, new_ids)
                 for k, v in obj.items()}
     return obj
 
@@ -134,8 +130,6 @@ class GraphWriter:
                  *, phase: Phase, module: str, device: str, mutates: tuple[int, ...] = (),
                  random: bool = False, flops: float = 0.0, out_is_tuple: bool = False) -> list[int | None]:
         """Add a node reading the refs in ``args``/``kwargs``; returns its output value ids."""
-        from ..graph.analysis import flatten_refs  # NOTE: local: analysis imports ir only
-
         nid = len(self.nodes)
         out_ids: list[int | None] = []
         for spec in outs:
@@ -161,13 +155,11 @@ class GraphWriter:
                  refs: list[int] | None = None) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` of an old node with their refs (``flatten_refs`` of them,
         when the caller has it) mapped through ``whole``."""
-        from ..graph.analysis import flatten_refs
-
         refs = flatten_refs((args, kwargs)) if refs is None else refs
         new = [self.whole[v] for v in refs]
         if new == refs:
             # NOTE: nothing to map (the nodes before a split keep their ids): the structure
-            # as it is, ~half of the search's graph rewriting time
+            # as it is, without rebuilding it
             return args, dict(kwargs)
         # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
         stream = iter(new)
@@ -178,8 +170,6 @@ class GraphWriter:
         in the mapped storages."""
         nid = len(self.nodes)
         remap = lambda vid: self.whole[vid]  # noqa: E731
-        from ..graph.analysis import flatten_refs
-
         refs = flatten_refs((node.args, node.kwargs))
         missing = [self.old.values[v].name for v in refs if v not in self.whole]
         if missing and node.target in _LIKE:
