@@ -443,6 +443,19 @@ SYNTHETIC = {
     "unpack_bits after a size-1 dim": ("fitgraph.unpack_bits.default",
                                        (torch.randint(0, 256, (6,), dtype=torch.uint8),
                                         [1, 6, 8]), {}),
+    # NOTE: CUDA's bilinear upsampling under deterministic algorithms: the decomposition's
+    # gathers (index tensors in adjacent trailing dims) and the index_put its backward adds into
+    "unsafe_index gather of rows and columns": (
+        "aten._unsafe_index.Tensor",
+        (_r(2, 3, 5, 4), [None, None, torch.tensor([[0], [2], [4], [4]]),
+                          torch.tensor([1, 0, 3])]), {}),
+    "index gather of one dim": ("aten.index.Tensor",
+                                (_r(3, 4, 6), [None, torch.tensor([3, 1, 1, 0, 2])]), {}),
+    "unsafe_index_put accumulate": (
+        "aten._unsafe_index_put.default",
+        (torch.zeros(2, 3, 5, 4, dtype=torch.float64), [None, None, torch.tensor([[0], [2], [4], [4]]),
+                                   torch.tensor([1, 0, 3])], _r(2, 3, 4, 3), True), {}),
+    "new_zeros": ("aten.new_zeros.default", (_r(2, 3, 8, 6), [2, 3, 4, 3]), {}),
     "embedding_dense_backward": ("aten.embedding_dense_backward.default",
                                  (_r(2, 3, 4), torch.tensor([[0, 2, 2], [1, 0, 4]]), 5, -1,
                                   False), {}),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils import clip_grad
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -156,7 +157,14 @@ def _clip_grad_norm(grads: list[torch.Tensor | None], max_norm: float) -> None:
     torch's own function with its own default kernels for the gradients' device (foreach on
     CUDA, per tensor on the CPU), so the clipped gradients round as eager's."""
     holders = [SimpleNamespace(grad=g) for g in grads if g is not None]  # NOTE: it reads p.grad
-    torch.nn.utils.clip_grad_norm_(holders, max_norm)
+    if not holders:
+        return
+    # NOTE: eager's foreach=None asks ``_has_foreach_support`` of its gradients, plain tensors:
+    # True wherever the device has foreach kernels (CUDA; the CPU too in recent torch). Traced
+    # gradients are fake tensors, whose type fails that check, so left to itself the trace would
+    # take the per-tensor path that eager does not: decide from the device, as eager's check does
+    foreach = clip_grad._device_has_foreach_support(holders[0].grad.device)
+    torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=foreach)
 
 
 def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from . import dim_rules_index as ix
 from . import dim_rules_linalg as la
 from . import dim_rules_norm as nm
 from . import dim_rules_pointwise as pw
@@ -106,6 +107,11 @@ RULES.update({
     "aten.cat.default": vw.cat,
     "aten.stack.default": vw.stack,
     UNPACK_BITS: vw.unpack_bits,
+    "aten._unsafe_index.Tensor": ix.index_gather,
+    "aten.index.Tensor": ix.index_gather,
+    "aten._unsafe_index_put.default": ix.index_scatter,
+    "aten.index_put.default": ix.index_scatter,
+    "aten.new_zeros.default": ix.new_zeros,
 })
 
 _RANDOM = "random: a part would draw other numbers than the whole op (law 1)"
