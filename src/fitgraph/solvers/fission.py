@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 
 from ..cost.scaled import ScaledCostModel
+from ..graph.analysis import verify_graph
 from ..graph.dim_region import Region
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
@@ -196,6 +197,8 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     if scaled:
         notes["search_costs"] = search.name
         notes["graphs_profiled"] = profiled
+    if cur.graph is not problem.graph:
+        verify_graph(cur.graph)
     sol.plan.meta["solver"] = "fission"
     return Solution(sol.plan, sol.sim, "fission", time.perf_counter() - t0, notes=notes,
                     graph=None if cur.graph is problem.graph else cur.graph)
@@ -319,8 +322,9 @@ def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionC
     steps: list[_Step] = []
     cur = start
     while len(steps) < config.max_splits and (budget is None or cur.sim.peak_bytes > budget):
-        best, timed_out = _best_split(cur, cm, budget, limit, config, deadline, strategy,
-                                      config.max_splits - len(steps), memo)
+        rounds_left = config.max_splits - len(steps)
+        best, timed_out, seen = _best_split(cur, cm, budget, limit, config, deadline, strategy,
+                                            rounds_left, memo)
         if timed_out:
             return steps + ([best] if best else []), best or cur, True
         if best is None:
@@ -329,8 +333,47 @@ def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionC
             steps[-1] = best  # NOTE: the last split again, with more parts
         else:
             steps.append(best)
+        if strategy == "cheapest":
+            best = _walk_parts(cur, best, seen, budget, rounds_left)
+            steps[-1] = best
         cur = best
     return steps, cur, False
+
+
+def _walk_parts(before: _Step, chosen: _Step, seen: list[_Step], budget: int | None,
+                rounds_left: int) -> _Step:
+    """"cheapest": the chosen split made again in more parts, while each increment buys bytes
+    at a better rate than any other split the round saw (bytes saved per second added) and
+    closes its share of the gap to the budget. Only splits the round simulated are walked.
+
+    NOTE: a round on the split graph would try the same region in more parts first (and
+    pick it whenever the rates stay ahead), but it grows and splits every region of the new
+    graph to learn that: GPT-2's loss chunked 2 -> 4 -> ... -> 32 took five rounds of ~15
+    splits each. The other splits' rates are taken from this round, before the chosen one."""
+    if chosen.region is None:
+        return chosen
+    others = [s for s in seen if s.region is not chosen.region or s.base is not chosen.base]
+    bar = max((_rate(s.sim, before.sim) for s in others), default=0.0)
+    more = sorted((s for s in seen if s.region is chosen.region and s.base is chosen.base
+                   and s.k > chosen.k), key=lambda s: s.k)
+    cur = chosen
+    while budget is None or cur.sim.peak_bytes > budget:
+        gap = cur.sim.peak_bytes - (budget if budget is not None else 0)
+        nxt = next((s for s in more if s.k > cur.k), None)
+        if nxt is None:
+            return cur
+        saved = cur.sim.peak_bytes - nxt.sim.peak_bytes
+        if saved <= 0 or (budget is not None and saved * rounds_left < gap) \
+                or _rate(nxt.sim, cur.sim) <= bar:
+            return cur
+        cur = nxt
+    return cur
+
+
+def _rate(sim: SimResult, than: SimResult) -> float:
+    """Bytes of peak saved per second of latency added, from ``than`` to ``sim``."""
+    return (than.peak_bytes - sim.peak_bytes) / max(sim.latency_s - than.latency_s,
+                                                     MIN_ADDED_S)
 
 
 def _final_key(sol: Solution, budget: int | None) -> tuple:
@@ -388,7 +431,9 @@ def _cached(memo: dict, key: tuple, keep, make):
 
 def _split(base: Graph, region: Region, k: int, cm) -> _Step | FissionError:
     try:
-        g2 = split_region(base, region, k)
+        # NOTE: the search makes ~100 split graphs and keeps one: only that one is verified
+        # (solve_fission, before it returns)
+        g2 = split_region(base, region, k, verify=False)
     except FissionError as e:
         return e
     start = base.values[region.start[0]].name
@@ -399,10 +444,10 @@ def _split(base: Graph, region: Region, k: int, cm) -> _Step | FissionError:
 
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
                 deadline: float, strategy: str, rounds_left: int,
-                memo: dict) -> tuple[_Step | None, bool]:
+                memo: dict) -> tuple[_Step | None, bool, list[_Step]]:
     """The best split of one region of ``cur.graph`` that lowers its peak (None: none does);
     the last split made again with more parts is a candidate too (rather than splitting its
-    parts one by one)."""
+    parts one by one). Also returns every split that lowered the peak within the limit."""
     g = cur.graph
 
     def regions() -> list[tuple[Graph, Region]]:
@@ -417,11 +462,12 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
     tries += [(base, r, list(config.ks))
               for base, r in _cached(memo, ("regions", id(g)), g, regions)]
     best: _Step | None = None
+    seen: list[_Step] = []
     for base, region, ks in tries:
         last_peak = cur.sim.peak_bytes
         for k in ks:
             if time.perf_counter() > deadline:
-                return best, True
+                return best, True, seen
             if k > region.length:
                 break
             step = _cached(memo, ("split", id(base), region.start, region.nodes, k), base,
@@ -434,9 +480,12 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
             last_peak = sim.peak_bytes
             if sim.latency_s > limit:
                 break
+            seen.append(step)
             if _better(sim, best.sim if best else None, cur.sim, budget, strategy, rounds_left):
                 best = step
-    return best, False
+            if budget is not None and sim.peak_bytes <= budget:
+                break  # NOTE: it fits: more parts of this region only add time
+    return best, False, seen
 
 
 def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig,
