@@ -10,7 +10,10 @@ second added (among splits that close their share of the gap to the budget, a sp
 included: a whole model run in parts fits alone but slowly, the chunked loss needs remat on top
 but costs nothing); on another, within the budget the least latency, over it the lowest peak;
 with a ``latency_limit``, the lowest peak within it. In budget mode no split is made slower
-than remat alone's plan (no plan on a graph beats its eager plan), nor more parts of it.
+than remat alone's plan (no plan on a graph beats its eager plan), nor more parts of it, nor
+more parts of a split that fits. The cheapest path takes a chosen split in more parts without
+a new round while each increment buys bytes at a better rate than any other split its round
+saw (``_walk_parts``: a round on the split graph would grow and split all its regions first).
 Mean-reduced losses count their targets apart first (``transform.fission_loss``), so the
 logits, the loss and its gradient can run chunk by chunk in one region. Spatial regions (rows
 of a convolution chain, with a halo) are grown also where the input gradients of the
