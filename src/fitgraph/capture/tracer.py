@@ -154,8 +154,9 @@ def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | 
 
 def _clip_grad_norm(grads: list[torch.Tensor | None], max_norm: float) -> None:
     """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on the traced gradients:
-    torch's own function with its own default kernels for the gradients' device (foreach on
-    CUDA, per tensor on the CPU), so the clipped gradients round as eager's."""
+    torch's own function with the kernels its default picks for the gradients' device (foreach
+    where the device has them: CUDA, and the CPU in recent torch), so the clipped gradients round
+    as eager's."""
     holders = [SimpleNamespace(grad=g) for g in grads if g is not None]  # NOTE: it reads p.grad
     if not holders:
         return
