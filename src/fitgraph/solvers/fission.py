@@ -71,6 +71,8 @@ from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission_regions import candidate_regions, peak_starts
 from .fission_spatial import spatial_candidates
+from .fission_walk import MIN_ADDED_S
+from .fission_walk import walk_parts as _walk_parts
 from .hotspot import solve_hotspot
 from .joint import solve_joint
 
@@ -343,42 +345,6 @@ def _greedy(start: _Step, cm, budget: int | None, limit: float, config: FissionC
     return steps, cur, False
 
 
-def _walk_parts(before: _Step, chosen: _Step, seen: list[_Step], budget: int | None,
-                rounds_left: int) -> _Step:
-    """"cheapest": the chosen split made again in more parts, while each increment buys bytes
-    at a better rate than any other split the round saw (bytes saved per second added) and
-    closes its share of the gap to the budget. Only splits the round simulated are walked.
-
-    NOTE: a round on the split graph would try the same region in more parts first (and
-    pick it whenever the rates stay ahead), but it grows and splits every region of the new
-    graph to learn that: GPT-2's loss chunked 2 -> 4 -> ... -> 32 took five rounds of ~15
-    splits each. The other splits' rates are taken from this round, before the chosen one."""
-    if chosen.region is None:
-        return chosen
-    others = [s for s in seen if s.region is not chosen.region or s.base is not chosen.base]
-    bar = max((_rate(s.sim, before.sim) for s in others), default=0.0)
-    more = sorted((s for s in seen if s.region is chosen.region and s.base is chosen.base
-                   and s.k > chosen.k), key=lambda s: s.k)
-    cur = chosen
-    while budget is None or cur.sim.peak_bytes > budget:
-        gap = cur.sim.peak_bytes - (budget if budget is not None else 0)
-        nxt = next((s for s in more if s.k > cur.k), None)
-        if nxt is None:
-            return cur
-        saved = cur.sim.peak_bytes - nxt.sim.peak_bytes
-        if saved <= 0 or (budget is not None and saved * rounds_left < gap) \
-                or _rate(nxt.sim, cur.sim) <= bar:
-            return cur
-        cur = nxt
-    return cur
-
-
-def _rate(sim: SimResult, than: SimResult) -> float:
-    """Bytes of peak saved per second of latency added, from ``than`` to ``sim``."""
-    return (than.peak_bytes - sim.peak_bytes) / max(sim.latency_s - than.latency_s,
-                                                     MIN_ADDED_S)
-
-
 def _final_key(sol: Solution, budget: int | None) -> tuple:
     """Budget mode: least latency (all fit); latency mode: least peak."""
     if budget is not None:
@@ -390,8 +356,6 @@ def _final_key(sol: Solution, budget: int | None) -> tuple:
 # parts estimated at 1.09x of eager measured 0.82x; convolution row splits the other way)
 ESTIMATE_SLACK = 0.10
 
-# NOTE: the least latency a split is charged when comparing bytes saved per second added
-MIN_ADDED_S = 1e-7
 
 
 # NOTE: budget mode grows two greedy paths: "cheapest" buys memory at the least time per byte,
