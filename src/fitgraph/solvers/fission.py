@@ -13,7 +13,7 @@ with a ``latency_limit``, the lowest peak within it. In budget mode no split is 
 than remat alone's plan (no plan on a graph beats its eager plan), nor more parts of it, nor
 more parts of a split that fits. The cheapest path takes a chosen split in more parts without
 a new round while each increment buys bytes at a better rate than any other split its round
-saw (``_walk_parts``: a round on the split graph would grow and split all its regions first).
+saw (``fission_walk``: a round on the split graph would grow and split all its regions first).
 Mean-reduced losses count their targets apart first (``transform.fission_loss``), so the
 logits, the loss and its gradient can run chunk by chunk in one region. Spatial regions (rows
 of a convolution chain, with a halo) are grown also where the input gradients of the
@@ -71,7 +71,7 @@ from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission_regions import candidate_regions, peak_starts
 from .fission_spatial import spatial_candidates
-from .fission_walk import MIN_ADDED_S
+from .fission_walk import rate
 from .fission_walk import walk_parts as _walk_parts
 from .hotspot import solve_hotspot
 from .joint import solve_joint
@@ -356,8 +356,6 @@ def _final_key(sol: Solution, budget: int | None) -> tuple:
 # parts estimated at 1.09x of eager measured 0.82x; convolution row splits the other way)
 ESTIMATE_SLACK = 0.10
 
-
-
 # NOTE: budget mode grows two greedy paths: "cheapest" buys memory at the least time per byte,
 # "deepest" at the least peak per split (fewer, larger splits); each gets remat on top
 STRATEGIES = ("cheapest", "deepest")
@@ -382,7 +380,7 @@ def _better(sim: SimResult, than: SimResult | None, cur: SimResult, budget: int 
         saved = cur.peak_bytes - s.peak_bytes
         if strategy == "cheapest" and (budget is None
                                        or saved * rounds_left >= cur.peak_bytes - budget):
-            return (1, -saved / max(s.latency_s - cur.latency_s, MIN_ADDED_S), s.peak_bytes)
+            return (1, -rate(s, cur), s.peak_bytes)
         return (2, s.peak_bytes, s.latency_s)
     return than is None or key(sim) < key(than)
 

@@ -48,15 +48,13 @@ def walk_parts(before, chosen, seen: list, budget: int | None, rounds_left: int)
     more = sorted((s for s in seen if s.region is chosen.region and s.base is chosen.base
                    and s.k > chosen.k), key=lambda s: s.k)
     cur = chosen
-    while budget is None or cur.sim.peak_bytes > budget:
-        gap = cur.sim.peak_bytes - (budget if budget is not None else 0)
-        nxt = next((s for s in more if s.k > cur.k), None)
-        if nxt is None:
-            return cur
+    for nxt in more:
+        if budget is not None and cur.sim.peak_bytes <= budget:
+            break
         saved = cur.sim.peak_bytes - nxt.sim.peak_bytes
-        if saved <= 0 or (budget is not None and saved * rounds_left < gap) \
-                or rate(nxt.sim, cur.sim) <= bar:
-            return cur
+        if saved <= 0 or rate(nxt.sim, cur.sim) <= bar or (
+                budget is not None and saved * rounds_left < cur.sim.peak_bytes - budget):
+            break
         cur = nxt
     return cur
 
