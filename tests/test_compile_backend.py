@@ -230,6 +230,7 @@ def test_inductor_inner_compiles_the_planned_partition():
             torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-6, msg=name)
     r = be.last_report
     assert len(be.reports) == 1 and r.recomputed_nodes > 0
+    assert r.cost_model.endswith("pointwise fused")   # NOTE: planned as inductor runs it
     assert r.planned_peak_bytes <= r.budget_bytes and r.planned_saved_bytes < r.eager_saved_bytes
     with pytest.raises(ValueError, match="inner="):
         fitgraph.backend(budget=0.7, inner="cudagraphs")

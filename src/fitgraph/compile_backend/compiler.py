@@ -121,6 +121,12 @@ class FitgraphBackend:
             self.cost_model = RooflineCostModel(self.cost_model)
         if hasattr(self.cost_model, "profile"):
             self.cost_model.profile(graph)
+        if self.inner == "inductor":
+            # NOTE: inductor fuses pointwise ops into the kernels around them: recomputing one
+            # in the backward is free there, as its own partitioner assumes (cost.fused)
+            from ..cost.fused import FusedCostModel
+
+            return FusedCostModel(self.cost_model)
         return self.cost_model
 
     def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution) -> Solution:
@@ -283,7 +289,11 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
 
     ``inner``: "aot_eager" runs the planned forward and backward as they are (ATen kernels:
     the simulated peak is what runs); "inductor" compiles them with inductor (fused kernels;
-    the plan chooses what the forward saves and the backward recomputes, inductor how: the
-    reports' peaks and times are still those of the ATen graph, measure the compiled step).
+    the plan chooses what the forward saves and the backward recomputes, inductor how). For
+    inductor the plan prices pointwise ops and views as free (``cost.fused.FusedCostModel``:
+    inductor runs them inside the kernels around them, so recomputing a batch norm's
+    normalize and ReLU costs nothing, a convolution its measured time); the reports' peaks
+    are still those of the ATen graph and their times those of that pricing: measure the
+    compiled step.
     """
     return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model, inner)
