@@ -36,20 +36,31 @@ def random_order(g, rnd: random.Random) -> list[int]:
 
 
 def assert_same(g, cost, ev, drop, order, base=None):
-    """The evaluator (from scratch, and from ``base``) agrees with simulating the plan."""
+    """The evaluator (from scratch, and from ``base``) agrees with simulating the plan; asked
+    again, it answers from its memo the same."""
     try:
         plan = remat_plan(g, drop, order)
     except RematError:
         for b in (None, base):
+            ev._memo.clear()   # NOTE: each path computes, none answers from the memo
             try:
                 ev.evaluate(drop, b)
             except RematError:
                 continue
             raise AssertionError("remat_plan raised, the evaluator did not") from None
-        return None
+        try:
+            ev.evaluate(drop)
+        except RematError:
+            return None
+        raise AssertionError("asked again, the evaluator did not raise") from None
     sim = simulate(g, plan, cost)
-    for b in (None, base):
-        r = ev.evaluate(drop, b)
+    for b in (None, base, "memo"):
+        if b == "memo":
+            r = ev.evaluate(drop, base)
+            assert r is ev.evaluate(frozenset(drop))   # NOTE: the memo's answer, not a new one
+        else:
+            ev._memo.clear()
+            r = ev.evaluate(drop, b)
         assert r.peak_bytes == sim.peak_bytes
         assert r.latency_s == sim.latency_s
         assert r.peak_live == sim.peak_live

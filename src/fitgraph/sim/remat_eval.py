@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ import numpy as np
 from ..cost.base import CostModel
 from ..graph.ir import Graph
 from ..plan.remat import (
+    RematError,
     RematTables,
     complete_drop,
     drop_points,
@@ -55,6 +57,10 @@ __all__ = ["RematEval", "RematEvaluator"]
 
 # NOTE: float64 adds integers exactly below 2**53; byte counts are summed as floats (bincount)
 _EXACT_FLOAT_BYTES = 2**52
+# NOTE: answers kept per evaluator, latest used first: hotspot asks for the same drop set again
+# (a prune re-evaluates what its grow just took, exchange and add_prune passes meet the same
+# sets): on ResNet-50 small at 0.7 (auto) 7,438 evaluations were of 4,790 distinct sets
+MEMO_SETS = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,6 +180,7 @@ class RematEvaluator:
         self.base_prod = np.array([prod[s] for s in produced], dtype=np.int64)
         self.base_last = np.array([last[s] for s in produced], dtype=np.int64)
         self.base_keep = np.array([s in G.t.keep for s in produced], dtype=bool)
+        self._memo: OrderedDict[frozenset[int], RematEval | RematError] = OrderedDict()
         self.last_arr = np.array(last, dtype=np.int64)
         self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
         self.bound_arr = np.array(bound, dtype=np.int64)
@@ -185,7 +192,30 @@ class RematEvaluator:
     def evaluate(self, drop: Iterable[int], base: RematEval | None = None) -> RematEval:
         """Peak, latency and storages live at the peak of ``remat_plan(graph, drop, order)``;
         RematError where ``remat_plan`` would raise it. ``base``, an earlier result of this
-        evaluator, makes it incremental: only the parts of the drop set that differ are walked."""
+        evaluator, makes it incremental: only the parts of the drop set that differ are walked.
+        The answer is a function of the drop set alone: a set asked again (``MEMO_SETS`` kept)
+        is answered from memory, with or without ``base``."""
+        key = drop if isinstance(drop, frozenset) else frozenset(drop)
+        hit = self._memo.get(key)
+        if hit is not None:
+            self._memo.move_to_end(key)
+            if isinstance(hit, RematError):
+                raise RematError(*hit.args)
+            return hit
+        try:
+            out = self._evaluate(key, base)
+        except RematError as e:
+            self._remember(key, e)
+            raise
+        self._remember(key, out)
+        return out
+
+    def _remember(self, key: frozenset[int], answer) -> None:
+        self._memo[key] = answer
+        if len(self._memo) > MEMO_SETS:
+            self._memo.popitem(last=False)
+
+    def _evaluate(self, drop: frozenset[int], base: RematEval | None) -> RematEval:
         nodes, once = split_drop(self.graph, drop)
         once = frozenset(complete_drop(self.graph, once, self.G.t))
         if base is None:
