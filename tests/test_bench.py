@@ -222,7 +222,7 @@ def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
 
 def test_fitgraph_inductor_at_a_peak_calibrates_the_bytes_asked(monkeypatch):
     """Inductor's step measures otherwise than the ATen plan: a try over the peer's peak is
-    asked again with the excess off, one well under it with the slack on; tries over the peak
+    asked again with the excess and a margin off, one well under it with the slack on; tries over the peak
     are not the peer's match."""
     from types import SimpleNamespace
 
@@ -238,8 +238,9 @@ def test_fitgraph_inductor_at_a_peak_calibrates_the_bytes_asked(monkeypatch):
                            optimizer=SimpleNamespace(state={}))
     rows = harness._fitgraph_inductor_at(None, None, peer, None, None, 1.0, 1, "cpu",
                                          SimpleNamespace(peak=200 * mib))
-    assert asked == [100 * mib, 90 * mib, 110 * mib]
+    margin = int(harness.INDUCTOR_MARGIN * 100 * mib)
+    assert asked == [100 * mib, 90 * mib - margin, 110 * mib - margin]
     assert [r.matched for r in rows] == ["", "compile_inductor 0.9", "compile_inductor 0.9"]
     assert [r.notes for r in rows] == ["planned for 100.0 MiB (try 1)",
-                                       "planned for 90.0 MiB (try 2)",
-                                       "planned for 110.0 MiB (try 3)"]
+                                       "planned for 88.0 MiB (try 2)",
+                                       "planned for 108.0 MiB (try 3)"]
