@@ -222,8 +222,8 @@ def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
 
 def test_fitgraph_inductor_at_a_peak_calibrates_the_bytes_asked(monkeypatch):
     """Inductor's step measures otherwise than the ATen plan: a try over the peer's peak is
-    asked again with the excess and a margin off, one well under it with the slack on; tries over the peak
-    are not the peer's match."""
+    asked again with the excess and a margin off, one well under it with the slack on; tries
+    over the peak are not the peer's match."""
     from types import SimpleNamespace
 
     mib = 2**20

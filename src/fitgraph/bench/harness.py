@@ -523,8 +523,8 @@ def _fitgraph_inductor_at(add, case, peer: _System, batch, loss_fn, time_budget:
     """``fitgraph_inductor`` at ``peer``'s measured peak: planned for those bytes less the
     optimizer state. Inductor's kernels allocate otherwise than the ATen plan, so the bytes
     asked are calibrated on what the step measures: a try over the peak is planned again with
-    the excess and ``INDUCTOR_MARGIN`` of the peak off, one more than ``INDUCTOR_SLACK`` under it with the slack on, at most
-    ``INDUCTOR_RETRIES`` times. Every try is a row (its notes say how it was asked); those
+    the excess and ``INDUCTOR_MARGIN`` of the peak off, one more than ``INDUCTOR_SLACK`` under
+    it with the slack on, at most ``INDUCTOR_RETRIES`` times. Every try is a row (its notes say how it was asked); those
     within the peak are matched to the peer, and the verdict takes the fastest of them
     (``fitgraph_at``)."""
     asked = int(peer.peak - _state_bytes(peer.optimizer))
@@ -539,10 +539,11 @@ def _fitgraph_inductor_at(add, case, peer: _System, batch, loss_fn, time_budget:
         slack = peer.peak - row.peak
         if slack < 0:
             row.matched = ""   # NOTE: over the peak: a row of its own, not the peer's match
-            slack -= INDUCTOR_MARGIN * peer.peak
-        elif slack <= INDUCTOR_SLACK * peer.peak:
+            asked += slack - int(INDUCTOR_MARGIN * peer.peak)
+        elif slack > INDUCTOR_SLACK * peer.peak:
+            asked += slack
+        else:
             break
-        asked += int(slack)
     return rows
 
 
