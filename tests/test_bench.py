@@ -20,9 +20,9 @@ from fitgraph.bench.harness import (
     checkpointed,
     sac_context_fn,
     sac_policy,
-    verdicts,
 )
 from fitgraph.bench.report import least_overhead_under, least_peak_within, write_report
+from fitgraph.bench.verdicts import fitgraph_at, matched_labels, verdicts
 from fitgraph.cli import main
 
 INJECTED = "RuntimeError: injected: no C++ compiler / second line / third"
@@ -95,7 +95,7 @@ def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypat
     assert all(r.step_s is not None and r.peak_bytes for r in rows if not r.error)
     # fitgraph at every measured peer's peak (same bytes planned once), within that peak
     peers = [r for r in rows if r.system not in ("eager", "fitgraph") and r.peak_bytes]
-    matched = {label: r for r in rows for label in harness.matched_labels(r)}
+    matched = {label: r for r in rows for label in matched_labels(r)}
     assert sorted(matched) == sorted(_label(p) for p in peers)
     for p in peers:
         fg = matched[_label(p)]
@@ -213,7 +213,7 @@ def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
     by = {(r.system, r.matched): r for r in rows}
     peer = by[("compile_inductor", "")]
     assert not peer.error and not by[("fitgraph_inductor", "")].error
-    ours = harness.fitgraph_at(rows, peer)
+    ours = fitgraph_at(rows, peer)
     assert ours.system == "fitgraph_inductor" and ours.matched == "compile_inductor 1"
     assert not ours.error and ours.peak_bytes is not None and ours.step_s is not None
     assert any(line.startswith(f"{peer.model}: at compile_inductor 1's peak")

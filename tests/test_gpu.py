@@ -183,7 +183,8 @@ def test_cuda_backend_plans_and_matches_eager():
 
 
 def test_cuda_bench_has_save_on_cpu_beside_fitgraph():
-    from fitgraph.bench.harness import bench_model, fitgraph_at
+    from fitgraph.bench.harness import bench_model
+    from fitgraph.bench.verdicts import fitgraph_at
 
     case = zoo.build("gpt2", "small", device="cuda")
     rows = bench_model(case, [0.6], systems=["eager", "checkpoint", "save_on_cpu", "fitgraph"],

@@ -86,8 +86,9 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import zoo
-    from .bench.harness import BenchRow, bench_model, verdicts
+    from .bench.harness import BenchRow, bench_model
     from .bench.report import write_csv, write_report
+    from .bench.verdicts import verdicts
 
     systems = chosen_systems(args)
     torch.set_num_threads(args.threads)

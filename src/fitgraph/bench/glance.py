@@ -5,7 +5,7 @@
 Three things, each computed from the rows of one ``fitgraph bench`` run (nothing typed in):
 
 - **wins**: at how many peers' measured peaks fitgraph (planned for that many bytes) measured
-  a peak no higher and a step no slower (``harness.outcome``), out of how many;
+  a peak no higher and a step no slower (``verdicts.outcome``), out of how many;
 - **in short**: per model, per-block checkpointing, torch.compile's activation memory budget
   (aot_eager, budget 0.5) and fitgraph at each of their peaks, and fitgraph at 0.5 of eager
   ("peak / eager, overhead");
@@ -29,7 +29,8 @@ from __future__ import annotations
 import argparse
 import csv
 
-from .harness import BenchRow, fitgraph_at, outcome
+from .harness import BenchRow
+from .verdicts import fitgraph_at, outcome
 
 __all__ = ["glance_text", "in_short", "planning_times", "read_csv", "wins"]
 

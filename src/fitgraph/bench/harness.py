@@ -37,9 +37,8 @@ from ..execute.host_memory import keep_host_memory
 from ..execute.meter import MemoryMeter
 from ..measure import resident_bytes
 
-__all__ = ["COMPILERS", "FITGRAPHS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow", "bench_model",
-           "checkpointed", "fitgraph_at", "outcome", "paired_ratio", "peer_label", "sac_policy",
-           "verdicts"]
+__all__ = ["COMPILERS", "FITGRAPHS", "PLANNERS", "SAVE_ON_CPU_ON_CPU", "SYSTEMS", "BenchRow",
+           "bench_model", "checkpointed", "paired_ratio", "sac_policy"]
 
 # NOTE: the order rows come in; eager always runs (every overhead is against it)
 SYSTEMS = ("eager", "checkpoint", "sac", "save_on_cpu", "fitgraph", "dtr", "rotor", "checkmate",
@@ -348,58 +347,6 @@ def solution_notes(sol) -> str:
     return "; ".join(parts)
 
 
-def matched_labels(row: BenchRow) -> list[str]:
-    return [s for s in row.matched.split(", ") if s]
-
-
-def peer_label(peer: BenchRow) -> str:
-    """How fitgraph's rows name a peer row in ``matched``: 'rotor 0.5', 'checkpoint'."""
-    return peer.system if peer.budget is None else f"{peer.system} {peer.budget:g}"
-
-
-def fitgraph_at(rows: list[BenchRow], peer: BenchRow) -> BenchRow | None:
-    """fitgraph's row planned for ``peer``'s measured peak (None: none was planned); of
-    several (``FITGRAPHS``), the fastest within the peer's peak, else the first."""
-    label = peer_label(peer)
-    mine = [r for r in rows if r.model == peer.model and r.system in FITGRAPHS
-            and label in matched_labels(r)]
-    fits = [r for r in mine if not r.error and r.step_s is not None and r.peak_bytes is not None
-            and peer.peak_bytes is not None and r.peak_bytes <= peer.peak_bytes]
-    return min(fits, key=lambda r: r.step_s) if fits else next(iter(mine), None)
-
-
-def outcome(rows: list[BenchRow], peer: BenchRow) -> tuple[BenchRow | None, str | None]:
-    """(fitgraph's row at ``peer``'s peak, "wins" / "loses" / "did not plan"); (None, None)
-    where ``peer`` is not a measured peer or fitgraph was not asked for its peak."""
-    if peer.system in ("eager", *FITGRAPHS) or peer.peak_bytes is None or not peer.step_s:
-        return None, None
-    fg = fitgraph_at(rows, peer)
-    if fg is None:
-        return None, None
-    if fg.error or fg.step_s is None or fg.peak_bytes is None:
-        return fg, "did not plan"
-    won = fg.peak_bytes <= peer.peak_bytes and fg.step_s <= peer.step_s
-    return fg, "wins" if won else "loses"
-
-
-def verdicts(rows: list[BenchRow]) -> list[str]:
-    """One line per peer row: fitgraph at that peer's measured peak — lower or equal peak and
-    faster ("wins"), slower ("loses"), or not planned (its error)."""
-    out = []
-    for peer in rows:
-        fg, word = outcome(rows, peer)
-        if fg is None:
-            continue
-        head = f"{peer.model}: at {peer_label(peer)}'s peak {peer.peak_bytes / 2**20:.1f} MiB"
-        if word == "did not plan":
-            out.append(f"{head}: fitgraph did not plan ({fg.error or 'no time'})")
-            continue
-        out.append(f"{head}: fitgraph {fg.peak_bytes / 2**20:.1f} MiB, "
-                   f"{fg.step_s * 1e3:.0f} ms vs {peer.step_s * 1e3:.0f} ms "
-                   f"({fg.step_s / peer.step_s - 1:+.1%}): {word}")
-    return out
-
-
 def _device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -526,7 +473,7 @@ def _fitgraph_inductor_at(add, case, peer: _System, batch, loss_fn, time_budget:
     the excess and ``INDUCTOR_MARGIN`` of the peak off, one more than ``INDUCTOR_SLACK`` under
     it with the slack on, at most ``INDUCTOR_RETRIES`` times. Every try is a row (its notes say how it was asked); those
     within the peak are matched to the peer, and the verdict takes the fastest of them
-    (``fitgraph_at``)."""
+    (``verdicts.fitgraph_at``)."""
     asked = int(peer.peak - _state_bytes(peer.optimizer))
     rows = []
     for attempt in range(INDUCTOR_RETRIES + 1):

@@ -28,7 +28,8 @@ from importlib import metadata
 
 from ..report.plot import FRACTIONS, OVERHEADS, plot_tradeoff
 from .glance import glance_text
-from .harness import SAC_SAVED, SAC_SAVED_PREFIX, BenchRow, verdicts
+from .harness import SAC_SAVED, SAC_SAVED_PREFIX, BenchRow
+from .verdicts import verdicts
 
 __all__ = ["least_overhead_under", "least_peak_within", "machine_lines", "markdown_table",
            "summary_table", "write_csv", "write_report"]
