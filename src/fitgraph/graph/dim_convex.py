@@ -21,14 +21,32 @@ from .ir import Graph
 __all__ = ["convexity_cut", "order_edges"]
 
 
+# NOTE: the fission search grows regions of one graph and splits it a hundred times, and every
+# split orders its block by these edges: computed once per graph (the last few graphs kept,
+# each held so that its id is not reused while cached)
+_CACHED_GRAPHS = 4
+_cache: dict[tuple[int, int, int], tuple[Graph, tuple[dict, dict]]] = {}
+
+
 def order_edges(graph: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """(successors, predecessors) of every node: the orders a region must keep.
+    """(successors, predecessors) of every node: the orders a region must keep (shared
+    between callers for the same graph: read them, do not change them).
 
     A node follows the producers of what it reads, and a write in place follows every earlier
     access to its storage (a read, the last write before it). Left out, unlike
     ``deps.dependencies``: the draw order of random ops (a region holds no drawing op: sdpa is
     tagged random but splits only with dropout_p=0) and the inputs of shape-only ops
     (empty_like reads no values: dim_rules.SHAPE_ONLY)."""
+    key = (id(graph), id(graph.nodes), len(graph.nodes))
+    hit = _cache.get(key)
+    if hit is None:
+        if len(_cache) >= _CACHED_GRAPHS:
+            del _cache[next(iter(_cache))]
+        hit = _cache[key] = (graph, _edges(graph))
+    return hit[1]
+
+
+def _edges(graph: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     pred: dict[int, set[int]] = {n.id: set() for n in graph.nodes}
     accesses: dict[int, list[int]] = {}   # storage -> nodes touching it so far
     last_write: dict[int, int] = {}

@@ -63,6 +63,20 @@ def substitute_refs(obj: Any, new_ids: Iterator[int]) -> Any:
     return obj
 
 
+def map_refs(obj: Any, mapping: dict[int, int]) -> Any:
+    """``obj`` with each ValueRef's id mapped through ``mapping``, in one pass (a new nested
+    structure; constants shared)."""
+    if isinstance(obj, ValueRef):
+        return ValueRef(mapping[obj.id])
+    if isinstance(obj, (tuple, list)):
+        out = [o if type(o) in REF_FREE_TYPES else map_refs(o, mapping) for o in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
+    if isinstance(obj, dict):
+        return {k: v if type(v) in REF_FREE_TYPES else map_refs(v, mapping)
+                for k, v in obj.items()}
+    return obj
+
+
 class OutSpec:
     """One output of a new node: its name, layout, dtype, and the storage it lives in (None: a
     fresh storage of ``role``)."""
@@ -151,46 +165,44 @@ class GraphWriter:
                                moved, out_is_tuple))
         return out_ids
 
-    def remapped(self, args: tuple, kwargs: dict,
-                 refs: list[int] | None = None) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` of an old node with their refs (``flatten_refs`` of them,
-        when the caller has it) mapped through ``whole``."""
-        refs = flatten_refs((args, kwargs)) if refs is None else refs
-        new = [self.whole[v] for v in refs]
-        if new == refs:
-            # NOTE: nothing to map (the nodes before a split keep their ids): the structure
-            # as it is, without rebuilding it
-            return args, dict(kwargs)
-        # NOTE: refs are in (args, kwargs) order: one remapped stream serves both
-        stream = iter(new)
-        return substitute_refs(args, stream), substitute_refs(kwargs, stream)
+    def remapped(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` of an old node with their refs mapped through ``whole``."""
+        return map_refs(args, self.whole), map_refs(kwargs, self.whole)
 
     def copy_node(self, node: Node) -> int:
         """Copy an untouched node: its refs remapped through ``whole``, its outputs new values
         in the mapped storages."""
         nid = len(self.nodes)
-        remap = lambda vid: self.whole[vid]  # noqa: E731
-        refs = flatten_refs((node.args, node.kwargs))
-        missing = [self.old.values[v].name for v in refs if v not in self.whole]
+        whole = self.whole
+        # NOTE: a node's refs are among its inputs (verify_graph), so the inputs tell what is
+        # missing and whether anything moved without flattening the args: a search splits one
+        # graph a hundred times, and every copy walks every node after the region
+        missing = [v for v in node.inputs if v not in whole]
         if missing and node.target in _LIKE:
             return self._shape_only(node)
         if missing:
-            raise RuntimeError(f"fission: node {node.name} reads {missing[0]}, which the "
-                               "rewritten graph has not produced yet (a bug in the node order)")
-        args, kwargs = self.remapped(node.args, node.kwargs, refs)
+            raise RuntimeError(f"fission: node {node.name} reads "
+                               f"{self.old.values[missing[0]].name}, which the rewritten graph "
+                               "has not produced yet (a bug in the node order)")
+        inputs = tuple([whole[v] for v in node.inputs])
+        if inputs == node.inputs:
+            args, kwargs = node.args, dict(node.kwargs)
+        else:
+            args, kwargs = self.remapped(node.args, node.kwargs)
         outs = []
         for o in node.outputs:
             if o is None:
                 outs.append(None)
                 continue
             v = self.old.values[o]
-            new = self._value(v.name, Meta(v.shape, v.stride, v.storage_offset), v.dtype,
-                              self.mapped_storage(v.storage), v.role, v.phase, v.module, nid)
-            self.whole[o] = new
+            new = len(self.values)
+            self.values.append(Value(new, v.name, v.shape, v.stride, v.dtype,
+                                     self.mapped_storage(v.storage), v.storage_offset, v.role,
+                                     v.phase, v.module, nid))
+            whole[o] = new
             outs.append(new)
-        self.nodes.append(Node(nid, node.name, node.target, args, kwargs,
-                               tuple(remap(v) for v in node.inputs), tuple(outs),
-                               tuple(remap(v) for v in node.mutates), node.phase, node.module,
+        self.nodes.append(Node(nid, node.name, node.target, args, kwargs, inputs, tuple(outs),
+                               tuple([whole[v] for v in node.mutates]), node.phase, node.module,
                                node.random, node.flops, node.bytes_moved, node.out_is_tuple))
         return nid
 
