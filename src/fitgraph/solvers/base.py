@@ -88,7 +88,7 @@ def solve(problem: Problem, solver: str = "hotspot") -> Solution:
     """Run a registered solver; an unknown name is an error listing the known ones."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
-    # NOTE: the cyclic collector's passes over the whole process were a quarter of a solve's
+    # NOTE: the cyclic collector's passes over the whole process were 15-29% of a solve's
     # time (solvers.collector); every solver, the classic planners' included, runs with fewer
     with fewer_collections():
         return SOLVERS[solver](problem)

@@ -4,7 +4,7 @@ A solver allocates millions of short-lived tuples, lists and dicts. CPython's cy
 runs a young-generation pass every 700 net allocations of container objects, and every hundred
 of those a pass over every tracked object in the process: the model, its optimizer state, the
 captured graph, the cost cache, the solver's own memo of split graphs. Measured on this 2-core
-CPU (`python -m fitgraph.bench.solve_collector`), those passes were 25–30% of ``auto``'s time
+CPU (`python -m fitgraph.bench.solve_collector`), those passes were 15–29% of ``auto``'s time
 on the zoo's small models. ``fewer_collections`` raises the young generation's threshold to
 ``SOLVE_THRESHOLD`` for the duration: collections still run, so the cyclic garbage a long
 search makes stays bounded, just a hundred times less often. Plans do not change: nothing a
@@ -30,8 +30,9 @@ from collections.abc import Iterator
 __all__ = ["SOLVE_THRESHOLD", "fewer_collections"]
 
 # NOTE: gc.set_threshold's three numbers while solving. 100,000 young allocations between
-# passes took ResNet-50 small at 0.7 of eager from 3.5 to 2.7 s and BERT's at 0.5 from 14 to
-# 11 s, within 0.1 s of no collection at all; the older generations keep their ratios
+# passes came within 0.1-0.5 s of no collection at all (ResNet-50 small at 0.7 of eager: 2.7 s
+# against 2.6 s, 3.5 s by default; BERT's at 0.5: 11 s against 10 s, 14 s by default); the older
+# generations keep their ratios
 SOLVE_THRESHOLD = (100_000, 10, 10)
 
 
