@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..graph.analysis import REF_FREE_TYPES, flatten_refs
@@ -52,27 +52,24 @@ _LIKE = {
 
 def substitute_refs(obj: Any, new_ids: Iterator[int]) -> Any:
     """``obj`` with its ValueRefs replaced, in ``flatten_refs`` order, by refs to ``new_ids``."""
-    if isinstance(obj, ValueRef):
-        return ValueRef(next(new_ids))
-    if isinstance(obj, (tuple, list)):
-        out = [o if type(o) in REF_FREE_TYPES else substitute_refs(o, new_ids) for o in obj]
-        return tuple(out) if isinstance(obj, tuple) else out
-    if isinstance(obj, dict):
-        return {k: v if type(v) in REF_FREE_TYPES else substitute_refs(v, new_ids)
-                for k, v in obj.items()}
-    return obj
+    return _replace_refs(obj, lambda _: next(new_ids))
 
 
 def map_refs(obj: Any, mapping: dict[int, int]) -> Any:
-    """``obj`` with each ValueRef's id mapped through ``mapping``, in one pass (a new nested
-    structure; constants shared)."""
+    """``obj`` with each ValueRef's id mapped through ``mapping``, in one pass."""
+    return _replace_refs(obj, mapping.__getitem__)
+
+
+def _replace_refs(obj: Any, new_id: Callable[[int], int]) -> Any:
+    """A new nested structure with each ValueRef ``r`` (in ``flatten_refs`` order) replaced by
+    ``ValueRef(new_id(r.id))``; constants shared."""
     if isinstance(obj, ValueRef):
-        return ValueRef(mapping[obj.id])
+        return ValueRef(new_id(obj.id))
     if isinstance(obj, (tuple, list)):
-        out = [o if type(o) in REF_FREE_TYPES else map_refs(o, mapping) for o in obj]
+        out = [o if type(o) in REF_FREE_TYPES else _replace_refs(o, new_id) for o in obj]
         return tuple(out) if isinstance(obj, tuple) else out
     if isinstance(obj, dict):
-        return {k: v if type(v) in REF_FREE_TYPES else map_refs(v, mapping)
+        return {k: v if type(v) in REF_FREE_TYPES else _replace_refs(v, new_id)
                 for k, v in obj.items()}
     return obj
 
