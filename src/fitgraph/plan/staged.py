@@ -76,6 +76,13 @@ def staged_plan(graph: Graph, stages, recompute: Sequence[Sequence[int]]) -> Pla
                              "by the schedule")
         emit(p)
 
+    def makeable(vid: int) -> bool:
+        """Available, or a view (of a view ...) of something available."""
+        if vid in avail:
+            return True
+        p = graph.values[vid].producer
+        return p in folded and all(makeable(i) for i in graph.nodes[p].inputs)
+
     for t, unit in enumerate(units):
         for u in recompute[t]:
             if not 0 <= u < t:
@@ -89,7 +96,9 @@ def staged_plan(graph: Graph, stages, recompute: Sequence[Sequence[int]]) -> Pla
             emit(nid)
             for o in graph.nodes[nid].outputs:  # NOTE: views nobody reads still run, at once
                 for v in _unread_views(graph, o, folded, readers, members):
-                    if v not in computed and set(graph.nodes[v].inputs) <= avail:
+                    # NOTE: an unread view of a view runs now too (its view re-made on demand):
+                    # left to the end it would hold the storage the schedule freed
+                    if v not in computed and all(makeable(i) for i in graph.nodes[v].inputs):
                         emit(v)
     for vid in graph.outputs.values():
         ensure(vid)
