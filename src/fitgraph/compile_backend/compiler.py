@@ -31,6 +31,7 @@ import torch
 from ..capture.errors import CaptureError
 from ..graph.ir import Graph
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve
+from ..solvers.collector import fewer_collections
 from ..units import parse_budget
 from .report import BackendReport
 
@@ -142,7 +143,8 @@ class FitgraphBackend:
         params = inspect.signature(fn).parameters
         keep_order = {k: False for k in ("reorder", "per_use") if k in params}
         try:
-            return fn(problem, **keep_order)
+            with fewer_collections():  # NOTE: as solvers.solve runs every solver
+                return fn(problem, **keep_order)
         except BudgetInfeasible as e:
             raise _passthrough_infeasible()(e) from None
 

@@ -1,4 +1,5 @@
-"""Fewer cyclic garbage collections while a solver runs (``solve`` wraps every solver in it).
+"""Fewer cyclic garbage collections while a solver runs (``solve`` wraps every solver in it, and
+the torch.compile backend its solver).
 
 A solver allocates millions of short-lived tuples, lists and dicts. CPython's cyclic collector
 runs a young-generation pass every 700 net allocations of container objects, and every hundred

@@ -192,10 +192,8 @@ class GraphWriter:
                 outs.append(None)
                 continue
             v = self.old.values[o]
-            new = len(self.values)
-            self.values.append(Value(new, v.name, v.shape, v.stride, v.dtype,
-                                     self.mapped_storage(v.storage), v.storage_offset, v.role,
-                                     v.phase, v.module, nid))
+            new = self._value(v.name, Meta(v.shape, v.stride, v.storage_offset), v.dtype,
+                              self.mapped_storage(v.storage), v.role, v.phase, v.module, nid)
             whole[o] = new
             outs.append(new)
         self.nodes.append(Node(nid, node.name, node.target, args, kwargs, inputs, tuple(outs),
