@@ -1,0 +1,253 @@
+"""One sweep model, measured in this process: the row of ``python -m fitgraph.bench.sweep``.
+
+Stages, in order (``row["stage"]`` names the one running, so a crash or a time-out in the
+parent says where): build, eager (one AdamW step so its state exists, then the measured eager
+peak and the lower bound), capture, plan (``optimize(latency_limit=1.10)``), compare (one
+AdamW step of the plan against eager from the same weights, optimizer state and RNG), ckpt
+(Hugging Face's ``gradient_checkpointing_enable()``, or per-block ``torch.utils.checkpoint``
+where the model has none), at-ckpt (fitgraph at checkpointing's measured peak, in bytes),
+smallest (the smallest peak fitgraph reaches: ``BudgetInfeasible.smallest_peak_bytes`` of a
+budget of half the lower bound, which no plan can meet; simulated), time (interleaved rounds, each timed step right after an eager one,
+``harness._time_rounds``). A stage that fails ends the row with its error; the checkpointing
+stages fail alone (their error goes to ``notes``), since the model itself ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..capture.calling import compute_loss
+from .harness import _eager_step, _measure_memory, _System, _time_rounds, checkpointed, error_text
+
+__all__ = ["LR", "PARAM_ATOL", "REL_TOL", "compare", "measure_model"]
+
+LR = 1e-4
+LATENCY_LIMIT = 1.10
+# NOTE: with fission (no ``exact``), a split op sums in another order: fp32 rounding moves a
+# gradient by a few ulps times the square root of the terms summed, ~1e-6 relative for our
+# sizes; 1e-4 leaves two orders of margin and still catches a wrong gradient (O(1) relative)
+REL_TOL = 1e-4
+# NOTE: an AdamW update is at most ~lr per element; a wrong gradient moves it by O(lr), rounding
+# by ~REL_TOL * lr except where |grad| is near AdamW's eps, where the update itself is << lr
+PARAM_ATOL = 0.1 * LR
+SEED = 1234
+
+
+def _opt(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _copied(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """(a deep copy of ``model``, an AdamW over it with a deep copy of ``opt``'s state).
+
+    NOTE: not ``harness._copied``: ``Optimizer.load_state_dict`` keeps the very tensors of the
+    state dict it is given when dtype and device match (AdamW's ``step``, ``exp_avg``,
+    ``exp_avg_sq``), so copies made from one optimizer share their state and each step of one
+    moves the others'."""
+    m = copy.deepcopy(model)
+    o = _opt(m)
+    o.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return m, o
+
+
+def _grad_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _exact_kwargs() -> dict:
+    """``exact=True`` where ``fitgraph.optimize`` takes it (no fission: bitwise results)."""
+    from ..api import optimize
+
+    return {"exact": True} if "exact" in inspect.signature(optimize).parameters else {}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def compare(loss_e, loss_f, eager: torch.nn.Module, planned: torch.nn.Module) -> tuple[str, str]:
+    """("bitwise" | "allclose" | "MISMATCH", detail): the plan's loss, gradients and updated
+    parameters against eager's. Gradients and the loss within ``REL_TOL`` of the largest
+    element, parameters within ``PARAM_ATOL``.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2); l = torch.tensor(1.0)
+        >>> compare(l, l.clone(), m, m)
+        ('bitwise', '')
+    """
+    pairs = [("loss", loss_e.detach(), loss_f.detach())]
+    pe, pf = dict(eager.named_parameters()), dict(planned.named_parameters())
+    for n, p in pe.items():
+        q = pf[n]
+        if (p.grad is None) != (q.grad is None):
+            return "MISMATCH", f"grad of {n}: eager {'None' if p.grad is None else 'set'}, plan " \
+                               f"{'None' if q.grad is None else 'set'}"
+        if p.grad is not None:
+            pairs.append((f"grad {n}", p.grad, q.grad))
+    params = [(f"param {n}", p.detach(), pf[n].detach()) for n, p in pe.items()]
+    if all(torch.equal(a, b) for _, a, b in pairs + params):
+        return "bitwise", ""
+    worst = max(pairs, key=lambda t: _rel(t[2], t[1]))
+    rel = _rel(worst[2], worst[1])
+    pworst = max(params, key=lambda t: (t[2].double() - t[1].double()).abs().max().item())
+    pdiff = (pworst[2].double() - pworst[1].double()).abs().max().item()
+    detail = f"max rel {rel:.1e} ({worst[0]}), params max abs {pdiff:.1e} ({pworst[0]})"
+    ok = rel <= REL_TOL and pdiff <= PARAM_ATOL
+    return ("allclose" if ok else "MISMATCH"), detail
+
+
+def _ckpt_model(case, model, opt):
+    """(kind, model, optimizer): checkpointing as the model's users would turn it on."""
+    if case.hf_checkpointing:
+        m, o = _copied(model, opt)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return "hf", m, o
+    if case.block_types:
+        m = checkpointed(model, case.block_types)
+        o = _opt(m)
+        # NOTE: the same parameter order (wrapping keeps it); a copy of the state (see _copied)
+        o.load_state_dict(copy.deepcopy(opt.state_dict()))
+        return "per-block", m, o
+    return "", None, None
+
+
+def _planned_system(label, model, opt, batch, loss_fn, **kw) -> tuple[_System, object]:
+    from ..api import optimize
+
+    t0 = time.perf_counter()
+    step = optimize(model, batch, loss_fn, opt, **kw)
+    s = _System(label, None, model, opt, lambda: step(batch))
+    s.prepare_s = time.perf_counter() - t0
+    s.solve_s = step.plan_for(batch).solution.solve_s
+    return s, step
+
+
+def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
+                  save: Callable[[dict], None] = lambda row: None) -> dict:
+    """Measure sweep model ``name``; ``save(row)`` is called as each stage starts (the parent
+    keeps the last one when this process dies). Errors end the row; nothing is raised."""
+    from ..api import optimize
+    from ..capture.api import capture
+    from ..solvers import BudgetInfeasible
+    from .sweep_models import build
+
+    torch.set_num_threads(1)
+    row: dict = {"model": name, "status": "", "stage": "", "error": "", "notes": ""}
+
+    def stage(s: str) -> None:
+        row["stage"] = s
+        save(row)
+
+    try:
+        stage("build")
+        case = build(name)
+        row["family"] = case.family
+        row["params"] = sum(p.numel() for p in case.model.parameters())
+        batch, loss_fn = case.batch, case.loss_fn
+        stage("eager")
+        m_e, o_e = case.model, _opt(case.model)
+        eager = _System("eager", None, m_e, o_e, _eager_step(m_e, batch, loss_fn, o_e))
+        eager.step()   # NOTE: AdamW state exists from here on: every plan is the steady-state one
+        o_e.zero_grad(set_to_none=True)
+        from ..measure import resident_bytes
+
+        row["lower_bound"] = resident_bytes(m_e, batch, o_e) + _grad_bytes(m_e)
+        _measure_memory([eager], batch)
+        row["eager_peak"] = eager.peak
+        stage("capture")
+        t0 = time.perf_counter()
+        graph = capture(m_e, batch, loss_fn, o_e)
+        row["capture_s"], row["nodes"] = time.perf_counter() - t0, len(graph.nodes)
+        del graph
+        stage("plan")
+        exact = _exact_kwargs()
+        row["exact"] = bool(exact)
+        m_f, o_f = _copied(m_e, o_e)
+        twin_m, twin_o = _copied(m_e, o_e)
+        fg, step = _planned_system("fitgraph 1.10", m_f, o_f, batch, loss_fn,
+                                   latency_limit=LATENCY_LIMIT, time_budget=time_budget, **exact)
+        row["plan_s"], row["solve_s"] = fg.prepare_s, fg.solve_s
+        row["winner"] = step.plan_for(batch).solution.notes.get("winner", "")
+        stage("compare")
+        torch.manual_seed(SEED)
+        loss_e = compute_loss(twin_m, batch, loss_fn)
+        loss_e.backward()
+        twin_o.step()
+        torch.manual_seed(SEED)
+        loss_f = step(batch)   # NOTE: a plan's first step is also its measured one
+        row["result"], row["result_detail"] = compare(loss_e, loss_f, twin_m, m_f)
+        row["peak_110"] = step.report().measured_peak_bytes
+        del twin_m, twin_o
+        if row["result"] == "MISMATCH":
+            row["status"], row["error"] = "MISMATCH", row["result_detail"]
+            return row
+        systems = [eager, fg]
+        ckpt = at_ckpt = None
+        stage("ckpt")
+        try:
+            kind, m_c, o_c = _ckpt_model(case, m_e, o_e)
+            row["ckpt_kind"] = kind
+            if kind:
+                ckpt = _System(f"ckpt {kind}", None, m_c, o_c,
+                               _eager_step(m_c, batch, loss_fn, o_c))
+                ckpt.step()
+                _measure_memory([ckpt], batch)
+                row["ckpt_peak"] = ckpt.peak
+                systems.append(ckpt)
+        except Exception as e:  # NOTE: the baseline failing is a note; fitgraph's rows stand
+            row["notes"] += f"checkpointing: {error_text(e)}; "
+            ckpt = None
+        if ckpt is not None:
+            stage("at-ckpt")
+            m_g, o_g = _copied(m_e, o_e)
+            try:
+                at_ckpt, step_c = _planned_system("fitgraph @ckpt", m_g, o_g, batch, loss_fn,
+                                                  budget=int(ckpt.peak),
+                                                  time_budget=time_budget, **exact)
+                o_g.zero_grad(set_to_none=True)
+                step_c(batch)
+                row["peak_at_ckpt"] = step_c.report().measured_peak_bytes
+                systems.append(at_ckpt)
+            except Exception as e:
+                row["notes"] += f"at checkpointing's peak: {error_text(e)}; "
+        stage("smallest")
+        t0 = time.perf_counter()
+        try:
+            m_s, o_s = _copied(m_e, o_e)
+            optimize(m_s, batch, loss_fn, o_s, budget=row["lower_bound"] // 2,
+                     time_budget=time_budget, **exact)
+            row["notes"] += "half the lower bound was reported feasible; "
+        except BudgetInfeasible as e:
+            row["smallest_peak"] = e.smallest_peak_bytes
+        row["smallest_s"] = time.perf_counter() - t0
+        stage("time")
+        for s in systems[1:]:
+            s.optimizer.zero_grad(set_to_none=True)
+            s.step()   # NOTE: warm-up (the first fitgraph step ran under the meter)
+        _time_rounds(systems, rounds, reference=eager)
+        row["eager_step_s"] = statistics.median(eager.times)
+        row["overhead_110"] = statistics.median(fg.ratios) - 1
+        if ckpt is not None:
+            row["ckpt_overhead"] = statistics.median(ckpt.ratios) - 1
+        if at_ckpt is not None:
+            row["at_ckpt_overhead"] = statistics.median(at_ckpt.ratios) - 1
+            # NOTE: both were timed against the same eager steps in each round
+            row["at_ckpt_vs_ckpt"] = statistics.median(
+                f / c for f, c in zip(at_ckpt.ratios, ckpt.ratios))
+        row["status"] = "ok"
+    except Exception as e:  # NOTE: every failure is the row's result, never a crash of the sweep
+        row["status"] = f"{row['stage']} error"
+        row["error"] = error_text(e)
+        row["error_type"] = type(e).__name__
+    finally:
+        row["notes"] = row["notes"].strip("; ")
+        save(row)
+    return row
