@@ -46,7 +46,8 @@ COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes",
            "nodes", "capture_s", "plan_s", "solve_s", "winner", "exact", "result",
            "result_detail", "lower_bound", "eager_peak", "eager_step_s", "peak_110",
            "overhead_110", "smallest_peak", "smallest_s", "ckpt_kind", "ckpt_peak",
-           "ckpt_overhead", "peak_at_ckpt", "at_ckpt_overhead", "at_ckpt_vs_ckpt", "wall_s")
+           "ckpt_overhead", "peak_at_ckpt", "at_ckpt_overhead", "at_ckpt_vs_ckpt", "wall_s",
+           "stage_s")
 
 
 def _save_atomic(path: str, row: dict) -> None:
@@ -67,15 +68,10 @@ def _log_tail(path: Path) -> str:
 
 def run_model(name: str, *, rounds: int, timeout: float, time_budget: float,
               logdir: Path) -> dict:
-    """Measure ``name`` in a fresh subprocess; its row, whatever happened to the process.
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> row = run_model("test-segfault", rounds=1, timeout=120, time_budget=5,
-        ...                 logdir=pathlib.Path(tempfile.mkdtemp()))
-        >>> row["status"], row["stage"]
-        ('crashed: signal 11 (SIGSEGV)', 'eager')
-    """
+    """Measure ``name`` in a fresh subprocess; its row, whatever happened to the process: the
+    child's last saved row, with status "crashed: signal 11 (SIGSEGV)" (and the log's last
+    lines) when it died, "timeout" when it ran past ``timeout`` seconds.
+    ``tests/test_sweep.py`` runs it on a model that segfaults (slow for a doctest)."""
     logdir.mkdir(parents=True, exist_ok=True)
     log = logdir / f"{name}.log"
     fd, path = tempfile.mkstemp(suffix=".json")

@@ -140,10 +140,15 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
     from .sweep_models import build
 
     torch.set_num_threads(1)
-    row: dict = {"model": name, "status": "", "stage": "", "error": "", "notes": ""}
+    row: dict = {"model": name, "status": "", "stage": "", "error": "", "notes": "",
+                 "stage_s": {}}
+    clock = [time.perf_counter()]
 
     def stage(s: str) -> None:
-        row["stage"] = s
+        now = time.perf_counter()
+        if row["stage"]:
+            row["stage_s"][row["stage"]] = round(now - clock[0], 2)
+        row["stage"], clock[0] = s, now
         save(row)
 
     try:
@@ -248,6 +253,7 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         row["error"] = error_text(e)
         row["error_type"] = type(e).__name__
     finally:
+        row["stage_s"][row["stage"]] = round(time.perf_counter() - clock[0], 2)
         row["notes"] = row["notes"].strip("; ")
         save(row)
     return row

@@ -1,0 +1,106 @@
+"""The sweep (issue 25): its registry builds models that train in eager, and its harness turns
+every outcome of a model — a result, an error, a crash of the process — into a row."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from fitgraph.bench import sweep
+from fitgraph.bench.sweep_measure import compare
+from fitgraph.bench.sweep_models import MODELS, TEST_MODELS, build, names
+
+# NOTE: one model per family, so a broken family shows in the default suite; all of them: slow
+ONE_PER_FAMILY = ["gpt2", "mixtral", "bert", "t5", "whisper", "resnet", "vit", "segformer",
+                  "mamba", "nn-lstm", "nn-transformer-encoder"]
+
+
+def _finite_loss(name: str) -> None:
+    case = build(name)
+    loss = case.loss()
+    loss.backward()
+    assert loss.ndim == 0 and math.isfinite(loss.item()), name
+    assert any(p.grad is not None for p in case.model.parameters()), name
+
+
+def test_registry_has_the_issue_s_breadth():
+    assert len(names()) >= 30 and not set(names()) & set(TEST_MODELS)
+    families = {"decoder", "moe", "encoder", "encoder-decoder", "speech", "vision-cnn",
+                "vision-transformer", "segmentation", "state-space", "torch.nn"}
+    assert set(ONE_PER_FAMILY) <= set(MODELS)
+    pytest.importorskip("transformers")
+    assert {build(n).family for n in ONE_PER_FAMILY} == families
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_a_model_of_each_family_trains_in_eager(name):
+    pytest.importorskip("transformers")
+    _finite_loss(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", names())
+def test_every_model_trains_in_eager(name):
+    pytest.importorskip("transformers")
+    _finite_loss(name)
+
+
+def test_builds_are_deterministic():
+    a, b = build("test-tiny-mlp"), build("test-tiny-mlp")
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert torch.equal(a.batch, b.batch)
+
+
+def test_compare_tells_bitwise_close_and_wrong_apart():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 4)).sum().backward()
+    loss = torch.tensor(1.0)
+    assert compare(loss, loss.clone(), a, b) == ("bitwise", "")
+    b.weight.grad += 1e-6   # NOTE: a few ulps of 2.0
+    assert compare(loss, loss.clone(), a, b)[0] == "allclose"
+    b.weight.grad += 1.0
+    verdict, detail = compare(loss, loss.clone(), a, b)
+    assert verdict == "MISMATCH" and "grad weight" in detail
+
+
+def test_checks_name_each_failed_criterion():
+    row = {"model": "gpt2", "family": "decoder", "status": "ok", "overhead_110": 0.05,
+           "lower_bound": 100, "smallest_peak": 200, "ckpt_peak": 150, "at_ckpt_vs_ckpt": 0.9}
+    assert sweep.checks(row) == "smallest 2.00x lower bound; smallest above checkpointing's peak"
+    assert sweep.checks(dict(row, family="vision-cnn", smallest_peak=120)) == ""
+    assert sweep.checks(dict(row, status="capture error")) == ""
+
+
+def test_the_harness_writes_a_row_per_model_even_when_one_crashes(tmp_path):
+    out = tmp_path / "out"
+    report = tmp_path / "section.md"
+    rc = sweep.main(["--models", "test-tiny-mlp,test-segfault", "--rounds", "1", "--out",
+                     str(out), "--report", str(report), "--time-budget", "5", "--timeout", "300"])
+    assert rc == 0
+    rows = {r["model"]: r for r in csv.DictReader(open(out / "sweep.csv"))}
+    ok = rows["test-tiny-mlp"]
+    assert ok["status"] == "ok", ok["error"]
+    assert ok["result"] in ("bitwise", "allclose") and float(ok["peak_110"]) > 0
+    assert ok["ckpt_kind"] == "per-block" and float(ok["smallest_peak"]) > 0
+    crashed = rows["test-segfault"]
+    assert crashed["status"] == "crashed: signal 11 (SIGSEGV)" and crashed["stage"] == "eager"
+    text = report.read_text()
+    assert "test-segfault" in text and "crashed: signal 11" in text and "Command:" in text
+    assert (out / "sweep.md").read_text().count("\n| test-") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_full_sweep_runs(tmp_path):
+    pytest.importorskip("transformers")
+    assert sweep.main(["--rounds", "1", "--out", str(tmp_path), "--timeout", "600"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert [r["model"] for r in rows] == names()
+    assert all(r["status"] for r in rows)
