@@ -26,8 +26,10 @@ from torch.utils._pytree import tree_flatten
 
 from .capture.api import capture
 from .capture.calling import LossFn
+from .capture.optimizer import OPTIMIZER_KINDS, state_keys
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
+from .execute.optimizer_ops import has_step_pre_hooks, init_missing_state
 from .graph.ir import Graph
 from .measure import _sync
 from .plan.instructions import Plan
@@ -39,7 +41,7 @@ from .transform.optimizer_in_backward import (
     optimizer_in_backward,
     why_not,
 )
-from .units import format_bytes, parse_budget
+from .units import check_budget, check_latency_limit, format_bytes, parse_budget
 
 __all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
 
@@ -111,6 +113,8 @@ class _Planned:
     executor: Executor | None = None
     measured_peak_bytes: int | None = None
     step_times: list[float] = field(default_factory=list)
+    # NOTE: loaded without a batch: the first batch's capture must fingerprint the same
+    unverified: bool = False
 
 
 class TrainStep:
@@ -122,7 +126,7 @@ class TrainStep:
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
                  time_budget: float, solver: str, cost_model, on_new_shape: str,
                  optimizer_in_backward: bool | str = False,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None, exact: bool = False) -> None:
         if on_new_shape not in ("replan", "error"):
             raise ValueError("on_new_shape must be 'replan' or 'error'")
         if optimizer_in_backward not in (False, True, "auto"):
@@ -132,6 +136,7 @@ class TrainStep:
         self.budget, self.latency_limit = budget, latency_limit
         self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
         self.cost_model = cost_model
+        self.exact = exact
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
 
@@ -152,10 +157,13 @@ class TrainStep:
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     def _state_key(self) -> tuple:
+        """The optimizer state each param group keeps at steady state (the plan's graph reads
+        it from the first step on: ``capture(..., steady_state=True)``)."""
         if self.optimizer is None:
             return ()
-        return tuple(tuple(sorted(self.optimizer.state.get(p, {})))
-                     for g in self.optimizer.param_groups for p in g["params"])
+        kind = OPTIMIZER_KINDS.get(type(self.optimizer), type(self.optimizer).__name__)
+        return tuple(state_keys(kind, g) if kind in ("sgd", "adam") else ()
+                     for g in self.optimizer.param_groups)
 
     def _key(self, batch: Any) -> tuple:
         """(batch structure and shapes, optimizer state keys): a plan is valid for one of each."""
@@ -183,16 +191,24 @@ class TrainStep:
             budget = (None if self.budget is None
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
             sol = solve(Problem(graph, cm, budget_bytes=budget, latency_limit=self.latency_limit,
-                                time_budget_s=self.time_budget), self.solver)
+                                time_budget_s=self.time_budget, exact=self.exact), self.solver)
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
         return _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
 
     def _capture(self, batch: Any) -> Graph:
+        # NOTE: the graph of every step but the first (optimizer state present): one plan for
+        # the whole loop, made up front; the first step creates the state it reads
+        # (``init_missing_state``), so a fraction budget refers to the steady-state step
         graph = capture(self.model, batch, self.loss_fn, self.optimizer,
-                        clip_grad_norm=self.clip_grad_norm)
+                        clip_grad_norm=self.clip_grad_norm, steady_state=True)
+        if self.optimizer is not None and has_step_pre_hooks(self.optimizer):
+            # NOTE: a pre-hook reads every .grad before the first update, as in eager: no
+            # update may be moved into the backward (graph.deps)
+            graph.meta["updates_after_backward"] = True
         if self.in_backward is False:
             return graph
-        reason = why_not(graph)
+        reason = ("the optimizer has step pre-hooks, which read every gradient before any "
+                  "update" if graph.meta.get("updates_after_backward") else why_not(graph))
         if reason is None:
             return optimizer_in_backward(graph)
         if self.in_backward is True:
@@ -218,6 +234,8 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         planned = self.plan_for(batch)
         self._last = self._key(batch)
+        if planned.unverified:
+            self._verify(planned, batch)
         updated = set(planned.graph.meta.get("optimizer_in_backward", ()))
         stale = next((n for n, p in self.model.named_parameters()
                       if p.grad is not None and n in updated), None)
@@ -226,11 +244,20 @@ class TrainStep:
             raise ValueError(f"parameter {stale} has a .grad, which an optimizer-in-backward "
                              "step would ignore: call optimizer.zero_grad(set_to_none=True) "
                              "before the step")
+        fresh = (init_missing_state(planned.graph, self.model, self.optimizer)
+                 if self.optimizer is not None else frozenset())
         if planned.executor is None:
-            from .measure import resident_bytes
-
             planned.executor = Executor(planned.graph, planned.solution.plan, self.model,
                                         self.optimizer)
+        planned.executor.fresh_state = fresh
+        # NOTE: SGD's first update copies each gradient into a new momentum buffer (a
+        # transient the steady-state plan does not hold): measure a later step instead
+        sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
+        if sgd_first:
+            return planned.executor(batch)
+        if planned.measured_peak_bytes is None:
+            from .measure import resident_bytes
+
             # NOTE: what exists before the step (weights, batch, state, earlier .grad) plus the
             # meter's peak above it; the first run of each plan is measured
             before = resident_bytes(self.model, batch, self.optimizer) + self._grad_bytes()
@@ -246,6 +273,19 @@ class TrainStep:
         return loss
 
     step = __call__
+
+    def _verify(self, planned: _Planned, batch: Any) -> None:
+        """A plan loaded without a batch runs only on the step it was made for: the first
+        batch's capture must fingerprint as the saved one (same ops: a forward that changed
+        while its parameters did not is refused, not run with the saved graph's ops)."""
+        with warnings.catch_warnings():  # NOTE: "auto" warned when the plan was made
+            warnings.simplefilter("ignore")
+            fresh = self._capture(batch)
+        if graph_fingerprint(fresh) != planned.fingerprint:
+            raise ValueError("the loaded plan was made for another graph: the step captured "
+                             "from this model, loss and batch differs from the saved one (the "
+                             "model's forward or the loss changed?); optimize it again")
+        planned.unverified = False
 
     def _grad_bytes(self) -> int:
         seen, total = set(), 0
@@ -304,6 +344,7 @@ class TrainStep:
                 "graph": graph, "batch_spec": treespec_dumps(p.graph.meta["batch_spec"]), "plan": p.solution.plan, "solver": p.solution.solver,
                 "budget": self.budget, "latency_limit": self.latency_limit,
                 "optimizer_in_backward": self.in_backward, "clip_grad_norm": self.clip_grad_norm,
+                "exact": self.exact,
                 "torch": torch.__version__}
         with open(path, "wb") as f:
             pickle.dump(blob, f)
@@ -314,7 +355,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
              solver: str = "auto", cost_model=None, on_new_shape: str = "replan",
              optimizer_in_backward: bool | str = False,
-             clip_grad_norm: float | None = None) -> TrainStep:
+             clip_grad_norm: float | None = None, exact: bool = False) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
     ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
@@ -334,21 +375,35 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     the gradients, with a warning and ``report().notes["optimizer_in_backward"]`` saying why.
     ``clip_grad_norm``: clip the gradients' global norm before the update, as
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
+
+    ``exact``: the guarantee on results. False (default): every transformation, operator fission
+    included, whose results are allclose to eager's (fission sums a split op's parts in another
+    order); ``report().notes["winner"]`` says whether fission was chosen. True: only plans whose
+    loss, gradients and updated weights are eager's bit for bit (rematerialization, reordering,
+    offloading, dropout masks kept as bits).
+
+    One plan serves the whole training loop: it is made here for the steady-state step (the
+    optimizer's state present, as from the second step on; the first step creates that state
+    as torch would), and a fraction budget refers to that step's eager peak. Each step counts as
+    ``optimizer.step()``: step hooks run and LR schedulers see it.
     """
     if (budget is None) == (latency_limit is None):
         raise ValueError("give exactly one of budget= and latency_limit=")
+    check_budget(budget)  # NOTE: a bad budget fails now, not after seconds of capture
+    check_latency_limit(latency_limit)
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
-                     clip_grad_norm=clip_grad_norm)
+                     clip_grad_norm=clip_grad_norm, exact=exact)
     step.plan_for(batch)
     return step
 
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
          loss_fn: LossFn | None = None, batch: Any = None, **kwargs) -> TrainStep:
-    """Load a saved plan for ``model``. Its parameters and buffers must match the saved graph's;
-    with ``batch`` (and ``loss_fn``) the step is captured again and must fingerprint the same."""
+    """Load a saved plan for ``model``. Its parameters and buffers must match the saved graph's,
+    and the step captured again from ``batch`` (and ``loss_fn``) must fingerprint the same: at
+    once with ``batch=``, else at the first step (its batch is captured before anything runs)."""
     with open(path, "rb") as f:
         try:
             blob = pickle.load(f)
@@ -377,7 +432,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
                      solver=blob["solver"], cost_model=kwargs.get("cost_model"),
                      on_new_shape=kwargs.get("on_new_shape", "replan"),
                      optimizer_in_backward=blob.get("optimizer_in_backward", False),
-                     clip_grad_norm=blob.get("clip_grad_norm"))
+                     clip_grad_norm=blob.get("clip_grad_norm"), exact=blob.get("exact", False))
     if batch is not None:
         with warnings.catch_warnings():  # NOTE: "auto" warned when the plan was made
             warnings.simplefilter("ignore")
@@ -387,6 +442,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
                              "from this model and batch differs); optimize it again")
     planned = step._plan(None, graph=graph, plan=blob["plan"], solver=blob["solver"])
     planned.fingerprint = blob["fingerprint"]
+    planned.unverified = batch is None
     step._last = step._graph_key(graph)
     step._plans[step._last] = planned
     return step

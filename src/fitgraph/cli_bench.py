@@ -17,6 +17,7 @@ import time
 from .bench.harness import COMPILERS, SYSTEMS
 from .bench.report import markdown_table
 from .report.plot import plot_tradeoff
+from .units import parse_budget
 
 __all__ = ["add_parser", "cmd_bench", "markdown_table", "plot_tradeoff"]
 
@@ -52,6 +53,23 @@ def add_parser(sub) -> None:
                    "and fitgraph's offloading copy over PCIe there)")
     p.add_argument("--config", default="small", help="zoo configuration: small (CPU-sized) or "
                    "paper (the papers' sizes; for a GPU)")
+
+
+def bench_budgets(text: str) -> list[float]:
+    """``--budgets`` as fractions of the eager peak; a ValueError naming a bad one (the CLI
+    exits with status 2 before measuring anything)."""
+    out = []
+    for item in (b.strip() for b in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item.removesuffix("%")) / (100 if item.endswith("%") else 1)
+        except ValueError:
+            raise ValueError(f"--budgets: cannot read {item!r}: give fractions of the eager "
+                             "peak like 0.9,0.7,0.5") from None
+        parse_budget(value, eager_peak_bytes=1)
+        out.append(value)
+    return out
 
 
 def chosen_systems(args) -> list[str]:
@@ -93,7 +111,7 @@ def cmd_bench(args) -> int:
     systems = chosen_systems(args)
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    budgets = [float(b) for b in args.budgets.split(",") if b]
+    budgets = bench_budgets(args.budgets)
     rows: list[BenchRow] = []
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     where = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")

@@ -30,11 +30,13 @@ __all__ = ["capture"]
 def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
             optimizer: torch.optim.Optimizer | None = None, *,
             device: str | torch.device | None = None,
-            clip_grad_norm: float | None = None) -> Graph:
+            clip_grad_norm: float | None = None, steady_state: bool = False) -> Graph:
     """Capture forward, loss, backward and (with ``optimizer``) the update of one step.
 
     ``clip_grad_norm``: clip the gradients' global L2 norm to this value between the backward
     and the update, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
+    ``steady_state``: the optimizer's state is an input of the update even where the optimizer
+    has none yet (the graph of every step after the first; ``fitgraph.optimize`` plans it).
 
     Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
     is captured as if it lived on ``device`` (default cpu), so models bigger than this machine
@@ -56,12 +58,12 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     kind = None
     if optimizer is not None:
         kind = describe_optimizer(optimizer)
-        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        names = {id(p): n for n, p in model.named_parameters()}  # NOTE: frozen ones too
         devs = {str(p.device) for p in model.parameters()}
         out_dev = str(dev or "cpu") if devs == {"meta"} else next(iter(devs))
         outputs.update(add_optimizer_nodes(b, optimizer, param_values=param_values,
                                            grad_values=grad_values, param_names=names,
-                                           device=out_dev))
+                                           device=out_dev, steady_state=steady_state))
     graph = b.finish(outputs, meta={
         "model": type(model).__name__,
         "param_names": traced.param_names,

@@ -18,12 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from ..graph.ir import GraphBuilder, Phase, Role, ValueRef
 from .convert import dtype_name
 from .errors import CaptureError
 
-__all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_optimizer"]
+__all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_optimizer",
+           "state_keys"]
 
 # NOTE: hyperparameters a node reads from its param group; a snapshot goes into the graph so the
 # cost profiler can run the node without the optimizer object.
@@ -43,7 +45,8 @@ class OptimizerSpec:
     state_keys: dict[str, tuple[str, ...]]  # param name -> state keys this kind keeps
 
 
-def _state_keys(kind: str, group: dict) -> tuple[str, ...]:
+def state_keys(kind: str, group: dict) -> tuple[str, ...]:
+    """The state keys torch's ``kind`` optimizer keeps per parameter of ``group``."""
     if kind == "sgd":
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
     keys = ("step", "exp_avg", "exp_avg_sq")
@@ -71,34 +74,49 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
 
 def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                         param_values: dict[str, int], grad_values: dict[str, int],
-                        param_names: dict[int, str], device: str) -> dict[str, int]:
-    """Append state inputs and one update node per parameter; return new state outputs."""
+                        param_names: dict[int, str], device: str,
+                        steady_state: bool = False) -> dict[str, int]:
+    """Append state inputs and one update node per parameter; return new state outputs.
+
+    ``steady_state``: every updated parameter's state is an input, whether the optimizer holds
+    it yet or not (the graph of every step after the first); ``init_missing_state`` creates what
+    is missing before such a graph runs, as torch's lazy initialisation would."""
     kind = describe_optimizer(optimizer)
     created: dict[str, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
-        keys = _state_keys(kind, group)
+        keys = state_keys(kind, group)
         hyper = {k: group[k] for k in _HYPER[kind] if k in group}
         for p in group["params"]:
             pname = param_names.get(id(p))
             if pname is None:
-                raise CaptureError("the optimizer holds a parameter that is not a trainable "
-                                   f"parameter of the model (shape {tuple(p.shape)}); pass the "
-                                   "model's own parameters to the optimizer",
-                                   op=f"{type(optimizer).__name__}.step")
+                if not p.requires_grad and p.grad is None:
+                    continue  # NOTE: frozen (or foreign) and gradient-free: eager skips it too
+                raise CaptureError("the optimizer holds a tensor that requires grad but is not a "
+                                   f"parameter of the model (shape {tuple(p.shape)}): the step "
+                                   "captures the model's parameters only; pass the model's own "
+                                   "parameters to the optimizer, or register the tensor as an "
+                                   "nn.Parameter of the model", op=f"{type(optimizer).__name__}.step")
             if pname not in grad_values:
-                continue  # NOTE: torch skips parameters whose .grad is None
+                if p.grad is not None:
+                    # NOTE: eager would apply this stale .grad at every step; the step cannot
+                    raise CaptureError(f"parameter {pname} gets no gradient from the step but has "
+                                       "a .grad, which eager's optimizer.step() would apply: call "
+                                       "optimizer.zero_grad(set_to_none=True) first",
+                                       op=f"{type(optimizer).__name__}.step")
+                continue  # NOTE: torch skips parameters whose .grad is None (frozen ones too)
             state = optimizer.state.get(p, {})
             have = tuple(k for k in keys if k in state)
             if have and have != keys:
                 raise CaptureError(f"optimizer state of {pname} has keys {sorted(state)}, "
                                    f"expected {list(keys)}", op="optimizer.state")
+            if steady_state:
+                have = keys  # NOTE: the state the first step creates, assumed present (see doc)
             pv, gv = param_values[pname], grad_values[pname]
             state_refs = []
             for k in have:
-                t = state[k]
-                state_refs.append(b.add_input(f"state:{pname}:{k}", tuple(t.shape),
-                                              dtype_name(t.dtype), Role.OPTIMIZER_STATE,
-                                              stride=t.stride(), device=str(t.device)))
+                shape, dtype, stride, dev = _state_layout(k, state.get(k), p)
+                state_refs.append(b.add_input(f"state:{pname}:{k}", shape, dtype,
+                                              Role.OPTIMIZER_STATE, stride=stride, device=dev))
             pval = b.values[pv]
             numel = pval.numel
             nid = len(b.nodes)
@@ -120,6 +138,17 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                 b.storages[b.values[vid].storage].device = device if k != "step" else "cpu"
                 created[f"state:{pname}:{k}"] = vid
     return created
+
+
+def _state_layout(key: str, t: torch.Tensor | None, p: torch.Tensor) -> tuple:
+    """(shape, dtype, stride, device) of state ``key``: the tensor's own, or for state not made
+    yet what torch's lazy initialisation makes (a float32 CPU scalar step; buffers like ``p``)."""
+    if t is not None:
+        return tuple(t.shape), dtype_name(t.dtype), t.stride(), str(t.device)
+    if key == "step":
+        return (), dtype_name(_get_scalar_dtype()), (), "cpu"
+    like = torch.empty_like(p, memory_format=torch.preserve_format, device="meta")
+    return tuple(p.shape), dtype_name(p.dtype), like.stride(), str(p.device)
 
 
 def _created_shape(key: str, pval) -> tuple:

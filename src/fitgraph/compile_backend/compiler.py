@@ -32,7 +32,7 @@ from ..capture.errors import CaptureError
 from ..graph.ir import Graph
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve
 from ..solvers.collector import fewer_collections
-from ..units import parse_budget
+from ..units import check_budget, check_latency_limit, parse_budget
 from .report import BackendReport
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -81,8 +81,8 @@ class FitgraphBackend:
             raise ValueError("give at most one of budget= and latency_limit=")
         if solver not in SOLVERS:
             raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
-        if budget is not None:
-            parse_budget(budget, eager_peak_bytes=1)  # NOTE: a malformed budget fails now
+        check_budget(budget)  # NOTE: a malformed budget fails now, not at the first call
+        check_latency_limit(latency_limit)
         self.budget, self.latency_limit = budget, latency_limit
         self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
         self.reports: list[BackendReport] = []

@@ -30,7 +30,7 @@ from ..plan.remat import recompute_without_writes
 from .codegen import compile_plan
 from .offload import HostStore
 from .ops import ArgBinder, resolve_target
-from .optimizer_ops import run_optimizer_node
+from .optimizer_ops import run_optimizer_node, run_step_post_hooks, run_step_pre_hooks
 
 __all__ = ["Executor", "bind_inputs", "execute"]
 
@@ -102,6 +102,9 @@ class Executor:
         self.skip_writes = {nid: skip for nid in recomputed
                             if (skip := recompute_without_writes(graph, nid))}
         self.host = HostStore(graph, plan, members)
+        # NOTE: parameters whose optimizer state ``init_missing_state`` made for this step
+        self.fresh_state: frozenset[str] = frozenset()
+        self.hooks_ran = False
         # NOTE: the plan as straight-line Python (execute/codegen.py): a few microseconds of
         # interpreter loop per instruction add up to percents of a step of small ops
         self._run, self.source = compile_plan(self)
@@ -124,7 +127,13 @@ class Executor:
             for i in self.skip_writes[ins.node]:
                 args[i] = None
         if fn is None:
-            result = run_optimizer_node(node, args[0], args[1], list(args[2]), self.optimizer)
+            if not self.hooks_ran and self.optimizer is not None:
+                # NOTE: optimizer.step()'s pre-hooks, before the first update as eager runs them
+                self.hooks_ran = True
+                self._attach_grads()
+                run_step_pre_hooks(self.optimizer)
+            result = run_optimizer_node(node, args[0], args[1], list(args[2]), self.optimizer,
+                                        fresh=node.kwargs["param"] in self.fresh_state)
         else:
             result = fn(*args, **kwargs)
         del args, kwargs  # NOTE: drop argument references now, or inputs outlive their Free
@@ -189,13 +198,30 @@ class Executor:
         for vid, t in zip(g.inputs, inputs):
             env[vid] = t
         del inputs
+        self.hooks_ran = False
         with torch.no_grad():
             self._run(self, env)
             self._write_back(params)
         loss = env[g.outputs["loss"]]
         self.env = []
         self.rng_saved = {}
+        self.fresh_state = frozenset()
+        if self.hooks_ran:
+            # NOTE: the step was optimizer.step() for hooks, LR schedulers, EMA and loggers
+            run_step_post_hooks(self.optimizer)
         return loss
+
+    def _attach_grads(self) -> None:
+        """Put the finished gradients on ``.grad`` before the first update, where eager's
+        ``optimizer.step()`` hooks find them (no copy: the tensors the step holds anyway). Not
+        with optimizer-in-backward, whose gradients are freed as they are used."""
+        g = self.graph
+        if g.meta.get("optimizer_in_backward"):
+            return
+        params = dict(self.model.named_parameters())
+        for key, vid in g.outputs.items():
+            if key.startswith("grad:") and self.env[vid] is not None:
+                params[key[5:]].grad = self.env[vid]
 
     def _write_back(self, params: dict[str, torch.Tensor]) -> None:
         env, g = self.env, self.graph
@@ -203,7 +229,7 @@ class Executor:
             kind, _, name = key.partition(":")
             if kind == "grad":
                 p, grad = params[name], env[vid]
-                if p.grad is None:
+                if p.grad is None or p.grad is grad:
                     p.grad = grad
                 else:
                     p.grad += grad  # NOTE: what autograd's AccumulateGrad does

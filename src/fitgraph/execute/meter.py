@@ -65,6 +65,7 @@ empty there, and entering the meter resets the device's peak statistics.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -115,6 +116,18 @@ def _resolve_device(device: str | torch.device | int | None) -> torch.device:
         index = torch.cuda.current_device() if dev.index is None else dev.index
         return torch.device("cuda", index)
     raise ValueError(f"MemoryMeter supports 'cpu' and 'cuda' devices, got {str(dev)!r}")
+
+
+# NOTE: kineto (the profiler's backend) prints "USDT: ... profiler_start/stop" and "STAGE" lines
+# to stderr at every session below this level; fitgraph opens hundreds while profiling. Kineto
+# reads the level once, at its first session in the process: a level the user set is kept.
+KINETO_QUIET_LEVEL = "6"
+
+
+def quiet_kineto() -> None:
+    """Silence kineto's per-session stderr lines unless ``KINETO_LOG_LEVEL`` is set already
+    (takes effect where the process has not started a profiler session yet)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
 
 
 def _profiler_active_anywhere() -> bool:
@@ -286,6 +299,7 @@ class MemoryMeter:
                     "reentrant and the meter needs its own session for the allocator's "
                     "memory events."
                 )
+            quiet_kineto()
             # Only record what is needed: no shapes, no stacks, no flops/modules.
             # These keep the per-op overhead at its minimum; allocator events do
             # not need them.

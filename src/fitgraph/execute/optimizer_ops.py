@@ -10,14 +10,19 @@ exactly as torch's lazy initialisation creates it.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 from torch.optim.sgd import sgd
 
-from ..graph.ir import Node
+from ..graph.ir import Graph, Node
 
-__all__ = ["OptimizerStateMismatch", "run_optimizer_node"]
+__all__ = ["OptimizerStateMismatch", "has_step_pre_hooks", "init_missing_state",
+           "run_optimizer_node",
+           "run_step_post_hooks", "run_step_pre_hooks"]
 
 
 class OptimizerStateMismatch(RuntimeError):
@@ -30,10 +35,38 @@ def _group_hyper(node: Node, optimizer: torch.optim.Optimizer | None) -> dict:
     return optimizer.param_groups[node.kwargs["group"]]
 
 
+def init_missing_state(graph: Graph, model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer) -> frozenset[str]:
+    """Create the optimizer state a steady-state graph reads (``capture(..., steady_state=True)``)
+    where the optimizer has none yet, as torch's lazy initialisation creates it at the first
+    ``step()``: Adam's step 0 and zero moments (what the first update then reads: bitwise
+    eager's first step); SGD's momentum buffer as zeros, to be filled with the gradient by the
+    first update (``run_optimizer_node(..., fresh=True)``, torch's first-step rule). Returns
+    the names of the parameters whose state was created here."""
+    params = dict(model.named_parameters())
+    created = set()
+    for name in graph.input_names:
+        kind, _, key = name.partition(":")
+        if kind != "state":
+            continue
+        pname, _, skey = key.rpartition(":")
+        state = optimizer.state[params[pname]]
+        if skey in state:
+            continue
+        p = params[pname]
+        state[skey] = (torch.tensor(0.0, dtype=_get_scalar_dtype()) if skey == "step"
+                       else torch.zeros_like(p, memory_format=torch.preserve_format))
+        created.add(pname)
+    return frozenset(created)
+
+
 def run_optimizer_node(node: Node, param: torch.Tensor, grad: torch.Tensor,
                        state_tensors: list[torch.Tensor],
-                       optimizer: torch.optim.Optimizer | None) -> tuple[torch.Tensor, ...]:
-    """Update ``param`` in place; return the state tensors the node created (first step)."""
+                       optimizer: torch.optim.Optimizer | None,
+                       fresh: bool = False) -> tuple[torch.Tensor, ...]:
+    """Update ``param`` in place; return the state tensors the node created (first step).
+    ``fresh``: the state was created by ``init_missing_state`` for this step, which torch's
+    first step treats apart (SGD copies the gradient into a new momentum buffer)."""
     kind = node.target.rsplit(".", 1)[1]
     keys: tuple[str, ...] = node.kwargs["state_keys"]
     have: tuple[str, ...] = node.kwargs["have"]
@@ -68,12 +101,50 @@ def run_optimizer_node(node: Node, param: torch.Tensor, grad: torch.Tensor,
              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
     elif kind == "sgd":
         bufs = [state.get("momentum_buffer")] if keys else []
+        made = bufs[0] if fresh and bufs else None
+        if made is not None:
+            bufs = [None]  # NOTE: torch's first step: the buffer is a copy of the gradient
         sgd([param], [grad], bufs, has_sparse_grad=False, foreach=foreach, fused=None,
             grad_scale=None, found_inf=None, weight_decay=group["weight_decay"],
             momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
             nesterov=group["nesterov"], maximize=group["maximize"])
+        if made is not None:
+            made.copy_(bufs[0])  # NOTE: into the buffer the graph holds: the same bits
+            bufs = [made]
         if keys:
             state["momentum_buffer"] = bufs[0]
     else:
         raise RuntimeError(f"node {node.name}: unknown optimizer kind {kind!r}")
     return tuple(state[k] for k in keys if k not in have)
+
+
+def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` would run pre-hooks (its own or global ones)."""
+    return bool(optimizer._optimizer_step_pre_hooks
+                or torch_optimizer._global_optimizer_pre_hooks)
+
+
+def run_step_pre_hooks(optimizer: torch.optim.Optimizer | None) -> None:
+    """What ``optimizer.step()`` runs before updating: the global and the optimizer's own
+    step pre-hooks (``register_step_pre_hook``), in torch's order."""
+    if optimizer is None:
+        return
+    for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                      optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, (optimizer,), {})
+        if result is not None and not (isinstance(result, tuple) and len(result) == 2):
+            raise RuntimeError(f"optimizer step pre-hook {hook} must return None or a tuple of "
+                               f"(new_args, new_kwargs), but got {result}")
+
+
+def run_step_post_hooks(optimizer: torch.optim.Optimizer | None) -> None:
+    """What ``optimizer.step()`` runs after updating: the optimizer's own then the global step
+    post-hooks; and the mark LR schedulers read (``_opt_called``: "optimizer.step() ran")."""
+    if optimizer is None:
+        return
+    for hook in chain(optimizer._optimizer_step_post_hooks.values(),
+                      torch_optimizer._global_optimizer_post_hooks.values()):
+        hook(optimizer, (optimizer,), {})
+    # NOTE: set by the wrapper an LRScheduler puts around optimizer.step(); without it the
+    # scheduler warns "lr_scheduler.step() before optimizer.step()"
+    optimizer._opt_called = True

@@ -59,7 +59,19 @@ def dependencies(graph: Graph) -> dict[int, set[int]]:
             last_random = n.id
         deps[n.id].discard(n.id)
     _guard_recomputes(graph, deps)
+    if graph.meta.get("updates_after_backward"):
+        _updates_after_gradients(graph, deps)
     return deps
+
+
+def _updates_after_gradients(graph: Graph, deps: dict[int, set[int]]) -> None:
+    """Every optimizer update waits for every gradient: the step has code that reads all of
+    them before the first update (``optimizer.step()``'s pre-hooks), as eager runs it."""
+    makers = {graph.values[vid].producer for key, vid in graph.outputs.items()
+              if key.startswith("grad:")} - {None}
+    for n in graph.nodes:
+        if n.phase is Phase.OPTIMIZER:
+            deps[n.id].update(makers - {n.id})
 
 
 def _guard_recomputes(graph: Graph, deps: dict[int, set[int]]) -> None:

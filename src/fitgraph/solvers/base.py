@@ -46,6 +46,9 @@ class Problem:
     budget_bytes: int | None = None
     latency_limit: float | None = None
     time_budget_s: float = 30.0
+    # NOTE: only plans whose results are eager's bit for bit (remat, reordering, offloading,
+    # masks kept as bits); operator fission sums in parts, so its results are only allclose
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if (self.budget_bytes is None) == (self.latency_limit is None):
@@ -75,6 +78,9 @@ class Solution:
 
 
 SOLVERS: dict[str, Callable[[Problem], Solution]] = {}
+# NOTE: solvers whose plans run a rewritten graph that sums in parts (operator fission): their
+# results are allclose to eager's; every other solver's are bitwise (DESIGN law 1)
+NOT_BITWISE = frozenset({"fission", "fission_splits"})
 
 
 def register(name: str):
@@ -88,6 +94,10 @@ def solve(problem: Problem, solver: str = "hotspot") -> Solution:
     """Run a registered solver; an unknown name is an error listing the known ones."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
+    if problem.exact and solver in NOT_BITWISE:
+        raise ValueError(f"solver {solver!r} splits operators (results allclose to eager's, not "
+                         "bitwise): use it without exact=True, or solver 'auto' / 'hotspot' / "
+                         "'joint' with exact=True")
     # NOTE: the cyclic collector's passes over the whole process were 15-29% of a solve's
     # time (solvers.collector); every solver, the classic planners' included, runs with fewer
     with fewer_collections():

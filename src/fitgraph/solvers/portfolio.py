@@ -190,7 +190,9 @@ def solve_auto(problem: Problem) -> Solution:
         hot, hot_err = off, None
     left = problem.time_budget_s - (time.perf_counter() - t0)
     skip = None
-    if budget is not None and eager.peak_bytes <= budget:
+    if problem.exact:
+        skip = ("exact=True: fission sums in parts (results allclose to eager's, not bitwise)")
+    elif budget is not None and eager.peak_bytes <= budget:
         skip = "the eager plan fits the budget: nothing to split"
     elif remat_fast:
         # NOTE: k parts of a node cost at least the node (launches, whole inputs read again):
