@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer-in-backward", default="off", choices=list(IN_BACKWARD),
                    help="update each parameter as soon as its gradient is complete and free "
                         "the gradient (on: an error if impossible; auto: only when possible)")
+    p.add_argument("--exact", action="store_true",
+                   help="only plans with eager's results bit for bit (no operator fission)")
     p.add_argument("--time-budget", type=float, default=30.0, help="solver time (s)")
     p.add_argument("--device-model", default=None, help="roofline device (paper configs)")
     p.add_argument("--repeats", type=int, default=5)
@@ -69,7 +71,8 @@ def cmd_optimize(args) -> int:
                         latency_limit=args.latency_limit, time_budget=args.time_budget,
                         solver=args.solver,
                         cost_model=args.device_model or ("cpu-generic" if paper else None),
-                        optimizer_in_backward=IN_BACKWARD[args.optimizer_in_backward])
+                        optimizer_in_backward=IN_BACKWARD[args.optimizer_in_backward],
+                        exact=args.exact)
     except OptimizerInBackwardError as e:
         raise OptimizerInBackwardError(f"--optimizer-in-backward on: {e} "
                                        "(--optimizer-in-backward auto)") from e
