@@ -17,9 +17,10 @@ from torch.utils.flop_counter import flop_registry
 
 from ..graph.ir import GraphBuilder, Node, Phase, Role, ValueRef
 from .errors import CaptureError
+from .grouped_mm import grouped_mm_flops
 from .tracer import TracedStep
 
-__all__ = ["ConvertState", "dtype_name", "fx_to_builder"]
+__all__ = ["ConvertState", "check_dense", "dtype_name", "fx_to_builder"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -28,6 +29,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _device_name(t: torch.Tensor) -> str:
     return str(t.device)
+
+
+def check_dense(t: torch.Tensor, module: str, op: str) -> None:
+    """Raise CaptureError for a sparse (or other non-strided) tensor: fitgraph plans storages
+    of known bytes, and a sparse tensor's bytes depend on its values (its nnz)."""
+    if t.layout is torch.strided:
+        return
+    raise CaptureError(
+        f"{op} makes a {str(t.layout).removeprefix('torch.')} tensor of shape {tuple(t.shape)}; "
+        "fitgraph captures dense tensors only (a sparse tensor's memory depends on its values). "
+        "Use dense ones: nn.Embedding(..., sparse=False) / nn.EmbeddingBag(..., sparse=False) "
+        "(their sparse=True makes sparse gradients), and dense ops or .to_dense() instead of "
+        "torch.sparse_coo_tensor / .to_sparse() / torch.sparse.*", module=module, op=op)
 
 
 class ConvertState:
@@ -88,8 +102,12 @@ def _mutated_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[
     return out
 
 
+# NOTE: ops torch's flop_registry has no formula for
+_EXTRA_FLOPS = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+
+
 def _flops(op: torch._ops.OpOverload, node: torch.fx.Node) -> float:
-    fn = flop_registry.get(op.overloadpacket)
+    fn = flop_registry.get(op.overloadpacket) or _EXTRA_FLOPS.get(op.overloadpacket)
     if fn is None:
         return 0.0
     args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
@@ -113,6 +131,7 @@ def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tu
         raise CaptureError(f"traced graph has {len(placeholders)} inputs, expected "
                            f"{len(input_names)}")
     for ph, (name, role) in zip(placeholders, input_names):
+        check_dense(ph.meta["val"], "", name)
         cs.fx_value[ph] = cs.value_for(ph.meta["val"], name, role, Phase.INPUT, "", None, True)
     constants: dict[str, torch.Tensor] = {}
     outputs: dict[str, int] = {}
@@ -170,6 +189,7 @@ def _convert_op(cs: ConvertState, node: torch.fx.Node, phase: Phase, module: str
     out_ids: list[int | None] = []
     for i, v in enumerate(vals):
         if isinstance(v, torch.Tensor):
+            check_dense(v, module, _op_name(op))
             out_ids.append(cs.value_for(v, name if not is_tuple else f"{name}.{i}", role, phase,
                                         module, nid, False))
         else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import re
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -28,6 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..graph.ir import Phase
 from .calling import LossFn, compute_loss
 from .errors import CaptureError
+from .fake_mode import CaptureFakeMode
+from .trace_errors import translate
 
 __all__ = ["PhaseTracker", "TracedStep", "trace_step"]
 
@@ -185,7 +186,7 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
             raise CaptureError(f"batch leaf {i} is a {type(leaf).__name__}; the batch must be a "
                                "pytree (tuple/list/dict) of tensors: move Python values into the "
                                "model or loss_fn", module="", op="batch")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = CaptureFakeMode(allow_non_fake_inputs=False)
     memo: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -219,30 +220,7 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     except CaptureError:
         raise
     except Exception as e:  # NOTE: translate torch's tracing errors into one actionable error
-        raise _translate(e, tracker) from e
+        module = tracker.error_module if tracker.error_module is not None else tracker.module
+        raise translate(e, module, model) from e
     return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves))
 
-
-def _translate(e: Exception, tracker: PhaseTracker) -> CaptureError:
-    kind = type(e).__name__
-    op = getattr(e, "func", None)
-    op_name = str(op) if op is not None else None
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else kind
-    module = tracker.error_module if tracker.error_module is not None else tracker.module
-    custom = re.search(r"no fake impl registered for <CustomOpDef\((.*?)\)>", msg)
-    if custom:
-        kind, op_name = "UnsupportedOperatorException", custom.group(1).replace("::", ".")
-    if kind in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
-                "DynamicOutputShapeException") or "data-dependent" in msg.lower() \
-            or "_local_scalar_dense" in msg:
-        return CaptureError(
-            f"data-dependent Python control flow or output shape ({kind}: {msg}). fitgraph "
-            "captures one static graph: replace `if tensor...`, `.item()`, `.tolist()`, "
-            "`nonzero()`/boolean-mask indexing with tensor ops (torch.where, masks), or move "
-            "that logic outside the model", module=module, op=op_name or "item()")
-    if kind == "UnsupportedOperatorException":
-        return CaptureError(
-            f"op {op_name} has no fake-tensor (meta) implementation, so it cannot be traced "
-            "without real memory; register a fake kernel with torch.library.register_fake or "
-            "rewrite it with supported ops", module=module, op=op_name)
-    return CaptureError(f"tracing failed with {kind}: {msg}", module=module, op=op_name)
