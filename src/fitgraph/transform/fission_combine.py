@@ -47,6 +47,8 @@ __all__ = ["ACCUMULATE", "PartsCombiner", "part_role"]
 # large as the embedding)
 ACCUMULATE = {"aten.mm.default": "aten.addmm_.default", "aten.bmm.default": "aten.baddbmm_.default"}
 
+_HALF = ("bfloat16", "float16")
+
 
 
 def part_role(phase: Phase) -> Role:
@@ -230,26 +232,48 @@ class PartsCombiner:
         stacked, scalar = Meta((self.k,), (1,), 0), Meta((), (), 0)
         made_role = part_role(n.phase)
 
-        def step(name, target, args, meta=stacked, dtype=v.dtype, role=made_role):
-            return w.add_node(f"{n.name}.{name}", target, args, {},
+        def step(name, target, args, meta=stacked, dtype=v.dtype, role=made_role, kwargs=None):
+            return w.add_node(f"{n.name}.{name}", target, args, kwargs or {},
                               [OutSpec(f"{v.name}.{name}", meta, dtype, role=role)], **kw)[0]
 
+        # NOTE: a half-precision loss is combined in float32 and rounded once at the end, as
+        # the loss kernel accumulates: each step in bfloat16 would round again (a few ulps)
+        wide = v.dtype in _HALF
+        calc = "float32" if wide else v.dtype
         losses = step("losses", "aten.stack.default",
                       ([_ref(self.part[(o, i)]) for i in range(self.k)],))
         ws = step("weights", "aten.stack.default",
                   ([_ref(self.part[(wt, i)]) for i in range(self.k)],))
-        prod = step("weighted", "aten.mul.Tensor", (_ref(losses), _ref(ws)))
+        if wide:
+            losses = self._cast(step, "losses32", losses, calc, stacked)
+            ws = self._cast(step, "weights32", ws, calc, stacked)
+        prod = step("weighted", "aten.mul.Tensor", (_ref(losses), _ref(ws)), dtype=calc)
         kept = step("kept", "aten.ne.Scalar", (_ref(ws), 0), dtype="bool")
-        terms = step("terms", "aten.where.ScalarOther", (_ref(kept), _ref(prod), 0.0))
-        num = step("sum", "aten.sum.default", (_ref(terms),), meta=scalar)
-        total = step("total_weight", "aten.sum.default", (_ref(ws),), meta=scalar,
-                     role=g.storages[g.values[wt].storage].role)
-        w.whole[o] = step("mean", "aten.div.Tensor", (_ref(num), _ref(total)), meta=scalar,
-                          role=g.storages[v.storage].role)
+        terms = step("terms", "aten.where.ScalarOther", (_ref(kept), _ref(prod), 0.0),
+                     dtype=calc)
+        num = step("sum", "aten.sum.default", (_ref(terms),), meta=scalar, dtype=calc)
+        wt_role = g.storages[g.values[wt].storage].role
+        total = step("total_weight", "aten.sum.default", (_ref(ws),), meta=scalar, dtype=calc,
+                     role=made_role if wide else wt_role)
+        mean = step("mean", "aten.div.Tensor", (_ref(num), _ref(total)), meta=scalar, dtype=calc,
+                    role=made_role if wide else g.storages[v.storage].role)
+        if wide:
+            mean = self._cast(step, "mean16", mean, v.dtype, scalar, g.storages[v.storage].role)
+            total = self._cast(step, "total16", total, g.values[wt].dtype, scalar, wt_role)
+        w.whole[o] = mean
         w.storage_map[v.storage] = w.values[w.whole[o]].storage
         if wt in self.leaving:
             w.whole[wt] = total
             w.storage_map[g.values[wt].storage] = w.values[total].storage
+
+    @staticmethod
+    def _cast(step, name: str, vid: int, dtype: str, meta: Meta, role: Role | None = None) -> int:
+        """``vid`` cast to ``dtype`` by ``step`` (``_combine_mean``'s node maker)."""
+        import torch  # NOTE: local (planning modules import without torch): a dtype object
+
+        kw = {} if role is None else {"role": role}
+        return step(name, "aten._to_copy.default", (_ref(vid),), meta=meta, dtype=dtype,
+                    kwargs={"dtype": getattr(torch, dtype)}, **kw)
 
     def _finish_block(self) -> None:
         """Map every value that leaves the region to its whole tensor in the new graph."""

@@ -4,10 +4,10 @@ A mean-reduced ``nll_loss`` divides by its total weight (the number of targets n
 ``nll_loss_forward`` returns that count, and ``nll_loss_backward`` reads it whole: split along
 tokens, the forward makes it in parts (a partial sum), so a region holding the forward can never
 hold the backward, and the whole log-softmax [tokens, vocab] must be kept between them.
-Here the backward reads a count made from the targets alone (``where(target != ignore, 1, 0)
-.sum()``, in the loss's dtype: exact below 2**24 targets), which does not depend on the
-logits; a region can then run logits, loss and its gradient chunk by chunk, the classic
-chunked cross-entropy.
+Here the backward reads a count made from the targets alone (``(target != ignore).sum()``, an
+integer, cast to the loss's dtype as ``nll_loss_forward`` casts its own integer count: bitwise
+the same, in bfloat16 too), which does not depend on the logits; a region can then run logits,
+loss and its gradient chunk by chunk, the classic chunked cross-entropy.
 
 Example:
     >>> import torch, fitgraph
@@ -43,7 +43,7 @@ _TOTAL_WEIGHT = 6  # NOTE: position of total_weight in nll_loss_backward's args
 _RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
                        "aten.squeeze.dim", "aten.squeeze.default", "aten.unsqueeze.default",
                        "aten.alias.default", "aten.detach.default", "aten.clone.default"})
-_COUNT_STEPS = ("one", "kept", "counted", "count")
+_COUNT_STEPS = ("kept", "counted", "count")
 _WHY = ("counts a loss's targets apart for its backward: in a region it would become a partial "
         "sum the backward cannot read")
 
@@ -97,25 +97,23 @@ def count_targets_apart(graph: Graph) -> Graph:
 
 def _count(w: GraphWriter, graph: Graph, fwd: Node) -> int:
     """Nodes computing the count of ``fwd``'s targets, just before it; the new value id."""
+    import torch  # NOTE: local (planning modules import without torch): a cast names its dtype
+
     target = graph.values[_source(graph, arg_of(fwd, 1, "target").id)]
     tw = graph.values[fwd.outputs[1]]
-    like = w.input_of_dtype(tw.dtype)  # NOTE: to make the 1 from
-    if like is None:
-        raise ValueError(f"{fwd.name}: no graph input has the loss's dtype {tw.dtype}")
     kw = dict(phase=fwd.phase, module=fwd.module, device=graph.storages[tw.storage].device)
     role = Role.ACTIVATION
     scalar = Meta((), (), 0)
-    shape = target.shape
-    dense = Meta(shape, contiguous_strides(shape), 0)
-    one = w.add_node(f"{fwd.name}.one", "aten.new_ones.default", (ValueRef(like), []), {},
-                     [OutSpec(f"{fwd.name}.one", scalar, tw.dtype, role=role)], **kw)[0]
+    dense = Meta(target.shape, contiguous_strides(target.shape), 0)
     ignore = arg_of(fwd, 4, "ignore_index", -100)
     kept = w.add_node(f"{fwd.name}.kept", "aten.ne.Scalar", (ValueRef(w.whole[target.id]), ignore),
                       {}, [OutSpec(f"{fwd.name}.kept", dense, "bool", role=role)], **kw)[0]
-    ones = w.add_node(f"{fwd.name}.counted", "aten.where.ScalarOther",
-                      (ValueRef(kept), ValueRef(one), 0.0), {},
-                      [OutSpec(f"{fwd.name}.counted", dense, tw.dtype, role=role)], **kw)[0]
-    return w.add_node(f"{fwd.name}.count", "aten.sum.default", (ValueRef(ones),), {},
+    # NOTE: counted as an integer, then cast, as nll_loss_forward does: no constant of the
+    # loss's dtype is needed (a float32 loss of a bfloat16 model has no input to make one from)
+    counted = w.add_node(f"{fwd.name}.counted", "aten.sum.default", (ValueRef(kept),), {},
+                         [OutSpec(f"{fwd.name}.counted", scalar, "int64", role=role)], **kw)[0]
+    return w.add_node(f"{fwd.name}.count", "aten._to_copy.default", (ValueRef(counted),),
+                      {"dtype": getattr(torch, tw.dtype)},
                       [OutSpec(f"{fwd.name}.count", scalar, tw.dtype, role=role)], **kw)[0]
 
 

@@ -119,16 +119,6 @@ class GraphWriter:
                                  dtype, storage, meta.offset, role, phase, module, producer))
         return len(self.values) - 1
 
-    def input_of_dtype(self, dtype: str, device: str | None = None) -> int | None:
-        """A graph input of ``dtype`` (on ``device`` if given) already mapped (its new value
-        id), or None: a tensor to
-        make a constant of that dtype from (``new_ones``), since dtypes in node arguments are
-        torch objects; inputs live through the step, so reading one keeps nothing alive."""
-        return next((new for vid, new in self.whole.items()
-                     if self.old.values[vid].producer is None
-                     and self.old.values[vid].dtype == dtype
-                     and device in (None, self.old.storage_of(vid).device)), None)
-
     def meta(self, vid: int) -> Meta:
         v = self.values[vid]
         return Meta(v.shape, v.stride, v.storage_offset)
@@ -207,23 +197,28 @@ class GraphWriter:
         input (``new_empty_strided`` / ``new_zeros`` / ``new_ones`` / ``new_full``)."""
         out = self.old.values[node.outputs[0]]
         dev = self.old.storages[out.storage].device
-        # NOTE: with a dtype= of its own (compact_masks' bool bits), any input's dtype will do:
-        # the kwarg is kept
-        any_dtype = "dtype" in node.kwargs
-        base = next((new for vid, new in self.whole.items()
-                     if self.old.values[vid].producer is None
-                     and (any_dtype or self.old.values[vid].dtype == out.dtype)
-                     and self.old.storages[self.old.values[vid].storage].device == dev), None)
-        if base is None:
+        # NOTE: a graph input on the device gives the new tensor its device, and its dtype
+        # unless a dtype= says it (compact_masks' bool bits; a float32 loss of a bfloat16
+        # model, whose inputs are all bfloat16 or integers, gets one here)
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+        on_dev = [new for vid, new in self.whole.items()
+                  if self.old.values[vid].producer is None
+                  and self.old.storages[self.old.values[vid].storage].device == dev]
+        if not on_dev:
             raise RuntimeError(f"fission: {node.name} must run before the region but reads its "
-                               f"shape from it, and no graph input has its dtype {out.dtype}")
+                               f"shape from it, and no graph input lives on its device {dev}")
+        same = [new for new in on_dev if self.values[new].dtype == out.dtype]
+        base = (on_dev if kwargs.get("dtype") is not None else same or on_dev)[0]
+        if kwargs.get("dtype") is None and self.values[base].dtype != out.dtype:
+            import torch  # NOTE: local (planning modules import without torch): a dtype object
+
+            kwargs["dtype"] = getattr(torch, out.dtype)
         new_target, extra = _LIKE[node.target]
         args = (ValueRef(base), list(out.shape)) + tuple(
             list(out.stride) if a == "stride" else node.args[a] for a in extra)
         if new_target != "aten.new_empty_strided.default" and out.stride != contiguous_strides(
                 out.shape):
             raise RuntimeError(f"fission: {node.name} makes a non-contiguous tensor")
-        kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
         meta = Meta(out.shape, out.stride, out.storage_offset)
         self.whole[node.outputs[0]] = self.add_node(
             node.name, new_target, args, kwargs,
