@@ -19,7 +19,10 @@ Example:
 
 Synthetic inputs: floating tensors are ``torch.rand`` (uniform in [0, 1), so sqrt/log/
 multinomial stay valid), integers are zeros (valid indices and labels), bools are ones, except
-random bits (a dropout mask kept as bits), drawn at their density (``cost/drawn_bits.py``). Inputs
+random bits (a dropout mask kept as bits), drawn at their density (``cost/drawn_bits.py``), and
+opaque byte buffers (an LSTM's oneDNN workspace, a cuDNN reserve): a node reading one runs after
+the nodes that make it, on their real outputs (``cost/opaque.py``; ``Measurement.inputs`` and
+``priced_apart`` say which nodes were). Inputs
 that share a storage in the graph share one here, with the graph's strides and offsets. Nodes
 that write their inputs in place get freshly made inputs before every run, so repeated runs
 never drift (to denormals, overflow) and every run does the same work. All of this happens
@@ -66,6 +69,7 @@ from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 from .in_situ import profile_in_situ
+from .opaque import OpaqueInputs, opaque_inputs
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -99,6 +103,7 @@ class Measurement:
     workspace_bytes: int
     end_bytes: int      # allocator bytes the node left allocated (its real fresh outputs)
     fresh_bytes: int    # bytes of the storages the IR says the node allocates
+    inputs: str = "synthetic"  # how its inputs were made ("after ...": cost/opaque.py)
 
     @property
     def alias_mismatch(self) -> bool:
@@ -123,9 +128,11 @@ def _canon(obj, pos: dict[int, int]) -> str:
     return text
 
 
-def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None = None) -> str:
-    """The device-independent part of a node's cache key: op, input layouts, constants, and
-    the density of random bits an input holds (``densities``: ``cost.drawn_bits``).
+def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None = None,
+                   opaque: dict[int, int] | None = None) -> str:
+    """The device-independent part of a node's cache key: op, input layouts, constants, the
+    density of random bits an input holds (``densities``: ``cost.drawn_bits``), and the op
+    that made an opaque input (``opaque``: storage -> node, ``cost.opaque``).
 
     Two nodes with equal signatures run the same kernel on the same layouts, so one
     measurement serves both (the many ``aten.t`` / ``detach`` nodes of a graph, the layers of
@@ -140,6 +147,8 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
         ins.append(f"{v.dtype}{list(v.shape)}/{list(v.stride)}+{v.storage_offset}@{share}")
         if densities and v.storage in densities:  # NOTE: bits drawn at random, not ones
             ins[-1] += f"~p{densities[v.storage]:.3g}"
+        if opaque and v.storage in opaque:  # NOTE: real bytes of its maker, not synthetic
+            ins[-1] += f"~by:{graph.nodes[opaque[v.storage]].target}"
     if node.target.startswith(_OPTIMIZER_PREFIX):
         consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
     else:
@@ -232,8 +241,9 @@ class ProfiledCostModel:
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
         self._constants: dict[tuple, tuple[float, ...]] = {}  # (env, names) -> values
-        # id(graph) -> (graph, untouched writes, random-bit densities)
-        self._blank: dict[int, tuple[Graph, dict[int, int], dict[int, float]]] = {}
+        # id(graph) -> (graph, untouched writes, random-bit densities, opaque inputs)
+        self._blank: dict[int, tuple[Graph, dict[int, int], dict[int, float],
+                                     OpaqueInputs]] = {}
 
     # -- keys -----------------------------------------------------------------------------------
     @property
@@ -252,8 +262,11 @@ class ProfiledCostModel:
         memo = self._keys.get(id(node))
         if memo is not None and memo[0] is node and memo[2] == env:
             return memo[3]
-        sig = (memo[1] if memo is not None and memo[0] is node
-               else node_signature(graph, node, self._graph_facts(graph)[1]))
+        if memo is not None and memo[0] is node:
+            sig = memo[1]
+        else:
+            _, densities, opaque = self._graph_facts(graph)
+            sig = node_signature(graph, node, densities, opaque.storages)
         key = hashlib.sha256(f"{sig}||{env}".encode()).hexdigest()
         self._keys[id(node)] = (node, sig, env, key)
         return key
@@ -274,16 +287,18 @@ class ProfiledCostModel:
     def _untouched_bytes(self, graph: Graph) -> dict[int, int]:
         return self._graph_facts(graph)[0]
 
-    def _graph_facts(self, graph: Graph) -> tuple[dict[int, int], dict[int, float]]:
-        """(node -> untouched bytes it writes first, bool storage -> random-bit density)."""
+    def _graph_facts(self, graph: Graph
+                     ) -> tuple[dict[int, int], dict[int, float], OpaqueInputs]:
+        """(node -> untouched bytes it writes first, bool storage -> random-bit density,
+        the opaque byte buffers and what makes them)."""
         memo = self._blank.get(id(graph))
         if memo is None or memo[0] is not graph:
             if len(self._blank) >= _BLANK_MEMO:  # NOTE: fission plans many graphs; keep few
                 self._blank.clear()
             floor = MMAP_CEILING_BYTES if self.device.type == "cpu" and kept() else 0
             memo = self._blank[id(graph)] = (graph, untouched_writes(graph, floor),
-                                             bit_densities(graph))
-        return memo[1], memo[2]
+                                             bit_densities(graph), opaque_inputs(graph))
+        return memo[1], memo[2], memo[3]
 
     def first_touch_seconds_per_byte(self) -> float:
         """Page-fault seconds per byte written first into fresh memory (CPU; 0 on CUDA, whose
@@ -313,14 +328,33 @@ class ProfiledCostModel:
         self.first_touch_seconds_per_byte()
         if todo:
             self._profile_alone(graph, todo)
+        self._size_opaque(graph)
         if self.in_situ:
             profile_in_situ(self, graph)
         return len(todo)
 
+    def _size_opaque(self, graph: Graph) -> None:
+        """Opaque buffers captured shorter than their makers really allocate get the measured
+        size (``cost/opaque.py``), so the simulator counts them while they live."""
+        opaque = self._graph_facts(graph)[2]
+        if not opaque.storages:
+            return
+        fresh = new_storages(graph)
+        for nid in sorted(set(opaque.storages.values())):
+            node = graph.nodes[nid]
+            e = self._entry(self.key(graph, node), node)
+            added = opaque.resize(nid, e.end_bytes,
+                                  sum(graph.storages[s].nbytes for s in fresh[nid]))
+            if added:
+                log.info("node %s (%s): its opaque buffer is %d bytes larger than captured "
+                         "(measured); the plan counts the measured size", node.name,
+                         node.target, added)
+
     def _profile_alone(self, graph: Graph, todo: dict[str, Node]) -> None:
         """Measure the nodes of ``todo`` (key -> node) one by one, alone."""
         fresh = new_storages(graph)
-        runner = _Runner(graph, self.device, self._graph_facts(graph)[1])
+        _, densities, opaque = self._graph_facts(graph)
+        runner = _Runner(graph, self.device, densities, opaque.chains)
         from tqdm import tqdm
 
         bar = tqdm(todo.items(), desc=f"profiling on {self.label}", unit="op",
@@ -332,6 +366,9 @@ class ProfiledCostModel:
             for key, node in bar:
                 fresh_bytes = sum(graph.storages[s].nbytes for s in fresh[node.id])
                 seconds, peak, end = self._measure(runner, node)
+                if node.id in opaque.storages.values() and len(opaque.makes(node.id)) == 1:
+                    # NOTE: its opaque buffer's real size is output, not workspace (_size_opaque)
+                    fresh_bytes = max(fresh_bytes, end)
                 entry = CacheEntry(seconds, max(0, peak - fresh_bytes), end)
                 self.cache.put(key, entry, device=self.hardware,
                                torch_version=torch.__version__, target=node.target)
@@ -350,18 +387,28 @@ class ProfiledCostModel:
         key = self.key(graph, node)
         e = self._entry(key, node)
         fresh = sum(graph.storages[s].nbytes for s in new_storages(graph)[node.id])
-        return Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh)
+        return Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh,
+                           self._graph_facts(graph)[2].describe(node.id))
 
     def measurements(self, graph: Graph) -> list[Measurement]:
         """``measurement`` of every node, in node order."""
         table = new_storages(graph)
+        opaque = self._graph_facts(graph)[2]
         out = []
         for node in graph.nodes:
             key = self.key(graph, node)
             e = self._entry(key, node)
             fresh = sum(graph.storages[s].nbytes for s in table[node.id])
-            out.append(Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh))
+            out.append(Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh,
+                                   opaque.describe(node.id)))
         return out
+
+    def priced_apart(self, graph: Graph) -> dict[str, str]:
+        """Node name -> how it was measured, for the nodes not measured alone on synthetic
+        inputs: those reading an opaque buffer ran after its makers (``cost/opaque.py``). In
+        situ (``in_situ``), every node is also timed in its step, on real values."""
+        opaque = self._graph_facts(graph)[2]
+        return {graph.nodes[nid].name: opaque.describe(nid) for nid in opaque.chains}
 
     def alias_mismatches(self, graph: Graph) -> list[tuple[Node, Measurement]]:
         """Nodes whose real allocation differs from the IR's (``end_bytes != fresh_bytes``)."""
@@ -489,9 +536,11 @@ class _Runner:
     """Makes synthetic inputs for a graph's nodes and the callables that run them."""
 
     def __init__(self, graph: Graph, device: torch.device,
-                 densities: dict[int, float] | None = None) -> None:
+                 densities: dict[int, float] | None = None,
+                 chains: dict[int, tuple[int, ...]] | None = None) -> None:
         self.graph, self.device = graph, device
         self.densities = densities or {}
+        self.chains = chains or {}  # node -> nodes that make its opaque inputs (cost/opaque.py)
         first = graph.storages[graph.values[graph.inputs[0]].storage] if graph.inputs else None
         self.graph_device = first.device if first is not None else "cpu"
         self.remap = torch.device(self.graph_device) != device
@@ -504,8 +553,29 @@ class _Runner:
         return self.device
 
     def inputs(self, node: Node) -> list:
-        """An env (indexed by value id) holding fresh synthetic tensors for ``node.inputs``."""
-        return self.values(node.inputs)
+        """An env (indexed by value id) holding fresh tensors for ``node.inputs``: synthetic,
+        except what the nodes making its opaque inputs output (run here first, on synthetic
+        inputs of their own)."""
+        chain = self.chains.get(node.id)
+        if not chain:
+            return self.values(node.inputs)
+        g = self.graph
+        made = {v for p in chain for v in g.nodes[p].outputs if v is not None}
+        need = dict.fromkeys(v for nid in (*chain, node.id) for v in g.nodes[nid].inputs
+                             if v not in made)
+        env = self.values(need)
+        for p in chain:
+            maker = g.nodes[p]
+            result = self.callable(maker)(env)
+            if maker.out_is_tuple:
+                for vid, r in zip(maker.outputs, result):
+                    if vid is not None:
+                        env[vid] = r
+            elif maker.outputs and maker.outputs[0] is not None:
+                env[maker.outputs[0]] = result
+            del result
+        keep = set(node.inputs)
+        return [t if i in keep else None for i, t in enumerate(env)]
 
     def values(self, vids) -> list:
         """An env (indexed by value id) holding fresh synthetic tensors for ``vids``; values

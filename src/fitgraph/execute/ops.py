@@ -13,11 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..graph.ir import Node, ValueRef
 from . import bit_packing  # noqa: F401  (registers the fitgraph:: ops that graphs name)
 
-__all__ = ["OVERSIZED_OUTPUT_OPS", "ArgBinder", "resolve_target"]
+__all__ = ["GRAD_MODE_OPS", "OVERSIZED_OUTPUT_OPS", "ArgBinder", "resolve_target"]
 
 # NOTE: kernels that return their reduced loss inside the storage of the elementwise loss they
 # reduced: on the CPU (torch 2.13) ``mse_loss(x, y)`` of a (64, 256) input is a 0-dim tensor
@@ -28,6 +29,12 @@ __all__ = ["OVERSIZED_OUTPUT_OPS", "ArgBinder", "resolve_target"]
 OVERSIZED_OUTPUT_OPS = frozenset({
     "aten.mse_loss.default", "aten.smooth_l1_loss.default", "aten.soft_margin_loss.default",
     "aten.binary_cross_entropy.default"})
+# NOTE: kernels that make the workspace their backward reads only with grad mode on: oneDNN's
+# LSTM/GRU/RNN layer (torch 2.13) returns an undefined workspace under ``torch.no_grad()``,
+# where the executor and profiler run, and its backward then fails. Run through
+# ``resolve_target`` they see grad mode on, as in the eager step (their inputs detached, so no
+# autograd graph is recorded).
+GRAD_MODE_OPS = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 
 @functools.cache
@@ -40,7 +47,22 @@ def resolve_target(target: str) -> Callable:
     except AttributeError as e:
         raise RuntimeError(f"op {target} does not exist in this torch ({torch.__version__}); "
                            "re-capture the graph with this torch") from e
+    if target in GRAD_MODE_OPS:
+        return _with_grad_mode(op)
     return _compacting(op) if target in OVERSIZED_OUTPUT_OPS else op
+
+
+def _with_grad_mode(op) -> Callable:
+    """``op`` run with grad mode on (inputs detached: nothing is recorded), as autograd ran it
+    when the step was captured: see ``GRAD_MODE_OPS``."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        args, kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        with torch.enable_grad():
+            return op(*args, **kwargs)
+
+    return run
 
 
 def _compacting(op) -> Callable:

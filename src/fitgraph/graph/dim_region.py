@@ -32,7 +32,7 @@ from math import lcm
 
 from .dim_convex import convexity_cut, order_edges
 from .dim_types import Along, Entry, Reduced, Split
-from .dims import boundary_reason, node_splits, operands, value_entries
+from .dims import operands, splits_or_reason, value_entries
 from .ir import Graph, Role
 
 __all__ = ["Region", "RegionIndex", "grow_region", "node_region", "regions"]
@@ -135,8 +135,8 @@ def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
     node = graph.nodes[nid]
     nd = len(graph.values[value_id].shape)
     dim = dim + nd if dim < 0 else dim
-    why = boundary_reason(graph, node)
-    splits = [] if why else node_splits(graph, node)
+    got = splits_or_reason(graph, node)
+    why, splits = (got, []) if isinstance(got, str) else (None, got)
     for split in splits:
         table = value_entries(node, split)
         e = None if table is None else table.get(value_id)
@@ -211,12 +211,12 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
     asks again)."""
     if nid not in cache:
         node = graph.nodes[nid]
-        why = boundary_reason(graph, node)
-        if why is not None:
-            cache[nid] = why
+        got = splits_or_reason(graph, node)
+        if isinstance(got, str):
+            cache[nid] = got
         else:
             ops = operands(node)
-            cache[nid] = [(s, t, set(ops)) for s in node_splits(graph, node)
+            cache[nid] = [(s, t, set(ops)) for s in got
                           if (t := value_entries(node, s, ops)) is not None]
     return cache[nid]
 

@@ -24,15 +24,37 @@ from __future__ import annotations
 from .dim_types import Along, Reduced, Resample, SizeArg, Split, Window, arg_of, per_arg
 
 __all__ = ["avg_pool2d", "avg_pool2d_backward", "convolution", "convolution_backward", "max_pool2d",
-           "max_pool2d_backward", "spatial_resample", "upsample_backward"]
+           "max_pool2d_backward", "per_dim", "spatial_resample", "upsample_backward"]
 
 
-def _conv_windows(node, weight, n_spatial: int, arg0: int) -> list[Window]:
-    """The window of each spatial dim; ``arg0`` is the position of ``stride`` in the args."""
-    stride, padding, dilation = (arg_of(node, arg0 + i, name)
+def per_dim(value, n: int, name: str) -> list[int]:
+    """A convolution's per-dim argument as ``n`` ints: ATen broadcasts one value to every
+    spatial dim (``padding="valid"`` reaches ``aten.convolution`` as ``[0]``, its output
+    padding too); ValueError for any other length (a rule treats that as no split)."""
+    v = [value] if isinstance(value, int) else list(value)
+    if len(v) == 1:
+        return v * n
+    if len(v) != n:
+        raise ValueError(f"{name} {value!r} has {len(v)} entries for {n} spatial dims")
+    return v
+
+
+def _conv_windows(node, weight, n_spatial: int, arg0: int) -> list[Window | None]:
+    """The window of each spatial dim; ``arg0`` is the position of ``stride`` in the args.
+    None for a dim whose padding one value shares with the others (``padding=[1]``): a part
+    could not zero it for its own dim alone."""
+    stride, padding, dilation = (per_dim(arg_of(node, arg0 + i, name), n_spatial, name)
                                  for i, name in enumerate(("stride", "padding", "dilation")))
-    return [Window(weight[2 + j], stride[j], padding[j], dilation[j], "zero", (arg0 + 1, j))
-            for j in range(n_spatial)]
+    raw = arg_of(node, arg0 + 1, "padding")
+    shared = n_spatial > 1 and (isinstance(raw, int) or len(raw) == 1)
+    wins: list[Window | None] = []
+    for j in range(n_spatial):
+        if shared and padding[j]:
+            wins.append(None)
+            continue
+        path = () if shared else (arg0 + 1, j)  # NOTE: shared zero padding: nothing to zero
+        wins.append(Window(weight[2 + j], stride[j], padding[j], dilation[j], "zero", path))
+    return wins
 
 
 def _spatial_input(win: Window, d: int, in_size: int, out_size: int) -> Along:
@@ -46,9 +68,10 @@ def _transposed_tiles(node, w, x, out, j: int, arg0: int) -> int:
     """Output rows per input row of a transposed convolution whose kernel equals its stride
     (no padding, no output padding, no dilation): each input row makes its own output rows;
     0 otherwise (its halo runs the other way: not offered)."""
-    stride, padding, dilation = (arg_of(node, arg0 + i, name)[j]
-                                 for i, name in enumerate(("stride", "padding", "dilation")))
-    out_pad = arg_of(node, arg0 + 4, "output_padding")[j]
+    n = len(x) - 2
+    stride, padding, dilation, out_pad = (
+        per_dim(arg_of(node, arg0 + i, name), n, name)[j]
+        for i, name in ((0, "stride"), (1, "padding"), (2, "dilation"), (4, "output_padding")))
     k, d = w[2 + j], 2 + j
     if k == stride and not padding and not out_pad and dilation == 1 and out[d] == x[d] * k:
         return k
@@ -88,7 +111,7 @@ def convolution(node, ins, outs) -> list[Split]:
                             note="input channels split: the parts' outputs are partial sums"))
     for j, win in enumerate(_conv_windows(node, w, len(x) - 2, 3)):
         d = 2 + j
-        if out[d] >= 2:
+        if win is not None and out[d] >= 2:
             splits.append(Split(per_arg(node, {0: _spatial_input(win, d, x[d], out[d])}),
                                 (Along(d),)))
     return splits
@@ -131,6 +154,8 @@ def convolution_backward(node, ins, outs) -> list[Split]:
             if tile:
                 splits.append(Split((Along(d, tile), Along(d), None),
                                     (Along(d), Reduced(), Reduced())))
+            continue
+        if win is None:
             continue
         tile = win.tiles(x[d], g[d])
         if tile:

@@ -4,7 +4,8 @@ For a node and a dim of one of its tensors, ``split_dims`` says which dim of eve
 and output corresponds (``Along``), which are needed whole by every part (``None``: weights,
 masks), and which outputs are partial results to combine (``Reduced``). The rules live in
 ``dim_rules*.py``; an op without a rule is a region boundary — ``node_splits`` raises for it
-rather than guess (law 5). Regions grown from these rules: ``fitgraph.graph.dim_region``.
+rather than guess (law 5); a rule that fails on a node's arguments makes that node a boundary
+whose reason says so (``splits_or_reason``), never an exception out of the planner. Regions grown from these rules: ``fitgraph.graph.dim_region``.
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
@@ -22,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .analysis import flatten_refs
@@ -29,8 +31,11 @@ from .dim_rules import BOUNDARY, BOUNDARY_PREFIXES, RANDOM_CHECKED, RULES
 from .dim_types import Along, Entry, Reduced, SizeArg, Split, Window
 from .ir import Graph, Node
 
+log = logging.getLogger(__name__)
+
 __all__ = ["Along", "DimRuleMissing", "Reduced", "SizeArg", "Split", "Window", "boundary_reason",
-           "has_rule", "node_splits", "operands", "part_args", "split_dims", "value_entries"]
+           "has_rule", "node_splits", "operands", "part_args", "split_dims", "splits_or_reason",
+           "value_entries"]
 
 
 class DimRuleMissing(KeyError):
@@ -64,17 +69,44 @@ def boundary_reason(graph: Graph, node: Node) -> str | None:
 
 
 def node_splits(graph: Graph, node: Node) -> list[Split]:
-    """Every way ``node`` can run in parts ([] for a boundary op); raises ``DimRuleMissing``
-    naming the node when its op has no rule and is not a listed boundary."""
-    why = boundary_reason(graph, node)
-    if why is not None:
+    """Every way ``node`` can run in parts ([] for a boundary op, or where its rule fails);
+    raises ``DimRuleMissing`` naming the node when its op has no rule and is not a listed
+    boundary."""
+    got = splits_or_reason(graph, node)
+    if isinstance(got, str):
         if node.target not in RULES and node.target not in BOUNDARY and not any(
                 node.target.startswith(p) for p in BOUNDARY_PREFIXES):
-            raise DimRuleMissing(f"node {node.name} ({node.target}): {why}")
+            raise DimRuleMissing(f"node {node.name} ({node.target}): {got}")
         return []
+    return got
+
+
+def splits_or_reason(graph: Graph, node: Node) -> list[Split] | str:
+    """``node``'s splits, or why it can have none: ``boundary_reason``, else its rule's own
+    failure. A rule that raises on arguments it does not understand makes the node a
+    boundary whose reason names the op and the error (logged once per op and error), never
+    an exception out of the planner."""
+    why = boundary_reason(graph, node)
+    if why is not None:
+        return why
     ins = [graph.values[v].shape for v in operands(node)]
     outs = [graph.values[v].shape if v is not None else None for v in node.outputs]
-    return RULES[node.target](node, ins, outs)
+    try:
+        return RULES[node.target](node, ins, outs)
+    except Exception as e:  # NOTE: any rule bug or unforeseen argument form: no split, said
+        why = (f"the dimension rule for {node.target} failed on node {node.name} "
+               f"({type(e).__name__}: {e}): no split (report this op and its arguments)")
+        _warn_once(node.target, type(e).__name__, why)
+        return why
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(target: str, error: str, why: str) -> None:
+    if (target, error) not in _WARNED:
+        _WARNED.add((target, error))
+        log.warning("%s", why)
 
 
 def value_entries(node: Node, split: Split, ops: list[int] | None = None) -> dict[int, Entry] | None:
