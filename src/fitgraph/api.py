@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from .capture.api import capture
 from .capture.calling import LossFn
+from .capture.errors import CaptureError
 from .capture.optimizer import OPTIMIZER_KINDS, state_keys
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
@@ -355,7 +356,8 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
              solver: str = "auto", cost_model=None, on_new_shape: str = "replan",
              optimizer_in_backward: bool | str = False,
-             clip_grad_norm: float | None = None, exact: bool = False) -> TrainStep:
+             clip_grad_norm: float | None = None, exact: bool = False,
+             graph_breaks: str = "regions") -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
     ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
@@ -376,6 +378,12 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     ``clip_grad_norm``: clip the gradients' global norm before the update, as
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
 
+    ``graph_breaks``: where the whole step cannot be captured as one graph (``.item()``, a CTC
+    loss, boolean masks, a dynamic expert dispatch), "regions" (default) warns and returns a
+    ``fitgraph.regions.RegionsStep``: torch.compile with ``fitgraph.backend`` plans each region
+    it can trace, the code between regions runs eagerly, and ``report()`` lists every graph
+    break and what each region reached; "error" raises the ``CaptureError`` instead.
+
     ``exact``: the guarantee on results. False (default): every transformation, operator fission
     included, whose results are allclose to eager's (fission sums a split op's parts in another
     order); ``report().notes["winner"]`` says whether fission was chosen. True: only plans whose
@@ -391,11 +399,27 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         raise ValueError("give exactly one of budget= and latency_limit=")
     check_budget(budget)  # NOTE: a bad budget fails now, not after seconds of capture
     check_latency_limit(latency_limit)
+    if graph_breaks not in ("regions", "error"):
+        raise ValueError("graph_breaks must be 'regions' or 'error'")
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
                      clip_grad_norm=clip_grad_norm, exact=exact)
-    step.plan_for(batch)
+    try:
+        step.plan_for(batch)
+    except CaptureError as e:
+        from .regions import RegionsStep, breaks_into_regions
+
+        if graph_breaks == "error" or not breaks_into_regions(e) or optimizer_in_backward is True:
+            raise
+        # NOTE: law 5: not silent. The warning says what was not captured and what runs instead
+        warnings.warn(f"fitgraph: the whole step cannot be captured as one graph ({e}); "
+                      "planning the regions torch.compile can trace instead, the code between "
+                      "them runs eagerly: see step.report() (graph_breaks='error' raises)",
+                      stacklevel=2)
+        return RegionsStep(model, loss_fn, optimizer, budget=budget,
+                           latency_limit=latency_limit, time_budget=time_budget,
+                           cost_model=cost_model, clip_grad_norm=clip_grad_norm, reason=e)
     return step
 
 

@@ -1,0 +1,223 @@
+"""A step that cannot be captured whole, planned region by region through torch.compile.
+
+``fitgraph.optimize`` captures the whole step as one static graph. Code that reads data into
+Python (``.item()``, ``.tolist()``, ``.numpy()``) or makes shapes from data (a CTC loss,
+boolean masks, a dynamic mixture-of-experts dispatch) cannot be one graph. torch.compile
+handles it with graph breaks: Dynamo compiles the pieces it can trace and runs the code between
+them eagerly. ``RegionsStep`` runs the step that way with ``fitgraph.backend`` planning each
+compiled region (forward and backward together) within the budget, and reports what was left
+out: every graph break with its reason, each region's plan, and the measured peak of the whole
+step. Code between regions runs as in eager PyTorch: what it saves for the backward is not
+planned, and the optimizer update runs as ``optimizer.step()``.
+
+The budget applies to each region: a fraction of the region's own eager peak, or bytes for the
+region's peak; the step's peak (optimizer state and what the eager code keeps included) is
+measured at the first step after compiling settles (the second or third) and checked against a bytes budget, with a warning where it is over.
+
+Example:
+    >>> import torch, fitgraph
+    >>> class Scaled(torch.nn.Module):           # .item(): a graph break
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 1)
+    ...     def forward(self, x):
+    ...         h = self.a(x).relu()
+    ...         return self.b(h / (1 + h.mean().item()))
+    >>> model, x = Scaled(), torch.randn(64, 32)
+    >>> step = fitgraph.optimize(model, x, lambda m, b: m(b).square().mean(),
+    ...                          latency_limit=1.5, graph_breaks="regions")
+    >>> loss = step(x)                           # compiles and plans each region
+    >>> r = step.report()
+    >>> len(r.regions) >= 2 and "item" in r.graph_breaks[0]
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .capture.calling import LossFn, compute_loss
+from .capture.errors import CaptureError
+from .compile_backend.report import BackendReport
+from .execute.meter import MemoryMeter
+from .measure import _sync, resident_bytes
+from .units import format_bytes, parse_budget
+
+__all__ = ["RegionsReport", "RegionsStep", "breaks_into_regions"]
+
+
+def breaks_into_regions(e: CaptureError) -> bool:
+    """Whether a capture error came from tracing the step (data read into Python, shapes made
+    from data, an op make_fx cannot trace), which torch.compile may trace around with graph
+    breaks; not an unsupported optimizer or a malformed batch or loss."""
+    return e.__cause__ is not None and not isinstance(e.__cause__, CaptureError)
+
+
+@dataclass
+class RegionsReport:
+    """What ``RegionsStep`` planned and what it left to eager PyTorch."""
+
+    reason: str                        # why the whole step could not be captured
+    graph_breaks: list[str]            # each distinct break: its reason's first line (xN)
+    regions: list[BackendReport]       # one per compiled region planned
+    budget_bytes: int | None           # a bytes budget, checked against the measured step
+    measured_peak_bytes: int | None = None
+    measured_step_s: float | None = None
+    notes: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fitgraph plan by regions: the whole step could not be captured "
+                 f"({self.reason.splitlines()[0]})",
+                 f"  {len(self.regions)} region(s) planned by fitgraph.backend; "
+                 f"{len(self.graph_breaks)} graph break(s), the code between regions ran "
+                 "eagerly (what it saves for the backward is not planned):"]
+        lines += [f"    - {b}" for b in self.graph_breaks]
+        for i, r in enumerate(self.regions):
+            lines.append(f"  region {i}: peak {format_bytes(r.eager_peak_bytes)} -> "
+                         f"{format_bytes(r.planned_peak_bytes)} (simulated), "
+                         f"{r.recomputed_nodes} recomputed")
+        lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
+                     + ("" if self.budget_bytes is None else
+                        f" (budget {format_bytes(self.budget_bytes)})")
+                     + ("" if self.measured_step_s is None else
+                        f", {self.measured_step_s * 1e3:,.1f} ms"))
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _dynamo_quiet():
+    """Dynamo logs every graph break as a warning with the user's stack; the report lists
+    them once, so its logger is quieted while regions compile (restored after)."""
+    log = logging.getLogger("torch._dynamo")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _grad_bytes(model: torch.nn.Module) -> int:
+    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
+               if p.grad is not None)
+
+
+def _first_line(reason: str) -> str:
+    """A graph break's reason in one line: Dynamo's title and its explanation (which names
+    the op: "Operator `aten.nonzero.default`'s output shape depends on input Tensor data")."""
+    lines = [x.strip() for x in reason.strip().splitlines() if x.strip()]
+    if not lines:
+        return "(no reason given)"
+    why = next((x.removeprefix("Explanation:").strip() for x in lines[1:]
+                if x.startswith("Explanation:")), "")
+    return f"{lines[0]}: {why}" if why else lines[0]
+
+
+class RegionsStep:
+    """``step(batch) -> loss`` for a model whose step has graph breaks: the regions planned by
+    ``fitgraph.backend``, the rest eager; then ``loss.backward()``, gradient clipping and
+    ``optimizer.step()`` as a training loop would run them. Made by ``fitgraph.optimize`` when
+    the whole step cannot be captured (``graph_breaks="regions"``)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
+                 optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
+                 time_budget: float, cost_model, clip_grad_norm: float | None,
+                 reason: CaptureError) -> None:
+        from .compile_backend import backend
+
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.clip_grad_norm, self.reason = clip_grad_norm, reason
+        self.budget = budget
+        # NOTE: hotspot (remat + reordering inside each region): bitwise, as eager
+        self.backend = backend(budget=budget, latency_limit=latency_limit,
+                               time_budget=time_budget, cost_model=cost_model)
+        # NOTE: dynamic=None: a float that changes at every step (read with .item()) becomes
+        # a graph input at the second compile instead of a recompile per value
+        self._loss = torch.compile(self._compute_loss, backend=self.backend)
+        self._breaks: Counter[str] = Counter()
+        self._settled, self._calls = False, 0
+        self.measured_peak_bytes: int | None = None
+        self.step_times: list[float] = []
+
+    def _compute_loss(self, batch: Any) -> torch.Tensor:
+        return compute_loss(self.model, batch, self.loss_fn)
+
+    @property
+    def device(self) -> torch.device:
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def _run(self, batch: Any) -> torch.Tensor:
+        loss = self._loss(batch)
+        loss.backward()
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach()
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        from torch._dynamo.utils import counters
+
+        if not self._settled:
+            # NOTE: a call that compiles plans regions, profiling their ops on real tensors
+            # under meters of their own: it is neither measured nor timed. Dynamo may compile
+            # again at the second call (a Python float read from data becomes an input), so
+            # calls are measured once one compiled nothing
+            seen = Counter(counters["graph_break"])
+            graphs = counters["stats"]["unique_graphs"]
+            with _dynamo_quiet():
+                loss = self._run(batch)
+            self._breaks += Counter(counters["graph_break"]) - seen
+            self._settled = counters["stats"]["unique_graphs"] == graphs and self._calls > 0
+            self._calls += 1
+            return loss
+        if self.measured_peak_bytes is None:
+            before = resident_bytes(self.model, batch, self.optimizer) + _grad_bytes(self.model)
+            with MemoryMeter(self.device) as meter:
+                loss = self._run(batch)
+            self.measured_peak_bytes = before + meter.peak_bytes
+            self._check_budget()
+            return loss
+        _sync(self.device)
+        t0 = time.perf_counter()
+        loss = self._run(batch)
+        _sync(self.device)
+        self.step_times.append(time.perf_counter() - t0)
+        return loss
+
+    step = __call__
+
+    def _check_budget(self) -> None:
+        if self.budget is None or isinstance(self.budget, float) or (
+                isinstance(self.budget, str) and self.budget.strip().endswith("%")):
+            return
+        limit = parse_budget(self.budget, eager_peak_bytes=1)
+        if self.measured_peak_bytes > limit:
+            warnings.warn(f"the step by regions peaked at {format_bytes(self.measured_peak_bytes)}"
+                          f", over the budget {format_bytes(limit)}: the budget holds for each "
+                          "planned region, not for the eager code between them nor the "
+                          "optimizer state; see step.report()", stacklevel=3)
+
+    def report(self) -> RegionsReport:
+        budget = (None if self.budget is None or isinstance(self.budget, float)
+                  or str(self.budget).strip().endswith("%")
+                  else parse_budget(self.budget, eager_peak_bytes=1))
+        breaks = [_first_line(r) + (f" (x{n})" if n > 1 else "")
+                  for r, n in sorted(self._breaks.items())]
+        return RegionsReport(
+            reason=str(self.reason), graph_breaks=breaks, regions=list(self.backend.reports),
+            budget_bytes=budget, measured_peak_bytes=self.measured_peak_bytes,
+            measured_step_s=statistics.median(self.step_times) if self.step_times else None)
+
+    def save(self, path: str) -> None:
+        raise NotImplementedError("a step planned by regions cannot be saved: its regions are "
+                                  "torch.compile graphs, compiled again in each process")

@@ -1,0 +1,81 @@
+"""Steps with graph breaks (.item(), CTC, boolean masks): planned region by region (issue 25)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fitgraph
+from fitgraph.regions import RegionsStep
+
+
+class ItemScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+        self.b = nn.Linear(128, 20)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h / (1 + h.abs().mean().item()))   # NOTE: reads data into Python
+
+
+def ctc_loss(m, b):
+    x, targets, in_lens, tgt_lens = b
+    log_probs = m(x).log_softmax(-1).transpose(0, 1)
+    kept = targets[targets > 0]   # NOTE: a boolean mask: a shape made from data
+    return F.ctc_loss(log_probs, kept, in_lens, tgt_lens)
+
+
+def ctc_batch():
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(4, 9, (6,), generator=g)
+    targets = torch.zeros(6, 8, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        targets[i, :n] = torch.randint(1, 20, (n,), generator=g)
+    return torch.randn(6, 30, 32, generator=g), targets, torch.full((6,), 30), lens
+
+
+def test_a_step_with_graph_breaks_runs_by_regions_with_eager_results():
+    a = ItemScaled()
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    batch = ctc_batch()
+    with pytest.warns(UserWarning, match="cannot be captured as one graph"):
+        step = fitgraph.optimize(b, batch, ctc_loss, ob, latency_limit=1.2, time_budget=5)
+    assert isinstance(step, RegionsStep)
+    for _ in range(5):
+        la = ctc_loss(a, batch)
+        la.backward()
+        oa.step()
+        lb = step(batch)
+        assert torch.allclose(la.detach(), lb, rtol=1e-5, atol=1e-6)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
+        oa.zero_grad(set_to_none=True)
+        ob.zero_grad(set_to_none=True)
+    r = step.report()
+    assert r.regions and all(x.planned_peak_bytes <= x.eager_peak_bytes for x in r.regions)
+    text = " ".join(r.graph_breaks)
+    assert "item" in text.lower() and "nonzero" in text, r.graph_breaks
+    assert r.measured_peak_bytes is not None and r.measured_step_s is not None
+    assert "graph break" in str(r) and "region 0" in str(r)
+
+
+def test_graph_breaks_error_raises_the_capture_error():
+    m = ItemScaled()
+    with pytest.raises(fitgraph.CaptureError, match="item"):
+        fitgraph.optimize(m, ctc_batch(), ctc_loss, latency_limit=1.2, graph_breaks="error")
+
+
+def test_an_unsupported_optimizer_is_not_sent_to_regions():
+    m = nn.Linear(4, 1)
+    with pytest.raises(fitgraph.CaptureError, match="not supported"):
+        fitgraph.optimize(m, torch.randn(8, 4), lambda m, b: m(b).sum(),
+                          torch.optim.Adagrad(m.parameters()), latency_limit=1.2)
