@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 import traceback
 
 import torch
@@ -22,20 +23,29 @@ from .errors import CaptureError
 
 __all__ = ["translate"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _FITGRAPH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIB_DIRS = (_TORCH_DIR, _FITGRAPH_DIR, os.path.dirname(os.__file__) + os.sep)
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 _VALUE_READ = ("DataDependentOutputException", "GuardOnDataDependentSymNode")
 _DYNAMIC_SHAPE = "DynamicOutputShapeException"
-_READ_OP = "aten._local_scalar_dense.default (.item(), .tolist(), float()/int()/bool() of a tensor)"
+_SCALAR_OP = "aten._local_scalar_dense.default"
+_READ_OP = f"{_SCALAR_OP} (.item(), .tolist(), float()/int()/bool() of a tensor)"
+
+
+def _is_user(filename: str) -> bool:
+    """A frame of the model or loss: not torch, fitgraph or the standard library (whose
+    folder may hold site-packages, e.g. conda's: code there is the user's models)."""
+    path = os.path.abspath(filename)
+    if path.startswith((_TORCH_DIR, _FITGRAPH_DIR)):
+        return False
+    return not path.startswith(_STDLIB_DIR) or "-packages" + os.sep in path
 
 
 def _source_line(e: BaseException) -> str:
     """`` at file:line: code`` of the innermost frame outside torch, fitgraph and the standard
     library: the line of the model or loss that did it; "" when there is none."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not os.path.abspath(f.filename).startswith(_LIB_DIRS)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
@@ -44,12 +54,14 @@ def _source_line(e: BaseException) -> str:
 
 def _moe_hint(model: torch.nn.Module | None, module: str) -> str:
     """What to do when the data-dependent module is a mixture-of-experts layer; "" otherwise."""
+    if model is None:
+        return ""
     try:
-        mod = model.get_submodule(module) if model is not None else None
+        mod = model.get_submodule(module)
     except AttributeError:
         return ""
     name = type(mod).__name__
-    if mod is None or not re.search(r"expert|moe", name, re.IGNORECASE):
+    if not re.search(r"expert|moe", name, re.IGNORECASE):
         return ""
     # NOTE: transformers' @use_experts_implementation keeps the config on the experts module
     impl = getattr(getattr(mod, "config", None), "_experts_implementation", None)
@@ -83,7 +95,7 @@ def translate(e: Exception, module: str, model: torch.nn.Module | None = None) -
             "it: keep it a tensor (torch.where(cond, a, b) instead of `if tensor`, multiply "
             "by the tensor instead of its .item()), or compute it outside the step (e.g. into "
             "the batch)" + _moe_hint(model, module),
-            module=module, op=_READ_OP if op_name in (None, _READ_OP.split()[0]) else op_name)
+            module=module, op=_READ_OP if op_name in (None, _SCALAR_OP) else op_name)
     if kind == _DYNAMIC_SHAPE or "data-dependent" in msg.lower():
         return CaptureError(
             f"data-dependent output shape: {op_name or 'an op'} returns as many elements as the "
