@@ -176,3 +176,41 @@ def test_depthwise_valid_convolution_regions():
         r = grow_region(g, conv.outputs[0], dim)
         assert conv.id in r.nodes
         assert not any("failed" in why for why in r.boundary.values()), r.boundary
+
+
+# -- ops that fail alone on synthetic inputs ------------------------------------------------------
+
+class _Cholesky(torch.nn.Module):
+    """A matrix the step makes positive-definite, factored with its errors checked: alone on
+    random inputs (not positive-definite) the op raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        a = self.lin(x)
+        k = a @ a.mT + torch.eye(4)
+        return torch.linalg.cholesky_ex(k, check_errors=True)[0].square().mean()
+
+
+def test_an_op_failing_on_synthetic_inputs_is_measured_after_its_producers(cache_dir):
+    from fitgraph.cost.profiler import AFTER_PRODUCERS
+
+    torch.manual_seed(0)
+    m, x = _Cholesky(), torch.randn(3, 4, 4)
+    g = fitgraph.capture(m, x, lambda m, b: m(b))
+    chol = next(n for n in g.nodes if n.target == "aten.linalg_cholesky_ex.default")
+    cm = _cost_model(cache_dir)
+    cm.profile(g)  # NOTE: raised "not positive-definite" out of the planner
+    assert cm.measurement(g, chol).inputs == AFTER_PRODUCERS
+    assert cm.priced_apart(g) == {chol.name: AFTER_PRODUCERS}
+    again = _cost_model(cache_dir)  # NOTE: another process: told by the cache
+    assert again.profile(g) == 0 and again.priced_apart(g) == {chol.name: AFTER_PRODUCERS}
+    m1 = copy.deepcopy(m)
+    step = fitgraph.optimize(m1, x, lambda m, b: m(b), latency_limit=1.1,
+                             cost_model=_cost_model(cache_dir, in_situ=True))
+    want = m(x)
+    want.backward()
+    assert torch.equal(step(x), want.detach())
+    assert all(torch.equal(p0.grad, p1.grad) for p0, p1 in zip(m.parameters(), m1.parameters()))

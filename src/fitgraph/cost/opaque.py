@@ -21,6 +21,10 @@ value but the graph's inputs is already real.
 ``ProfiledCostModel.measurement(graph, node).inputs`` and ``.priced_apart(graph)`` say which
 nodes were measured this way.
 
+The same route serves any node whose alone-run fails on synthetic inputs (a
+``cholesky_ex(check_errors=True)`` of a matrix the step makes positive-definite): the profiler
+runs it again after all its producers (``producers``), on their real outputs, and says so.
+
 Sizes: where the captured size of an opaque buffer is short of what its maker really left
 allocated (``Measurement.end_bytes``; oneDNN's LSTM workspace: 0 bytes captured, 3 MiB real
 for a 2-layer, 128-wide LSTM on 8 x 50 steps), ``ProfiledCostModel.profile`` gives the storage
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph
 
-__all__ = ["OPAQUE_DTYPE", "OpaqueInputs", "opaque_inputs"]
+__all__ = ["OPAQUE_DTYPE", "OpaqueInputs", "opaque_inputs", "producers"]
 
 # NOTE: ATen types workspaces and reserves as Byte (uint8) tensors, whatever they hold
 OPAQUE_DTYPE = "uint8"
@@ -130,3 +134,17 @@ def opaque_inputs(graph: Graph) -> OpaqueInputs:
         if need:
             chains[n.id] = tuple(sorted(need))
     return OpaqueInputs(made, chains, graph)
+
+
+def producers(graph: Graph, node_id: int) -> tuple[int, ...]:
+    """Every node whose outputs ``node_id`` reads, directly or through others, in graph order
+    (the step's prefix that makes its inputs from the graph's inputs)."""
+    seen: set[int] = set()
+    todo = [node_id]
+    while todo:
+        for v in graph.nodes[todo.pop()].inputs:
+            p = graph.values[v].producer
+            if p is not None and p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return tuple(sorted(seen))

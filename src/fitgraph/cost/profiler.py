@@ -21,8 +21,11 @@ Synthetic inputs: floating tensors are ``torch.rand`` (uniform in [0, 1), so sqr
 multinomial stay valid), integers are zeros (valid indices and labels), bools are ones, except
 random bits (a dropout mask kept as bits), drawn at their density (``cost/drawn_bits.py``), and
 opaque byte buffers (an LSTM's oneDNN workspace, a cuDNN reserve): a node reading one runs after
-the nodes that make it, on their real outputs (``cost/opaque.py``; ``Measurement.inputs`` and
-``priced_apart`` say which nodes were). Inputs
+the nodes that make it, on their real outputs (``cost/opaque.py``). A node that fails alone on
+synthetic inputs is measured again after all its producers, on their real outputs (a
+``cholesky_ex(check_errors=True)`` of a matrix the step makes positive-definite); only if that
+fails too is profiling an error. ``Measurement.inputs`` and ``priced_apart`` say which nodes
+were measured how. Inputs
 that share a storage in the graph share one here, with the graph's strides and offsets. Nodes
 that write their inputs in place get freshly made inputs before every run, so repeated runs
 never drift (to denormals, overflow) and every run does the same work. All of this happens
@@ -69,7 +72,7 @@ from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 from .in_situ import profile_in_situ
-from .opaque import OpaqueInputs, opaque_inputs
+from .opaque import OpaqueInputs, opaque_inputs, producers
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -85,6 +88,8 @@ _COPY_SMALL = 4096
 _COPY_LARGE = 64 * 2**20
 _COPY_REPEATS = 5
 _BLANK_MEMO = 64   # graphs whose untouched writes are remembered
+AFTER_PRODUCERS = ("after its producers, on their real outputs (alone on synthetic inputs "
+                   "it failed)")
 
 
 class NotProfiledError(KeyError):
@@ -238,6 +243,7 @@ class ProfiledCostModel:
         self.label, self.hardware = _describe(dev)
         self._entries: dict[str, CacheEntry] = {}
         self._situ: dict[str, float] = {}   # key -> seconds in its step (cost/in_situ.py)
+        self._apart: dict[str, str] = {}    # key -> how, where measured after its producers
         # id(node) -> (node, signature, env, key): keys are asked for on every node_cost call
         self._keys: dict[int, tuple[Node, str, str, str]] = {}
         self._constants: dict[tuple, tuple[float, ...]] = {}  # (env, names) -> values
@@ -323,6 +329,8 @@ class ProfiledCostModel:
         missing = [k for k in todo if k not in self._entries]
         if not self.refresh:
             self._entries.update(self.cache.get_many(missing))
+            marks = self.cache.get_many([_after_key(k) for k in missing])
+            self._apart.update((k, AFTER_PRODUCERS) for k in missing if _after_key(k) in marks)
         todo = {k: n for k, n in todo.items() if k not in self._entries}
         self._copy_params()
         self.first_touch_seconds_per_byte()
@@ -365,7 +373,11 @@ class ProfiledCostModel:
             torch.manual_seed(0)  # NOTE: synthetic inputs are the same in every process
             for key, node in bar:
                 fresh_bytes = sum(graph.storages[s].nbytes for s in fresh[node.id])
-                seconds, peak, end = self._measure(runner, node)
+                try:
+                    seconds, peak, end = self._measure(runner, node)
+                except RuntimeError as e:
+                    seconds, peak, end = self._measure_after_producers(graph, runner, key,
+                                                                       node, e)
                 if node.id in opaque.storages.values() and len(opaque.makes(node.id)) == 1:
                     # NOTE: its opaque buffer's real size is output, not workspace (_size_opaque)
                     fresh_bytes = max(fresh_bytes, end)
@@ -382,33 +394,60 @@ class ProfiledCostModel:
                      "IR's alias model predicts: %s (see ProfiledCostModel.alias_mismatches)",
                      len(mismatched), sorted({n.target for n in mismatched}))
 
+    def _measure_after_producers(self, graph: Graph, runner: _Runner, key: str, node: Node,
+                                 error: RuntimeError) -> tuple[float, int, int]:
+        """``_measure`` again with every producer of ``node`` run first (its inputs real);
+        recorded (and cached) as how the node was measured. Raises naming both failures."""
+        chain = producers(graph, node.id)
+        if not chain or runner.chains.get(node.id) == chain:
+            raise error
+        runner.chains[node.id] = chain
+        try:
+            got = self._measure(runner, node)
+        except RuntimeError as again:
+            raise RuntimeError(f"{error}; run after its {len(chain)} producers, on their real "
+                               f"outputs, it failed too: {again.__cause__}") from again
+        log.info("node %s (%s) failed alone on synthetic inputs (%s); measured after its %d "
+                 "producers instead", node.name, node.target, error.__cause__, len(chain))
+        self._apart[key] = AFTER_PRODUCERS
+        self.cache.put(_after_key(key), CacheEntry(0.0, 0, 0), device=self.hardware,
+                       torch_version=torch.__version__, target="after producers")
+        return got
+
+    def _how(self, graph: Graph, node: Node, key: str) -> str:
+        return self._apart.get(key) or self._graph_facts(graph)[2].describe(node.id)
+
     def measurement(self, graph: Graph, node: Node) -> Measurement:
         """What was measured for ``node``, with the IR's fresh bytes to compare."""
         key = self.key(graph, node)
         e = self._entry(key, node)
         fresh = sum(graph.storages[s].nbytes for s in new_storages(graph)[node.id])
         return Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh,
-                           self._graph_facts(graph)[2].describe(node.id))
+                           self._how(graph, node, key))
 
     def measurements(self, graph: Graph) -> list[Measurement]:
         """``measurement`` of every node, in node order."""
         table = new_storages(graph)
-        opaque = self._graph_facts(graph)[2]
         out = []
         for node in graph.nodes:
             key = self.key(graph, node)
             e = self._entry(key, node)
             fresh = sum(graph.storages[s].nbytes for s in table[node.id])
             out.append(Measurement(key, e.seconds, e.workspace_bytes, e.end_bytes, fresh,
-                                   opaque.describe(node.id)))
+                                   self._how(graph, node, key)))
         return out
 
     def priced_apart(self, graph: Graph) -> dict[str, str]:
         """Node name -> how it was measured, for the nodes not measured alone on synthetic
-        inputs: those reading an opaque buffer ran after its makers (``cost/opaque.py``). In
-        situ (``in_situ``), every node is also timed in its step, on real values."""
-        opaque = self._graph_facts(graph)[2]
-        return {graph.nodes[nid].name: opaque.describe(nid) for nid in opaque.chains}
+        inputs: those reading an opaque buffer ran after its makers (``cost/opaque.py``), those
+        that failed alone after all their producers (known once ``profile`` ran). In situ
+        (``in_situ``), every node is also timed in its step, on real values."""
+        out = {}
+        for node in graph.nodes:
+            how = self._how(graph, node, self.key(graph, node))
+            if how != "synthetic":
+                out[node.name] = how
+        return out
 
     def alias_mismatches(self, graph: Graph) -> list[tuple[Node, Measurement]]:
         """Nodes whose real allocation differs from the IR's (``end_bytes != fresh_bytes``)."""
@@ -540,7 +579,9 @@ class _Runner:
                  chains: dict[int, tuple[int, ...]] | None = None) -> None:
         self.graph, self.device = graph, device
         self.densities = densities or {}
-        self.chains = chains or {}  # node -> nodes that make its opaque inputs (cost/opaque.py)
+        # NOTE: node -> nodes to run first (its opaque inputs' makers; all its producers
+        # where it failed alone): a copy, as the profiler adds to it
+        self.chains = dict(chains or {})
         first = graph.storages[graph.values[graph.inputs[0]].storage] if graph.inputs else None
         self.graph_device = first.device if first is not None else "cpu"
         self.remap = torch.device(self.graph_device) != device
@@ -632,6 +673,11 @@ class _Runner:
         if isinstance(obj, dict):
             return {k: self._remap(v) for k, v in obj.items()}
         return obj
+
+
+def _after_key(key: str) -> str:
+    """The cache key marking ``key``'s node as measured after its producers."""
+    return hashlib.sha256(f"after-producers|{key}".encode()).hexdigest()
 
 
 def _describe(dev: torch.device) -> tuple[str, str]:
