@@ -214,3 +214,18 @@ def test_an_op_failing_on_synthetic_inputs_is_measured_after_its_producers(cache
     want.backward()
     assert torch.equal(step(x), want.detach())
     assert all(torch.equal(p0.grad, p1.grad) for p0, p1 in zip(m.parameters(), m1.parameters()))
+
+
+@pytest.mark.parametrize("target, args", [
+    ("aten.avg_pool2d.default", (torch.randn(3, 8, 8, dtype=torch.float64), [2, 2], [2, 2])),
+    ("aten.avg_pool2d.default", (torch.randn(3, 9, 9, dtype=torch.float64), [3, 3], [2, 2],
+                                 [1, 1])),
+    ("aten.avg_pool2d_backward.default", (torch.randn(3, 5, 5, dtype=torch.float64),
+                                          torch.randn(3, 9, 9, dtype=torch.float64), [3, 3],
+                                          [2, 2], [1, 1], False, True, None)),
+])
+def test_unbatched_average_pooling_splits_its_last_two_dims(target, args):
+    """A (C, H, W) input pools its last two dims (the rule indexed dims 2 and 3)."""
+    g, node, env = _one_node(target, args)
+    assert isinstance(splits_or_reason(g, node), list)
+    assert check_node(g, node, env) >= 3  # NOTE: channels, rows, columns

@@ -214,7 +214,7 @@ def avg_pool2d(node, ins, outs) -> list[Split]:
     if any(w.padding for w in wins) and not arg_of(node, 5, "count_include_pad", True):
         return splits  # NOTE: the divisor would count the part's explicit zero rows
     for j, win in enumerate(wins):
-        d = 2 + j
+        d = len(x) - 2 + j  # NOTE: an unbatched (C, H, W) input pools its last two dims
         if out[d] >= 2:
             splits.append(Split(per_arg(node, {0: Along(d, window=win)}), (Along(d),)))
     return splits
@@ -230,7 +230,7 @@ def avg_pool2d_backward(node, ins, outs) -> list[Split]:
     if any(w.padding for w in wins) and not arg_of(node, 6, "count_include_pad", True):
         return splits
     for j, win in enumerate(wins):
-        d = 2 + j
+        d = len(x) - 2 + j
         if g[d] >= 2:
             splits.append(Split(per_arg(node, {0: Along(d), 1: Along(d, window=win)}),
                                 (Along(d, window=win),), note="gathered"))
