@@ -107,7 +107,9 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
     index = RegionIndex(graph)
     edges = (index.succ, index.pred)
     fresh = new_storages(graph)
-    seen: set[tuple[int, ...]] = set()
+    # NOTE: keyed by nodes and axis length: trimmed, the maximal region (tokens tied to the
+    # batch, length B) can hold the same nodes as the one that keeps every token (length B*T)
+    seen: set[tuple[tuple[int, ...], int]] = set()
     out: list[Region] = []
     for vid, dim in starts:
         r = grow_region(graph, vid, dim, exclude=exclude, index=index)
@@ -123,7 +125,8 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
             for share in shares:
                 t = trimmed(graph, g, share, edges) if share > 0 else g
                 # NOTE: a region of views allocates nothing: its parts could only add nodes
-                if len(t.nodes) >= 2 and t.nodes not in seen and any(fresh[n] for n in t.nodes):
-                    seen.add(t.nodes)
+                key = (t.nodes, t.length)
+                if len(t.nodes) >= 2 and key not in seen and any(fresh[n] for n in t.nodes):
+                    seen.add(key)
                     out.append(t)
     return out

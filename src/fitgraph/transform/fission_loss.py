@@ -1,4 +1,4 @@
-"""Count a mean loss's targets apart from the loss, so its forward and backward fission together.
+"""Count a loss's targets apart from the loss, so its forward and backward fission together.
 
 A mean-reduced ``nll_loss`` divides by its total weight (the number of targets not ignored).
 ``nll_loss_forward`` returns that count, and ``nll_loss_backward`` reads it whole: split along
@@ -8,6 +8,11 @@ Here the backward reads a count made from the targets alone (``(target != ignore
 integer, cast to the loss's dtype as ``nll_loss_forward`` casts its own integer count: bitwise
 the same, in bfloat16 too), which does not depend on the logits; a region can then run logits,
 loss and its gradient chunk by chunk, the classic chunked cross-entropy.
+
+Sum- and unreduced losses (``reduction="sum"``, as Hugging Face's ``num_items_in_batch``
+division; ``reduction="none"`` with a per-token mask) pass the forward's total weight to the
+backward too, which does not use it: it gets the value the forward makes (the count; 0 for
+``"none"``) made apart the same way, so the region is not cut there either.
 
 Example:
     >>> import torch, fitgraph
@@ -34,16 +39,16 @@ from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["count_targets_apart", "counting_nodes", "mean_losses"]
+__all__ = ["count_targets_apart", "counted_losses", "counting_nodes"]
 
 _FORWARD = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 _BACKWARD = ("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.default")
-_MEAN = 1
+_NONE, _MEAN, _SUM = 0, 1, 2
 _TOTAL_WEIGHT = 6  # NOTE: position of total_weight in nll_loss_backward's args
 _RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
                        "aten.squeeze.dim", "aten.squeeze.default", "aten.unsqueeze.default",
                        "aten.alias.default", "aten.detach.default", "aten.clone.default"})
-_COUNT_STEPS = ("kept", "counted", "count")
+_COUNT_STEPS = ("kept", "counted", "none", "count")
 _WHY = ("counts a loss's targets apart for its backward: in a region it would become a partial "
         "sum the backward cannot read")
 
@@ -55,14 +60,16 @@ def counting_nodes(graph: Graph) -> dict[int, str]:
     return {n.id: _WHY for n in graph.nodes if n.name in names}
 
 
-def mean_losses(graph: Graph) -> list[tuple[int, int]]:
-    """(forward node, backward node) pairs where the backward reads the forward's total weight,
-    the reduction is the mean and there are no class weights (the count is then a count)."""
+def counted_losses(graph: Graph) -> list[tuple[int, int]]:
+    """(forward node, backward node) pairs where the backward reads the forward's total weight
+    and a count of the targets makes it: no class weights where the weight counts (mean and
+    sum reductions; unreduced, the total weight is 0 whatever the weights)."""
     out = []
     for n in graph.nodes:
-        if n.target not in _BACKWARD or arg_of(n, 4, "reduction") != _MEAN:
+        reduction = arg_of(n, 4, "reduction")
+        if n.target not in _BACKWARD or reduction not in (_NONE, _MEAN, _SUM):
             continue
-        if arg_of(n, 3, "weight") is not None:
+        if reduction != _NONE and arg_of(n, 3, "weight") is not None:
             continue
         tw = arg_of(n, _TOTAL_WEIGHT, "total_weight")
         if not isinstance(tw, ValueRef):
@@ -75,9 +82,9 @@ def mean_losses(graph: Graph) -> list[tuple[int, int]]:
 
 
 def count_targets_apart(graph: Graph) -> Graph:
-    """A copy of ``graph`` whose mean losses' backwards read a count of the targets made apart
+    """A copy of ``graph`` whose losses' backwards read a count of the targets made apart
     (see the module doc); ``graph`` itself when it has no such loss."""
-    pairs = mean_losses(graph)
+    pairs = counted_losses(graph)
     if not pairs:
         return graph
     fwd_of = dict(pairs)
@@ -112,6 +119,10 @@ def _count(w: GraphWriter, graph: Graph, fwd: Node) -> int:
     # loss's dtype is needed (a float32 loss of a bfloat16 model has no input to make one from)
     counted = w.add_node(f"{fwd.name}.counted", "aten.sum.default", (ValueRef(kept),), {},
                          [OutSpec(f"{fwd.name}.counted", scalar, "int64", role=role)], **kw)[0]
+    if arg_of(fwd, 3, "reduction", _MEAN) == _NONE:
+        # NOTE: an unreduced loss's total weight is 0 (its backward does not read it)
+        counted = w.add_node(f"{fwd.name}.none", "aten.mul.Scalar", (ValueRef(counted), 0), {},
+                             [OutSpec(f"{fwd.name}.none", scalar, "int64", role=role)], **kw)[0]
     return w.add_node(f"{fwd.name}.count", "aten._to_copy.default", (ValueRef(counted),),
                       {"dtype": getattr(torch, tw.dtype)},
                       [OutSpec(f"{fwd.name}.count", scalar, tw.dtype, role=role)], **kw)[0]

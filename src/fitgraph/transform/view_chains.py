@@ -10,6 +10,11 @@ the loss and their gradients stay on the token axis end to end (the classic chun
 cross-entropy). Results are unchanged bit for bit: a view of a view of a contiguous tensor is
 that tensor's view. Intermediate views nobody reads any more are dropped.
 
+A cast between the two reshapes (``logits.float()`` on the 3-D logits of a bfloat16 model, and
+its gradient cast back) is a wall too; a cast read only by a reshape is moved past it
+(``x.view(a).float().view(b)`` becomes ``x.view(a).view(b).float()``: the same elements in the
+same order), and the round trip collapses.
+
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.execute import execute
@@ -32,7 +37,8 @@ from dataclasses import replace
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
-from .fission_writer import GraphWriter
+from .fission_meta import Meta
+from .fission_writer import GraphWriter, OutSpec
 
 __all__ = ["RESHAPE_VIEWS", "collapse_view_chains"]
 
@@ -44,6 +50,7 @@ def collapse_view_chains(graph: Graph) -> Graph:
     """A copy of ``graph`` where each reshape view of a reshape view of a contiguous tensor
     reads that tensor directly, and views left unread are gone; ``graph`` itself if there is
     no such chain."""
+    graph = _casts_after_reshapes(graph)
     source = {n.id: _base(graph, n) for n in graph.nodes if n.target in RESHAPE_VIEWS}
     source = {nid: vid for nid, vid in source.items() if vid != graph.nodes[nid].inputs[0]}
     if not source:
@@ -56,6 +63,57 @@ def collapse_view_chains(graph: Graph) -> Graph:
                 and n.outputs[0] not in outputs:
             continue  # NOTE: a view nobody reads any more: it only kept its name alive
         w.copy_node(_reading(n, source[n.id]) if n.id in source else n)
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
+
+
+_CAST = "aten._to_copy.default"
+
+
+def _casts_after_reshapes(graph: Graph) -> Graph:
+    """A copy of ``graph`` where each cast of a reshape view read by one reshape view only is
+    made after it; ``graph`` itself if there is none."""
+    readers: dict[int, list[int]] = {v.id: [] for v in graph.values}
+    for n in graph.nodes:
+        for v in n.inputs:
+            readers[v].append(n.id)
+    outputs = set(graph.outputs.values())
+    moved: dict[int, int] = {}                    # cast node -> the reshape it moves past
+    for n in graph.nodes:
+        if n.target != _CAST or set(n.kwargs) - {"dtype", "layout", "device"}:
+            continue
+        x, y = graph.values[n.inputs[0]], graph.values[n.outputs[0]]
+        after = readers[y.id]
+        if (len(after) != 1 or y.id in outputs or x.producer is None
+                or graph.nodes[x.producer].target not in RESHAPE_VIEWS
+                or graph.nodes[after[0]].target not in RESHAPE_VIEWS
+                or not (_dense(x) and _dense(y)) or x.storage_offset):
+            continue
+        moved[n.id] = after[0]
+    if not moved:
+        return graph
+    w = GraphWriter(graph)
+    skip = set(moved.values())
+    for n in graph.nodes:
+        if n.id in skip:
+            continue
+        if n.id not in moved:
+            w.copy_node(n)
+            continue
+        r = graph.nodes[moved[n.id]]
+        out = graph.values[r.outputs[0]]
+        x = w.whole[n.inputs[0]]
+        kw = dict(phase=n.phase, module=n.module, device=w.device_of(x))
+        flat = Meta(out.shape, contiguous_strides(out.shape), w.values[x].storage_offset)
+        z = w.add_node(f"{n.name}.reshaped", r.target, (ValueRef(x), list(out.shape)), {},
+                       [OutSpec(f"{n.name}.reshaped", flat, w.values[x].dtype,
+                                storage=w.values[x].storage, role=w.values[x].role)], **kw)[0]
+        old = graph.values[n.outputs[0]]
+        cast = OutSpec(old.name, Meta(out.shape, contiguous_strides(out.shape), 0), old.dtype,
+                       storage=w.mapped_storage(old.storage), role=old.role)
+        w.whole[out.id] = w.add_node(n.name, n.target, (ValueRef(z),), dict(n.kwargs), [cast],
+                                     flops=n.flops, **kw)[0]
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
