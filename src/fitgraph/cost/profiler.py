@@ -158,6 +158,10 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
         consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
     else:
         consts = _canon(node.args, pos) + _canon(node.kwargs, pos)
+    if opaque and node.id in opaque.values():
+        # NOTE: measured with its buffer since it runs in grad mode and the buffer counts as
+        # output: keyed apart from entries cached before (made under no_grad, no buffer)
+        consts += "|makes-opaque"
     return f"{node.target}|{';'.join(ins)}|{consts}"
 
 
