@@ -14,9 +14,10 @@ from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase
 from ..plan.remat import recomputable
 
-__all__ = ["block_drop_sets", "block_of"]
+__all__ = ["block_drop_sets", "block_of", "blocks_of"]
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_NUMERIC = re.compile(r"\.\d+(?=\.|$)")
 
 
 def block_of(module: str) -> str | None:
@@ -25,22 +26,37 @@ def block_of(module: str) -> str | None:
     return m.group(1) if m else None
 
 
+def blocks_of(module: str) -> list[str]:
+    """Every block a module is in, outermost first: a path up to each numeric component
+    (Swin's ``layers.0`` stage and its ``layers.0.blocks.1`` layer; Hugging Face checkpoints
+    both, nested)."""
+    return [module[:m.end()] for m in _NUMERIC.finditer(module)]
+
+
 def block_drop_sets(g: Graph, ok: dict[int, str] | None = None,
-                    fresh: dict[int, list[int]] | None = None) -> dict[str, set[int]]:
+                    fresh: dict[int, list[int]] | None = None,
+                    nested: bool = False) -> dict[str, set[int]]:
     """block -> its recomputable forward nodes whose outputs stay inside the block: what
     ``torch.utils.checkpoint`` around that block drops after the forward (random ops excluded).
-    ``ok``, ``fresh``: ``recomputable(g)`` and ``new_storages(g)`` if the caller has them."""
+    ``ok``, ``fresh``: ``recomputable(g)`` and ``new_storages(g)`` if the caller has them.
+    ``nested``: the blocks of every level (``blocks_of``), not only the outermost."""
     ok = recomputable(g) if ok is None else ok
     fresh = new_storages(g) if fresh is None else fresh
     readers = users(g)
     out: dict[str, set[int]] = {}
     for n in g.nodes:
-        blk = block_of(n.module)
-        if blk is None or n.phase is not Phase.FORWARD or ok[n.id] or not fresh[n.id]:
+        if n.phase is not Phase.FORWARD or ok[n.id] or not fresh[n.id]:
             continue
-        # NOTE: outputs read by the forward outside the block are the block's outputs: kept
-        leaves = any(g.nodes[r].phase is Phase.FORWARD and block_of(g.nodes[r].module) != blk
-                     for o in n.outputs if o is not None for r in readers[o])
-        if not leaves:
-            out.setdefault(blk, set()).add(n.id)
+        levels = blocks_of(n.module)
+        for blk in levels if nested else levels[:1]:
+            # NOTE: outputs read by the forward outside the block are the block's outputs: kept
+            leaves = any(g.nodes[r].phase is Phase.FORWARD
+                         and not _inside(g.nodes[r].module, blk)
+                         for o in n.outputs if o is not None for r in readers[o])
+            if not leaves:
+                out.setdefault(blk, set()).add(n.id)
     return dict(sorted(out.items()))
+
+
+def _inside(module: str, block: str) -> bool:
+    return module == block or module.startswith(block + ".")

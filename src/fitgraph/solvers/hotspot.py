@@ -157,10 +157,17 @@ def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
                     pair_evals=local_evals(len(g.nodes)), look=lookahead(len(g.nodes)))
     blocks = moves.blocks
     firsts = [(eager, "captured")]
+    every = None
     if moves.every_block:
         every = search.evaluate(ev, moves.every_block)
         if every is not None:
             firsts.append((every, "captured, every block checkpointed"))
+    if moves.every_inner_block and moves.every_inner_block != moves.every_block:
+        inner = search.evaluate(ev, moves.every_inner_block)
+        # NOTE: a start costs two grown runs: only where the inner level (Swin's layers in
+        # its stages) checkpoints lower than the outer one
+        if inner is not None and (every is None or inner.peak_bytes < every.peak_bytes):
+            firsts.append((inner, "captured, every innermost block checkpointed"))
     starts = [Run(r, ev, label + (", own seconds" if own else ""), own_only=own, pairs=True)
               for r, label in firsts for own in (False, True)]
     best = None

@@ -38,12 +38,13 @@ import numpy as np
 from ..cost.base import CostModel
 from ..graph.ir import Graph
 from ..plan.remat import RematTables, per_use
-from .blocks import block_drop_sets
+from .blocks import block_drop_sets, blocks_of
 from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 
-__all__ = ["ALL_BLOCKS", "Moves", "build_moves"]
+__all__ = ["ALL_BLOCKS", "ALL_INNER_BLOCKS", "Moves", "build_moves"]
 
 ALL_BLOCKS = (2, "*")
+ALL_INNER_BLOCKS = (2, "**")
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Moves:
     maker: np.ndarray              # storage -> node that allocates it, -1 for inputs
     shape: list[tuple]             # per move: its ops and their sizes (equal for copies)
     blocks: list[frozenset[int]]   # every block's drop set (also those equal to another move)
-    every_block: frozenset[int]    # all blocks' drop sets together
+    every_block: frozenset[int]    # all (outermost) blocks' drop sets together
+    every_inner_block: frozenset[int]  # all innermost blocks' drop sets together
     per_use: np.ndarray            # per move: drops a node per use
 
     def hot_nodes(self, peak_made: np.ndarray) -> np.ndarray:
@@ -118,10 +120,17 @@ def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
     # NOTE: per use: a value that feeds recomputes far apart (block 3's input, recomputed early
     # in the backward, and block 2's MLP, late) is not held in between
     table.update({(0, f"~{nid}"): frozenset({nid, per_use(g, nid)}) for nid in sorted(candidates)})
-    blocks = block_drop_sets(g, ok, fresh)
+    # NOTE: blocks of every level: a Swin stage and each of its layers (Hugging Face
+    # checkpoints both, nested: the stage's recompute keeps only its layers' outputs)
+    blocks = block_drop_sets(g, ok, fresh, nested=True)
     table.update({(1, blk): frozenset(nodes & candidates) for blk, nodes in blocks.items()})
-    if blocks:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
-        table[ALL_BLOCKS] = frozenset(set().union(*blocks.values()) & candidates)
+    outer = [nodes for blk, nodes in blocks.items() if len(blocks_of(blk)) == 1]
+    inner = [nodes for blk, nodes in blocks.items()
+             if not any(other.startswith(blk + ".") for other in blocks)]
+    if outer:  # NOTE: every block at once: the greedy can always reach checkpointing's plan
+        table[ALL_BLOCKS] = frozenset(set().union(*outer) & candidates)
+    if inner:  # NOTE: and every innermost block at once (nested checkpointing's inner level)
+        table[ALL_INNER_BLOCKS] = frozenset(set().union(*inner) & candidates)
     # NOTE: with the in-place chains they pull in (dropout's bernoulli_, div_): what a move
     # really recomputes, so that its score counts their seconds
     table = {k: frozenset(v).union(*(tables.chain_of.get(nid, ()) for nid in v if nid < n))
@@ -155,4 +164,5 @@ def build_moves(g: Graph, cost_model: CostModel, tables: RematTables) -> Moves:
                           for i in v)) for v in nodes]
     return Moves(keys, nodes, flat, starts, candidate, node_bytes, seconds, maker, shape,
                  block_sets, table.get(ALL_BLOCKS, frozenset()),
+                 table.get(ALL_INNER_BLOCKS, frozenset()),
                  np.array([max(v) >= n for v in nodes], dtype=bool))
