@@ -215,8 +215,8 @@ def report_section(rows: list[dict], command: str, wall_s: float, rounds: int) -
         f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
         f"1 torch thread, load average {', '.join(f'{x:.2f}' for x in load)} at the end; "
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {tf}, "
-        f"numpy {numpy.__version__}. Command: `{command}` ({rounds} rounds, {wall_s / 60:.0f} "
-        "min). Each model in its own process; peaks measured (allocator events + resident "
+        f"numpy {numpy.__version__}. Command: `{command}` ({rounds} rounds; the models took "
+        f"{wall_s / 60:.0f} min). Each model in its own process; peaks measured (allocator events + resident "
         "bytes); overheads paired with eager (median of the rounds); smallest peak simulated "
         "(`BudgetInfeasible.smallest_peak_bytes`); lower bound = weights + gradients + AdamW "
         "state + batch.",
@@ -247,6 +247,24 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow({k: r.get(k, "") for k in COLUMNS})
 
 
+TEXT_COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes", "winner",
+                "result", "result_detail", "ckpt_kind", "exact", "stage_s")
+
+
+def read_csv(paths: list[str]) -> list[dict]:
+    """Rows of earlier runs' ``sweep.csv`` files, numbers as numbers; a model in a later file
+    replaces its row from an earlier one (a rerun of a few models), in first-seen order."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                for k, v in r.items():
+                    if k not in TEXT_COLUMNS:
+                        r[k] = float(v) if v not in ("", None) else None
+                rows[r["model"]] = r
+    return list(rows.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     from .sweep_models import names
 
@@ -259,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=30.0, help="fitgraph's solver time")
     ap.add_argument("--child", help=argparse.SUPPRESS)      # NOTE: a subprocess's one model
     ap.add_argument("--row-json", help=argparse.SUPPRESS)
+    ap.add_argument("--from-csv", help="comma-separated sweep.csv files to merge (later ones "
+                    "replace a model's row) into the tables and --report, measuring nothing")
     args = ap.parse_args(argv)
     if args.child:
         from .sweep_measure import measure_model
@@ -270,9 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m fitgraph.bench.sweep " + " ".join(argv if argv is not None
                                                             else sys.argv[1:])
-    t0 = time.perf_counter()
-    rows = []
-    for name in [m for m in args.models.split(",") if m]:
+    rows = read_csv(args.from_csv.split(",")) if args.from_csv else []
+    for name in [] if args.from_csv else [m for m in args.models.split(",") if m]:
         row = run_model(name, rounds=args.rounds, timeout=args.timeout,
                         time_budget=args.time_budget, logdir=out / "logs")
         rows.append(row)
@@ -281,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(rows, out / "sweep.csv")   # NOTE: after each model: a killed sweep keeps its rows
     (out / "sweep.md").write_text(markdown_table(rows) + "\n")
     if args.report:
-        Path(args.report).write_text(report_section(rows, command, time.perf_counter() - t0,
-                                                    args.rounds))
+        # NOTE: the models' own wall times: a merged report (--from-csv) measured nothing now
+        wall = sum(r.get("wall_s") or 0 for r in rows)
+        Path(args.report).write_text(report_section(rows, command, wall, args.rounds))
     print(markdown_table(rows))
     return 0
 

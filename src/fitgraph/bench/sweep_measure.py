@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 
 from ..capture.calling import compute_loss
-from .harness import _eager_step, _measure_memory, _System, _time_rounds, checkpointed, error_text
+from .harness import _eager_step, _measure_memory, _System, _time_rounds, error_text
 
-__all__ = ["LR", "PARAM_ATOL", "REL_TOL", "compare", "measure_model"]
+__all__ = ["LR", "PARAM_ATOL", "REL_TOL", "checkpoint_blocks", "compare", "measure_model"]
 
 LR = 1e-4
 LATENCY_LIMIT = 1.10
@@ -104,6 +104,35 @@ def compare(loss_e, loss_f, eager: torch.nn.Module, planned: torch.nn.Module) ->
     return ("allclose" if ok else "MISMATCH"), detail
 
 
+def checkpoint_blocks(model: torch.nn.Module, block_types: tuple[type, ...]) -> torch.nn.Module:
+    """A copy of ``model`` whose outermost modules of ``block_types`` (the root excluded) run
+    under non-reentrant ``torch.utils.checkpoint``. NOTE: their ``forward`` is replaced on the
+    instance instead of wrapping the module (``harness.checkpointed``): the parent may read the
+    block's attributes (``nn.TransformerEncoder`` reads ``layers[0].self_attn``), which a
+    wrapper hides.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        >>> c = checkpoint_blocks(m, (torch.nn.Sequential,))
+        >>> "forward" in vars(c[0]) and "forward" not in vars(c)
+        True
+    """
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    model = copy.deepcopy(model)
+    done: list[str] = []
+    for name, mod in model.named_modules():
+        if not name or not isinstance(mod, block_types):
+            continue
+        if any(name.startswith(d + ".") for d in done):
+            continue   # NOTE: inside a checkpointed block already
+        mod.forward = functools.partial(checkpoint, mod.forward, use_reentrant=False)
+        done.append(name)
+    return model
+
+
 def _ckpt_model(case, model, opt):
     """(kind, model, optimizer): checkpointing as the model's users would turn it on."""
     if case.hf_checkpointing:
@@ -111,7 +140,7 @@ def _ckpt_model(case, model, opt):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return "hf", m, o
     if case.block_types:
-        m = checkpointed(model, case.block_types)
+        m = checkpoint_blocks(model, case.block_types)
         o = _opt(m)
         # NOTE: the same parameter order (wrapping keeps it); a copy of the state (see _copied)
         o.load_state_dict(copy.deepcopy(opt.state_dict()))
