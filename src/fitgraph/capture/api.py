@@ -74,8 +74,8 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         "clip_grad_norm": clip_grad_norm,
         "params_without_grad": no_grad,
         "capture_s": time.perf_counter() - t0,
-    })
-    for key, vid in outputs.items():
+    }, inputs_first=True)
+    for key, vid in graph.outputs.items():  # NOTE: finish renumbered the values
         if key.startswith("state:"):
             graph.values[vid].role = Role.OPTIMIZER_STATE
             graph.storages[graph.values[vid].storage].role = Role.OPTIMIZER_STATE

@@ -169,6 +169,45 @@ def _clip_grad_norm(grads: list[torch.Tensor | None], max_norm: float) -> None:
     torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=foreach)
 
 
+@contextlib.contextmanager
+def _caches_cleared(model: torch.nn.Module):
+    """Clear, after tracing, the ``functools.lru_cache`` caches of the model's code: the
+    methods of its modules' classes (through wrappers too: transformers'
+    ``compile_compatible_method_lru_cache``) and the functions of their Python modules. A
+    cache filled while tracing holds a fake tensor, which a later eager call would get back
+    (BEiT's relative position index). Cleared caches only fill again."""
+    try:
+        yield
+    finally:
+        for cache in _lru_caches(model):
+            cache.cache_clear()
+
+
+def _lru_caches(model: torch.nn.Module) -> list:
+    classes = {c for m in model.modules() for c in type(m).__mro__
+               if c.__module__.split(".")[0] not in ("torch", "builtins")}
+    owners = [vars(c) for c in sorted(classes, key=lambda c: (c.__module__, c.__qualname__))]
+    owners += [vars(sys.modules[m]) for m in sorted({c.__module__ for c in classes})
+               if m in sys.modules]
+    found: dict[int, object] = {}
+    for namespace in owners:
+        for obj in list(namespace.values()):
+            obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+            for f in (obj, *(c.cell_contents for c in getattr(obj, "__closure__", None) or ()
+                             if _filled(c))):
+                if hasattr(f, "cache_clear") and hasattr(f, "cache_info"):
+                    found[id(f)] = f
+    return list(found.values())
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # NOTE: an empty closure cell
+        return False
+    return True
+
+
 def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
                device: torch.device | None = None,
                clip_grad_norm: float | None = None) -> TracedStep:
@@ -186,7 +225,9 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
             raise CaptureError(f"batch leaf {i} is a {type(leaf).__name__}; the batch must be a "
                                "pytree (tuple/list/dict) of tensors: move Python values into the "
                                "model or loss_fn", module="", op="batch")
-    fake_mode = CaptureFakeMode(allow_non_fake_inputs=False)
+    # NOTE: a real tensor the forward reads that is neither parameter nor buffer (a cache the
+    # model filled at an earlier call: BEiT's relative position index) is a constant of the graph
+    fake_mode = CaptureFakeMode(allow_non_fake_inputs=True)
     memo: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -214,7 +255,7 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         return loss, grads
 
     try:
-        with fake_mode, _module_hooks(model, tracker):
+        with fake_mode, _module_hooks(model, tracker), _caches_cleared(model):
             gm = make_fx(step, tracing_mode="real", record_module_stack=False)(
                 f_params, f_buffers, f_leaves)
     except CaptureError:

@@ -246,7 +246,14 @@ class GraphBuilder:
                                0, len(outputs) > 1))
         return out_ids
 
-    def finish(self, outputs: dict[str, int], meta: dict | None = None) -> Graph:
+    def finish(self, outputs: dict[str, int], meta: dict | None = None, *,
+               inputs_first: bool = False) -> Graph:
+        """The graph. ``inputs_first``: number the inputs before every computed value (inputs
+        added after nodes, like the optimizer's state, move to the front): graph rewriters
+        emit inputs first, so value ids then carry over unchanged; ``outputs`` holds the
+        builder's ids, and ids the caller kept are stale (use the graph's)."""
+        if inputs_first:
+            outputs = self._inputs_first(outputs)
         g = Graph(self.nodes, self.values, self.storages, self.inputs, self.input_names,
                   dict(outputs), dict(meta or {}))
         for key, vid in g.outputs.items():
@@ -255,3 +262,37 @@ class GraphBuilder:
                 st.role = Role.OUTPUT if key == "loss" else Role.GRADIENT
                 g.values[vid].role = st.role
         return g
+
+    def _inputs_first(self, outputs: dict[str, int]) -> dict[str, int]:
+        """Renumber the values so that the inputs come first (each group in its order); node
+        ids and storages are unchanged. Returns ``outputs`` renumbered."""
+        is_input = set(self.inputs)
+        first_computed = next((v.id for v in self.values if v.id not in is_input), None)
+        if first_computed is None or all(i < first_computed for i in self.inputs):
+            return outputs
+        order = [v.id for v in self.values if v.id in is_input]
+        order += [v.id for v in self.values if v.id not in is_input]
+        new = {old: i for i, old in enumerate(order)}
+        values = [self.values[old] for old in order]
+        for i, v in enumerate(values):
+            v.id = i
+        self.values = values
+        for n in self.nodes:
+            n.args, n.kwargs = _renumber(n.args, new), _renumber(n.kwargs, new)
+            n.inputs = tuple(new[v] for v in n.inputs)
+            n.outputs = tuple(None if v is None else new[v] for v in n.outputs)
+            n.mutates = tuple(new[v] for v in n.mutates)
+        self.inputs = [new[v] for v in self.inputs]
+        return {k: new[v] for k, v in outputs.items()}
+
+
+def _renumber(obj: Any, new: dict[int, int]) -> Any:
+    """``obj`` (nested tuples, lists, dicts of constants and ValueRefs) with refs renumbered."""
+    if isinstance(obj, ValueRef):
+        return ValueRef(new[obj.id])
+    if isinstance(obj, (tuple, list)):
+        out = [_renumber(o, new) for o in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
+    if isinstance(obj, dict):
+        return {k: _renumber(v, new) for k, v in obj.items()}
+    return obj

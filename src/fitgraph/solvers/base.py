@@ -15,6 +15,7 @@ from ..cost.base import CostModel
 from ..graph.ir import Graph
 from ..plan.instructions import Plan
 from ..sim.simulate import SimResult
+from ..units import format_bytes
 from .collector import fewer_collections
 
 __all__ = ["SOLVERS", "BudgetInfeasible", "Problem", "Solution", "register", "solve"]
@@ -26,10 +27,9 @@ class BudgetInfeasible(RuntimeError):
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, dominated_by: str,
                  solver: str):
-        mib = 2**20
-        super().__init__(f"budget {budget_bytes / mib:,.1f} MiB is infeasible for solver "
+        super().__init__(f"budget {format_bytes(budget_bytes)} is infeasible for solver "
                          f"{solver!r}: the smallest peak it reaches is "
-                         f"{smallest_peak_bytes / mib:,.1f} MiB, dominated by {dominated_by}")
+                         f"{format_bytes(smallest_peak_bytes)}, dominated by {dominated_by}")
         self.budget_bytes = budget_bytes
         self.smallest_peak_bytes = smallest_peak_bytes
         self.dominated_by = dominated_by
@@ -111,4 +111,4 @@ def dominated_by(sim: SimResult) -> str:
     group, nbytes = max(sim.breakdown.items(), key=lambda kv: (kv[1], kv[0]))
     top = sim.top_tensors[0] if sim.top_tensors else None
     where = f" (largest: {top.name} in {top.module or '<top>'})" if top else ""
-    return f"{group} {nbytes / 2**20:,.1f} MiB{where}"
+    return f"{group} {format_bytes(nbytes)}{where}"
