@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 import statistics
@@ -94,6 +95,13 @@ class OptimizeReport:
         return "\n".join(lines)
 
 
+def _measured(cm) -> bool:
+    """Whether ``cm`` measures ops on a device here (not a model of hardware we lack)."""
+    from .cost import ProfiledCostModel
+
+    return isinstance(cm, ProfiledCostModel)
+
+
 def graph_fingerprint(graph: Graph) -> str:
     """A hash of what a plan depends on: ops, their constant arguments, shapes, dtypes, inputs."""
     h = hashlib.sha256()
@@ -127,7 +135,8 @@ class TrainStep:
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
                  time_budget: float, solver: str, cost_model, on_new_shape: str,
                  optimizer_in_backward: bool | str = False,
-                 clip_grad_norm: float | None = None, exact: bool = False) -> None:
+                 clip_grad_norm: float | None = None, exact: bool = False,
+                 measure_latency: bool = True) -> None:
         if on_new_shape not in ("replan", "error"):
             raise ValueError("on_new_shape must be 'replan' or 'error'")
         if optimizer_in_backward not in (False, True, "auto"):
@@ -137,7 +146,7 @@ class TrainStep:
         self.budget, self.latency_limit = budget, latency_limit
         self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
         self.cost_model = cost_model
-        self.exact = exact
+        self.exact, self.measure_latency = exact, measure_latency
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
 
@@ -191,10 +200,30 @@ class TrainStep:
         else:
             budget = (None if self.budget is None
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
-            sol = solve(Problem(graph, cm, budget_bytes=budget, latency_limit=self.latency_limit,
-                                time_budget_s=self.time_budget, exact=self.exact), self.solver)
+            if self.latency_limit is not None and self.measure_latency and _measured(cm):
+                sol = self._within_measured_limit(graph, cm, eager)
+            else:
+                sol = solve(Problem(graph, cm, budget_bytes=budget,
+                                    latency_limit=self.latency_limit,
+                                    time_budget_s=self.time_budget, exact=self.exact),
+                            self.solver)
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
         return _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
+
+    def _within_measured_limit(self, graph: Graph, cm, eager: Solution) -> Solution:
+        """The solver's plan for the latency limit, checked by measurement against the eager
+        plan and planned again for a tighter limit where it runs over (``latency_check``)."""
+        from . import latency_check
+
+        def solve_for(limit: float) -> Solution:
+            return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=self.time_budget,
+                                 exact=self.exact), self.solver)
+
+        sol, checked = latency_check.check(graph, self.latency_limit, solve_for, cm,
+                                           eager.sim.latency_s)
+        if sol is None:
+            sol = dataclasses.replace(eager, solver=self.solver)
+        return dataclasses.replace(sol, notes=dict(sol.notes, latency_check=checked.notes()))
 
     def _capture(self, batch: Any) -> Graph:
         # NOTE: the graph of every step but the first (optimizer state present): one plan for
@@ -357,7 +386,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              solver: str = "auto", cost_model=None, on_new_shape: str = "replan",
              optimizer_in_backward: bool | str = False,
              clip_grad_norm: float | None = None, exact: bool = False,
-             graph_breaks: str = "regions") -> TrainStep:
+             graph_breaks: str = "regions", measure_latency: bool = True) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
     ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
@@ -377,6 +406,11 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     the gradients, with a warning and ``report().notes["optimizer_in_backward"]`` saying why.
     ``clip_grad_norm``: clip the gradients' global norm before the update, as
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
+
+    ``measure_latency``: with ``latency_limit`` and measured op costs, the plan is timed
+    against the eager plan on this machine (paired rounds on synthetic inputs) and made again
+    for a tighter limit where it runs over (``fitgraph.latency_check``; the tries in
+    ``report().notes["latency_check"]``); False trusts the simulation.
 
     ``graph_breaks``: where the whole step cannot be captured as one graph (``.item()``, a CTC
     loss, boolean masks, a dynamic expert dispatch), "regions" (default) warns and returns a
@@ -404,7 +438,8 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
-                     clip_grad_norm=clip_grad_norm, exact=exact)
+                     clip_grad_norm=clip_grad_norm, exact=exact,
+                     measure_latency=measure_latency)
     try:
         step.plan_for(batch)
     except CaptureError as e:

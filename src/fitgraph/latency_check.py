@@ -1,0 +1,144 @@
+"""A latency limit checked by measurement: the planned step timed against the eager plan.
+
+The simulator adds up each op's time as the cost model measured it. What it does not see —
+the interpreter between ops, the allocator and page faults of another order of frees, caches
+that split parts and recomputes leave cold, thousands of tiny ops where a few microseconds
+each add up (a sequential scan) — lands on the measured step alone, so a plan simulated at
+1.10x eager can run 1.2x or more. ``check_latency`` times the plan where it will run: the
+planned step and the eager plan in paired rounds, each on synthetic inputs of its graph (no
+state of the user's model is touched), through the executor's compiled plans. Where the
+median ratio is over the limit, the plan is made again for a limit scaled by what the
+simulation missed, up to ``MAX_TRIES`` times; the eager plan (ratio 1 by definition) is the
+last resort. Every try is reported.
+
+Example:
+    >>> import torch, fitgraph
+    >>> layers = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(4)]
+    >>> model, batch = torch.nn.Sequential(*layers), torch.randn(256, 128)
+    >>> step = fitgraph.optimize(model, batch, lambda m, b: m(b).square().mean(),
+    ...                          latency_limit=1.5)
+    >>> check = step.report().notes["latency_check"]
+    >>> check["measured"] <= 1.5 or check["plan"] == "eager"
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .graph.ir import Graph
+from .plan.eager import eager_plan
+from .plan.instructions import Plan
+
+__all__ = ["MAX_TRIES", "ROUNDS", "LatencyCheck", "paired_ratio"]
+
+# NOTE: paired rounds per measurement: the median of 7 ratios moves by a point or two here
+ROUNDS = 7
+WARMUP = 1
+# NOTE: plans made in all (the first included) before falling back to the eager plan
+MAX_TRIES = 3
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One try: the limit it was planned for, its simulated and measured ratios to eager."""
+
+    planned_for: float
+    simulated: float
+    measured: float
+    spread: float
+    peak_bytes: int
+
+    def as_dict(self) -> dict:
+        return {"planned_for": round(self.planned_for, 4), "simulated": round(self.simulated, 4),
+                "measured": round(self.measured, 4), "spread": round(self.spread, 4),
+                "peak_bytes": self.peak_bytes}
+
+
+def _runner(graph: Graph, cm):
+    from .cost.profiler import _Runner
+
+    return _Runner(graph, cm.device, cm._graph_facts(graph)[1])
+
+
+def _timed(ex, runner, graph: Graph) -> float:
+    env = runner.values(graph.inputs)
+    ex.env = env
+    if cm_sync := getattr(runner.device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ex._run(ex, env)
+    if cm_sync:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    ex.env = []
+    return dt
+
+
+def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS,
+                 warmup: int = WARMUP) -> tuple[float, float]:
+    """(median, spread) of ``plan`` on ``graph``'s step time over ``base``'s eager plan's, in
+    paired rounds (eager first, then the plan, then the other order: neither always runs on
+    the other's warm caches), each step on fresh synthetic inputs; spread = (max - min) /
+    median of the ratios."""
+    from .execute.executor import Executor
+
+    eager = Executor(base, eager_plan(base), model=None)
+    planned = Executor(graph, plan, model=None)
+    runs = (eager, _runner(base, cm), base), (planned, _runner(graph, cm), graph)
+    ratios = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for r in range(warmup + rounds):
+            order = runs if r % 2 == 0 else runs[::-1]
+            t = {id(ex): _timed(ex, runner, g) for ex, runner, g in order}
+            if r >= warmup:
+                ratios.append(t[id(planned)] / t[id(eager)])
+    med = statistics.median(ratios)
+    return med, (max(ratios) - min(ratios)) / med
+
+
+@dataclass
+class LatencyCheck:
+    """The tries ``check`` made and which plan it kept (see the module doc)."""
+
+    limit: float
+    tries: list[Measured]
+    kept: int | None          # index into tries; None: the eager plan
+
+    def notes(self) -> dict:
+        kept = self.tries[self.kept] if self.kept is not None else None
+        return {"limit": self.limit, "plan": "eager" if kept is None else f"try {self.kept + 1}",
+                "measured": 1.0 if kept is None else round(kept.measured, 4),
+                "tries": [t.as_dict() for t in self.tries]}
+
+
+def check(base: Graph, limit: float, solve_for, cm, eager_latency_s: float):
+    """Plan with ``solve_for(limit) -> Solution`` and measure; plan again for a scaled limit
+    while the measured ratio is over ``limit``. Returns (solution or None for the eager plan,
+    LatencyCheck)."""
+    tries: list[Measured] = []
+    sols = []
+    target = limit
+    for _ in range(MAX_TRIES):
+        sol = solve_for(target)
+        graph = sol.graph_for(base)
+        simulated = sol.sim.latency_s / eager_latency_s
+        measured, spread = paired_ratio(base, graph, sol.plan, cm)
+        tries.append(Measured(target, simulated, measured, spread, sol.sim.peak_bytes))
+        sols.append(sol)
+        if measured <= limit:
+            break
+        if target <= 1.0:
+            break  # NOTE: planned for eager's simulated time already: the eager plan is next
+        # NOTE: what the simulation missed, as a factor: plan for a limit that much lower
+        target = max(1.0, target * simulated / measured)
+    within = [i for i, t in enumerate(tries) if t.measured <= limit]
+    if not within:
+        return None, LatencyCheck(limit, tries, None)
+    best = min(within, key=lambda i: (tries[i].peak_bytes, tries[i].measured))
+    return sols[best], LatencyCheck(limit, tries, best)
