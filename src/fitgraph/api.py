@@ -344,6 +344,11 @@ class TrainStep:
         p = self._current()
         s = p.solution
         notes = dict(s.notes)
+        apart = getattr(self._cost(), "priced_apart", None)
+        if apart is not None and (how := apart(p.graph)):
+            # NOTE: ops that cannot run alone on synthetic inputs (an LSTM's backward reads its
+            # forward's opaque workspace): how each was measured instead (finding 2)
+            notes["priced_apart"] = how
         if self.in_backward is not False:
             notes["optimizer_in_backward"] = (
                 "off: " + p.graph.meta["optimizer_in_backward_off"]
