@@ -14,8 +14,10 @@ than remat alone's plan (no plan on a graph beats its eager plan), nor more part
 more parts of a split that fits. The cheapest path takes a chosen split in more parts without
 a new round while each increment buys bytes at a better rate than any other split its round
 saw (``fission_walk``: a round on the split graph would grow and split all its regions first).
-Mean-reduced losses count their targets apart first (``transform.fission_loss``), so the
-logits, the loss and its gradient can run chunk by chunk in one region. Spatial regions (rows
+Losses count their targets apart first (``transform.fission_loss``), so the
+logits, the loss and its gradient can run chunk by chunk in one region; a shifted causal-LM
+loss (``logits[:, :-1]``, however spelled) reads every position first, its dropped ones
+ignored (``transform.fission_shift``), so no slice copy or ``slice_backward`` buffer pins it. Spatial regions (rows
 of a convolution chain, with a halo) are grown also where the input gradients of the
 backward convolutions are separated from their weight gradients (``solvers.fission_spatial``):
 such a region runs a whole chain, forward and backward, part by part; only the graph of a
@@ -93,7 +95,7 @@ class FissionConfig:
     the split graph to ``joint`` (remat and offloading weighed together) rather than
     ``hotspot``, where device memory is apart from the host's (a GPU cost model)."""
 
-    ks: tuple[int, ...] = (2, 4, 8, 16, 32)
+    ks: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)
     max_storages: int = 6
     shares: tuple[float, ...] = (0.0, 1 / 16, 1 / 4)
     max_splits: int = 6
