@@ -223,6 +223,7 @@ def test_vocabulary_region_runs_in_parts_whatever_the_spelling(name):
     budget = int(0.5 * eager.peak_bytes)
     s = solve(Problem(g, ROOFLINE, budget_bytes=budget, time_budget_s=30), "fission_splits")
     assert s.sim.peak_bytes <= budget and s.notes["splits"]
+    assert s.notes["unshifted"] or name == "hf-padded-sum"    # NOTE: it slices the labels only
     _assert_close_to_eager(s.graph_for(g), s.plan, model, batch, loss_fn, _tolerance(dtype))
 
 

@@ -202,7 +202,10 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     notes = dict(sol.notes, splits=[s.what for s in steps], timed_out=timed_out or bool(
         sol.notes.get("timed_out")), eager_latency_s=eager.latency_s,
         fission_peak_bytes=cur.sim.peak_bytes, fission_latency_s=cur.sim.latency_s,
-        separated_grads=list(cur.graph.meta.get("separated_grads", [])))
+        separated_grads=list(cur.graph.meta.get("separated_grads", [])),
+        # NOTE: shifted losses read over every position, and why any other was left as it is
+        unshifted=list(graph.meta.get("unshifted", [])),
+        unshift_skipped=list(graph.meta.get("unshift_skipped", [])))
     if scaled:
         notes["search_costs"] = search.name
         notes["graphs_profiled"] = profiled
