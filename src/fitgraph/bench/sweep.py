@@ -171,7 +171,7 @@ def markdown_table(rows: list[dict]) -> str:
         vs = r.get("at_ckpt_vs_ckpt")
         lines.append(" | ".join([
             f"| {r['model']}", r.get("family", "—"), r.get("status", "—"),
-            str(r.get("nodes", "—")), _num(r.get("capture_s")), _num(r.get("plan_s")), result,
+            "—" if r.get("nodes") is None else f"{r['nodes']:.0f}", _num(r.get("capture_s")), _num(r.get("plan_s")), result,
             _mib(e), _mib(r.get("lower_bound")), _ratio(r.get("peak_110"), e),
             _pct(r.get("overhead_110")), _ratio(r.get("smallest_peak"), r.get("lower_bound")),
             r.get("ckpt_kind") or "—", _ratio(r.get("ckpt_peak"), e), _pct(r.get("ckpt_overhead")),
