@@ -215,8 +215,14 @@ class TrainStep:
         plan and planned again for a tighter limit where it runs over (``latency_check``)."""
         from . import latency_check
 
+        tries = []
+
         def solve_for(limit: float) -> Solution:
-            return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=self.time_budget,
+            # NOTE: a try after the first gets half the time: planning time stays within 2x
+            share = self.time_budget if not tries else self.time_budget / 2 / (
+                latency_check.MAX_TRIES - 1)
+            tries.append(limit)
+            return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=share,
                                  exact=self.exact), self.solver)
 
         sol, checked = latency_check.check(graph, self.latency_limit, solve_for, cm,
