@@ -155,8 +155,13 @@ def _planned_system(label, model, opt, batch, loss_fn, **kw) -> tuple[_System, o
     step = optimize(model, batch, loss_fn, opt, **kw)
     s = _System(label, None, model, opt, lambda: step(batch))
     s.prepare_s = time.perf_counter() - t0
-    s.solve_s = step.plan_for(batch).solution.solve_s
+    # NOTE: a step planned by regions (graph breaks) solves inside torch.compile, at its calls
+    s.solve_s = step.plan_for(batch).solution.solve_s if hasattr(step, "plan_for") else None
     return s, step
+
+
+class _NotSearched(Exception):
+    """The smallest peak is not searched for a step planned by regions."""
 
 
 def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
@@ -165,6 +170,8 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
     keeps the last one when this process dies). Errors end the row; nothing is raised."""
     from ..api import optimize
     from ..capture.api import capture
+    from ..capture.errors import CaptureError
+    from ..regions import breaks_into_regions
     from ..solvers import BudgetInfeasible
     from .sweep_models import build
 
@@ -198,9 +205,17 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         row["eager_peak"] = eager.peak
         stage("capture")
         t0 = time.perf_counter()
-        graph = capture(m_e, batch, loss_fn, o_e)
-        row["capture_s"], row["nodes"] = time.perf_counter() - t0, len(graph.nodes)
-        del graph
+        regions = False
+        try:
+            graph = capture(m_e, batch, loss_fn, o_e)
+            row["capture_s"], row["nodes"] = time.perf_counter() - t0, len(graph.nodes)
+            del graph
+        except CaptureError as e:
+            if not breaks_into_regions(e):
+                raise
+            # NOTE: optimize plans such a step by regions (torch.compile's graph breaks)
+            regions = True
+            row["notes"] += f"planned by regions ({error_text(e).splitlines()[0][:120]}); "
         stage("plan")
         exact = _exact_kwargs()
         row["exact"] = bool(exact)
@@ -209,7 +224,8 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         fg, step = _planned_system("fitgraph 1.10", m_f, o_f, batch, loss_fn,
                                    latency_limit=LATENCY_LIMIT, time_budget=time_budget, **exact)
         row["plan_s"], row["solve_s"] = fg.prepare_s, fg.solve_s
-        row["winner"] = step.plan_for(batch).solution.notes.get("winner", "")
+        row["winner"] = ("regions" if regions else
+                         step.plan_for(batch).solution.notes.get("winner", ""))
         stage("compare")
         torch.manual_seed(SEED)
         loss_e = compute_loss(twin_m, batch, loss_fn)
@@ -255,12 +271,16 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         stage("smallest")
         t0 = time.perf_counter()
         try:
+            if regions:
+                raise _NotSearched
             m_s, o_s = _copied(m_e, o_e)
             optimize(m_s, batch, loss_fn, o_s, budget=row["lower_bound"] // 2,
                      time_budget=time_budget, **exact)
             row["notes"] += "half the lower bound was reported feasible; "
         except BudgetInfeasible as e:
             row["smallest_peak"] = e.smallest_peak_bytes
+        except _NotSearched:
+            row["notes"] += "smallest peak: not searched by regions; "
         row["smallest_s"] = time.perf_counter() - t0
         stage("time")
         for s in systems[1:]:
@@ -268,6 +288,8 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
             s.step()   # NOTE: warm-up (the first fitgraph step ran under the meter)
         _time_rounds(systems, rounds, reference=eager)
         row["eager_step_s"] = statistics.median(eager.times)
+        if regions:  # NOTE: a step by regions is measured once compiling settled
+            row["peak_110"] = step.report().measured_peak_bytes
         row["overhead_110"] = statistics.median(fg.ratios) - 1
         if ckpt is not None:
             row["ckpt_overhead"] = statistics.median(ckpt.ratios) - 1
