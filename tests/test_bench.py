@@ -150,11 +150,27 @@ def test_checkpointed_and_sac_keep_results():
     want = case.model(case.batch)
     for ctx in (None, sac_context_fn):
         wrapped = checkpointed(case.model, case.block_types, ctx)
-        assert sum(type(m).__name__ == "_Checkpointed" for m in wrapped.modules()) == 6
+        assert sum("forward" in vars(m) for m in wrapped.modules()) == 6
         got = wrapped(case.batch)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         got.square().mean().backward()
         assert all(p.grad is not None for p in wrapped.parameters())
+
+
+def test_checkpointed_keeps_block_attributes_and_separate_optimizer_state():
+    from fitgraph.bench.harness import _copied
+
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0,
+                                                                       batch_first=True), 2)
+    x = torch.randn(2, 5, 16)
+    wrapped = checkpointed(enc, (torch.nn.TransformerEncoderLayer,))
+    torch.testing.assert_close(wrapped(x), enc(x), rtol=0, atol=0)  # NOTE: reads .self_attn
+    opt = torch.optim.AdamW(enc.parameters())
+    enc(x).sum().backward()
+    opt.step()
+    _, twin = _copied(enc, opt)
+    state = next(iter(opt.state.values()))
+    assert all(state[k] is not v for k, v in next(iter(twin.state.values())).items())
 
 
 def test_sac_policy_saves_matmuls_and_attention():

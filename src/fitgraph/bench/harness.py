@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import statistics
 import time
@@ -99,28 +100,21 @@ def sac_context_fn():
     return create_selective_checkpoint_contexts(sac_policy)
 
 
-class _Checkpointed(torch.nn.Module):
-    def __init__(self, inner: torch.nn.Module, context_fn: Callable | None = None):
-        super().__init__()
-        self.inner, self.context_fn = inner, context_fn
-
-    def forward(self, *args, **kwargs):
-        from torch.utils.checkpoint import checkpoint, noop_context_fn
-
-        return checkpoint(self.inner, *args, use_reentrant=False,
-                          context_fn=self.context_fn or noop_context_fn, **kwargs)
-
-
 def checkpointed(model: torch.nn.Module, block_types: tuple[type, ...],
                  context_fn: Callable | None = None) -> torch.nn.Module:
-    """A copy of ``model`` with every module of ``block_types`` wrapped in
-    ``torch.utils.checkpoint`` (non-reentrant, as PyTorch recommends); ``context_fn``: e.g.
-    ``sac_context_fn`` for selective activation checkpointing."""
+    """A copy of ``model`` whose every module of ``block_types`` (the root excluded) runs its
+    forward under ``torch.utils.checkpoint`` (non-reentrant, as PyTorch recommends);
+    ``context_fn``: e.g. ``sac_context_fn`` for selective activation checkpointing.
+
+    NOTE: the forward is replaced on the instance, not the module wrapped: a parent may read
+    the block's attributes (``nn.TransformerEncoder`` reads ``layers[0].self_attn``)."""
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
     model = copy.deepcopy(model)
-    for _name, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if isinstance(child, block_types):
-                setattr(mod, child_name, _Checkpointed(child, context_fn))
+    for name, mod in list(model.named_modules()):
+        if name and isinstance(mod, block_types):
+            mod.forward = functools.partial(checkpoint, mod.forward, use_reentrant=False,
+                                            context_fn=context_fn or noop_context_fn)
     return model
 
 
@@ -167,7 +161,9 @@ def _copied(model, optimizer):
     takes = inspect.signature(type(optimizer)).parameters
     o = type(optimizer)(m.parameters(),
                         **{k: v for k, v in optimizer.defaults.items() if k in takes})
-    o.load_state_dict(optimizer.state_dict())
+    # NOTE: load_state_dict keeps the very state tensors it is given: without a copy both
+    # optimizers would step one AdamW state
+    o.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     return m, o
 
 
