@@ -46,7 +46,7 @@ import time
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import compact_masks, dropout_masks
-from .base import BudgetInfeasible, Problem, Solution, register
+from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission import FissionConfig, solve_fission
 from .fission_regions import candidate_regions, peak_starts
 from .hotspot import solve_hotspot
@@ -149,6 +149,22 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
         sol.notes, graph="compact_masks", latency_factor=factor)), None, None
 
 
+# NOTE: a latency limit no plan reaches: hotspot's latency mode then minimises the peak alone
+_UNBOUNDED = 1e9
+
+
+def _least_peak(problem: Problem, t0: float) -> Solution | None:
+    """hotspot's least-peak plan (latency mode, no limit that binds), within the time left
+    (at least ``MIN_FISSION_S``): what an infeasible budget is checked against, so that the
+    smallest peak reported does not depend on the budget asked."""
+    left = max(problem.time_budget_s - (time.perf_counter() - t0), MIN_FISSION_S)
+    try:
+        return solve_hotspot(dataclasses.replace(problem, budget_bytes=None,
+                                                 latency_limit=_UNBOUNDED, time_budget_s=left))
+    except BudgetInfeasible:
+        return None
+
+
 @register("auto")
 def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
@@ -240,8 +256,19 @@ def solve_auto(problem: Problem) -> Solution:
     else:
         errors = [e for e in (hot_err, fis_err) if e is not None]
         best = min(errors, key=lambda e: e.smallest_peak_bytes)
-        raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes, best.dominated_by,
-                               "auto")
+        least = _least_peak(problem, t0)
+        if least is not None and least.sim.peak_bytes <= budget:
+            # NOTE: budget mode's greedy stops its path where it stalls; the least-peak search
+            # (a latency limit no plan reaches) walks another and fits
+            win, name = least, "hotspot"
+            why = (f"budget mode reached {best.smallest_peak_bytes / _MIB:,.1f} MiB at least; "
+                   f"the least-peak search {_describe(least)}")
+        else:
+            if least is not None and least.sim.peak_bytes < best.smallest_peak_bytes:
+                best = BudgetInfeasible(budget, least.sim.peak_bytes,
+                                        dominated_by(least.sim), "auto")
+            raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
+                                   best.dominated_by, "auto")
     win.plan.meta["solver"] = "auto"
     notes = dict(win.notes, **notes, winner=name, why=why)
     return Solution(win.plan, win.sim, "auto", time.perf_counter() - t0, win.optimal, win.gap,
