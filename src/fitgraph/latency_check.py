@@ -16,7 +16,7 @@ Example:
     >>> layers = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU()) for _ in range(4)]
     >>> model, batch = torch.nn.Sequential(*layers), torch.randn(256, 128)
     >>> step = fitgraph.optimize(model, batch, lambda m, b: m(b).square().mean(),
-    ...                          latency_limit=1.5)
+    ...                          latency_limit=1.5, solver="hotspot")
     >>> check = step.report().notes["latency_check"]
     >>> check["measured"] <= 1.5 or check["plan"] == "eager"
     True

@@ -94,7 +94,7 @@ def solve(problem: Problem, solver: str = "hotspot") -> Solution:
     """Run a registered solver; an unknown name is an error listing the known ones."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
-    if problem.exact and solver in NOT_BITWISE:
+    if getattr(problem, "exact", False) and solver in NOT_BITWISE:
         raise ValueError(f"solver {solver!r} splits operators (results allclose to eager's, not "
                          "bitwise): use it without exact=True, or solver 'auto' / 'hotspot' / "
                          "'joint' with exact=True")
