@@ -292,11 +292,11 @@ class TrainStep:
         if sgd_first:
             return planned.executor(batch)
         if planned.measured_peak_bytes is None:
-            from .measure import resident_bytes
+            from .measure import grad_bytes, resident_bytes
 
             # NOTE: what exists before the step (weights, batch, state, earlier .grad) plus the
             # meter's peak above it; the first run of each plan is measured
-            before = resident_bytes(self.model, batch, self.optimizer) + self._grad_bytes()
+            before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             with MemoryMeter(self.device) as meter:
                 loss = planned.executor(batch)
             planned.measured_peak_bytes = before + meter.peak_bytes
@@ -322,14 +322,6 @@ class TrainStep:
                              "from this model, loss and batch differs from the saved one (the "
                              "model's forward or the loss changed?); optimize it again")
         planned.unverified = False
-
-    def _grad_bytes(self) -> int:
-        seen, total = set(), 0
-        for p in self.model.parameters():
-            if p.grad is not None and p.grad.untyped_storage().data_ptr() not in seen:
-                seen.add(p.grad.untyped_storage().data_ptr())
-                total += p.grad.untyped_storage().nbytes()
-        return total
 
     # -- reporting ------------------------------------------------------------------------------
     @property

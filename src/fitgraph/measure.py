@@ -55,6 +55,11 @@ def _storages_bytes(tensors) -> int:
     return total
 
 
+def grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the ``.grad`` storages the model's parameters hold (each storage once)."""
+    return _storages_bytes([p.grad for p in model.parameters() if p.grad is not None])
+
+
 def resident_bytes(model: torch.nn.Module, batch: Any,
                    optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes that exist before a step: parameters, buffers, batch leaves, optimizer state."""

@@ -49,7 +49,7 @@ from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
 from .compile_backend.report import BackendReport
 from .execute.meter import MemoryMeter
-from .measure import _sync, resident_bytes
+from .measure import _sync, grad_bytes, resident_bytes
 from .units import format_bytes, parse_budget
 
 __all__ = ["RegionsReport", "RegionsStep", "breaks_into_regions"]
@@ -104,11 +104,6 @@ def _dynamo_quiet():
         yield
     finally:
         log.setLevel(level)
-
-
-def _grad_bytes(model: torch.nn.Module) -> int:
-    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
-               if p.grad is not None)
 
 
 def _first_line(reason: str) -> str:
@@ -181,7 +176,7 @@ class RegionsStep:
             self._calls += 1
             return loss
         if self.measured_peak_bytes is None:
-            before = resident_bytes(self.model, batch, self.optimizer) + _grad_bytes(self.model)
+            before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             with MemoryMeter(self.device) as meter:
                 loss = self._run(batch)
             self.measured_peak_bytes = before + meter.peak_bytes
@@ -196,26 +191,28 @@ class RegionsStep:
 
     step = __call__
 
+    def _budget_bytes(self) -> int | None:
+        """The budget where it is bytes (checked against the measured step); None for a
+        fraction, which refers to each region's own eager peak."""
+        if self.budget is None or isinstance(self.budget, float) or str(
+                self.budget).strip().endswith("%"):
+            return None
+        return parse_budget(self.budget, eager_peak_bytes=1)
+
     def _check_budget(self) -> None:
-        if self.budget is None or isinstance(self.budget, float) or (
-                isinstance(self.budget, str) and self.budget.strip().endswith("%")):
-            return
-        limit = parse_budget(self.budget, eager_peak_bytes=1)
-        if self.measured_peak_bytes > limit:
+        limit = self._budget_bytes()
+        if limit is not None and self.measured_peak_bytes > limit:
             warnings.warn(f"the step by regions peaked at {format_bytes(self.measured_peak_bytes)}"
                           f", over the budget {format_bytes(limit)}: the budget holds for each "
                           "planned region, not for the eager code between them nor the "
                           "optimizer state; see step.report()", stacklevel=3)
 
     def report(self) -> RegionsReport:
-        budget = (None if self.budget is None or isinstance(self.budget, float)
-                  or str(self.budget).strip().endswith("%")
-                  else parse_budget(self.budget, eager_peak_bytes=1))
         breaks = [_first_line(r) + (f" (x{n})" if n > 1 else "")
                   for r, n in sorted(self._breaks.items())]
         return RegionsReport(
             reason=str(self.reason), graph_breaks=breaks, regions=list(self.backend.reports),
-            budget_bytes=budget, measured_peak_bytes=self.measured_peak_bytes,
+            budget_bytes=self._budget_bytes(), measured_peak_bytes=self.measured_peak_bytes,
             measured_step_s=statistics.median(self.step_times) if self.step_times else None)
 
     def save(self, path: str) -> None:
