@@ -272,15 +272,15 @@ class TrainStep:
         self._last = self._key(batch)
         if planned.unverified:
             self._verify(planned, batch)
-        updated = set(planned.graph.meta.get("optimizer_in_backward", ()))
-        stale = next((n for n, p in self.model.named_parameters()
-                      if p.grad is not None and n in updated), None)
+        updated = planned.graph.meta.get("optimizer_in_backward", ())
+        params = dict(self.model.named_parameters())
+        stale = next((n for n in updated if params[n].grad is not None), None)
         if stale is not None:
             # NOTE: eager would add this .grad into the update; the in-backward step never reads it
             raise ValueError(f"parameter {stale} has a .grad, which an optimizer-in-backward "
                              "step would ignore: call optimizer.zero_grad(set_to_none=True) "
                              "before the step")
-        fresh = (init_missing_state(planned.graph, self.model, self.optimizer)
+        fresh = (init_missing_state(planned.graph, self.model, self.optimizer, params)
                  if self.optimizer is not None else frozenset())
         if planned.executor is None:
             planned.executor = Executor(planned.graph, planned.solution.plan, self.model,

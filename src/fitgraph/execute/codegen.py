@@ -12,8 +12,8 @@ instruction::
 
 Plain ``Compute`` / ``Recompute`` of a deterministic node and ``Free`` are inlined; random
 nodes whose RNG state is saved or replayed, recomputes that skip in-place side effects,
-optimizer updates and Offload / Prefetch / Wait call the executor's ``run_*`` method, so their
-semantics live in one place. The generated code holds no reference to a tensor between lines
+optimizer updates (their arguments bound inline) and Offload / Prefetch / Wait call the
+executor's ``run_*`` method, so their semantics live in one place. The generated code holds no reference to a tensor between lines
 (no temporaries but a tuple result, dropped at once), so values die at their ``Free`` as they
 did.
 
@@ -70,6 +70,12 @@ def compile_plan(ex) -> tuple[Any, str]:
             vids = [v for st in ins.storages for v in ex.storage_members[st]]
             if vids:
                 lines.append("    " + " = ".join(f"env[{v}]" for v in vids) + " = None")
+            continue
+        if type(ins) is Compute and ex.fns[ins.node] is None:
+            # NOTE: an optimizer update, its (param, grad, [state...]) bound inline: a generic
+            # binder costs ~10 us an update, hundreds of them a step
+            node = g.nodes[ins.node]
+            lines.append(f"    ex.run_update({bind(node)}, {', '.join(expr(a) for a in node.args)})")
             continue
         inline = (isinstance(ins, (Compute, Recompute)) and ex.fns[ins.node] is not None
                   and ins.node not in ex.replayed

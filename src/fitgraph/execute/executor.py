@@ -36,15 +36,18 @@ __all__ = ["Executor", "bind_inputs", "execute"]
 
 
 def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
-                optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
-    """The real tensors for ``graph.inputs``, in order; errors say what does not match."""
+                optimizer: torch.optim.Optimizer | None = None,
+                params: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The real tensors for ``graph.inputs``, in order; errors say what does not match.
+    ``params``: ``dict(model.named_parameters())`` where the caller has it already."""
     leaves, spec = tree_flatten(batch)
     want = graph.meta.get("batch_spec")
     if want is not None and spec != want:
         raise ValueError(f"the batch's structure {spec} differs from the captured one {want}; "
                          "capture the step with this batch structure")
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    if params is None:
+        params = dict(model.named_parameters())
+    buffers = _buffers(graph, model)
     state_of = {}
     if optimizer is not None:
         state_of = {name: optimizer.state.get(p, {}) for name, p in params.items()}
@@ -67,13 +70,27 @@ def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
             t = graph.meta["constants"][key]
         else:
             raise ValueError(f"unknown graph input kind {name!r}")
-        v = graph.values[vid]
-        if tuple(t.shape) != v.shape or str(t.dtype).removeprefix("torch.") != v.dtype:
+        shape, dtype = _expected(graph, vid)
+        if t.shape != shape or t.dtype != dtype:
             raise ValueError(f"input {name} has shape {tuple(t.shape)} {t.dtype}, the graph was "
-                             f"captured with {v.shape} {v.dtype}: capture again for this shape "
+                             f"captured with {tuple(shape)} {dtype}: capture again for this shape "
                              "(fitgraph plans are per shape)")
         out.append(t)
     return out
+
+
+def _buffers(graph: Graph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # NOTE: most steps read no buffer but BatchNorm's; a traversal of the model costs ~150 us
+    if not any(n.startswith("buffer:") for n in graph.input_names):
+        return {}
+    return dict(model.named_buffers())
+
+
+def _expected(graph: Graph, vid: int) -> tuple[torch.Size, torch.dtype]:
+    """(shape, dtype) input ``vid`` was captured with, as torch objects: comparing them costs
+    a fraction of a microsecond, ``str(dtype)`` more (hundreds of inputs a step)."""
+    v = graph.values[vid]
+    return torch.Size(v.shape), getattr(torch, v.dtype)
 
 
 class Executor:
@@ -104,6 +121,7 @@ class Executor:
         self.host = HostStore(graph, plan, members)
         # NOTE: parameters whose optimizer state ``init_missing_state`` made for this step
         self.fresh_state: frozenset[str] = frozenset()
+        self.params: dict[str, torch.Tensor] = {}   # NOTE: the model's, during a step
         self.hooks_ran = False
         # NOTE: the plan as straight-line Python (execute/codegen.py): a few microseconds of
         # interpreter loop per instruction add up to percents of a step of small ops
@@ -146,6 +164,25 @@ class Executor:
             env[outs[0]] = result
         del result
 
+    def run_update(self, node: Node, param: torch.Tensor, grad: torch.Tensor,
+                   state: list[torch.Tensor]) -> None:
+        """An optimizer update (``run_compute``'s semantics), arguments already bound: the
+        compiled plan calls it with ``env``'s tensors (``execute/codegen.py``)."""
+        if not self.hooks_ran and self.optimizer is not None:
+            self.hooks_ran = True
+            self._attach_grads()
+            run_step_pre_hooks(self.optimizer)
+        result = run_optimizer_node(node, param, grad, state, self.optimizer,
+                                    fresh=node.kwargs["param"] in self.fresh_state)
+        outs = node.outputs
+        if node.out_is_tuple:
+            env = self.env
+            for vid, r in zip(outs, result):
+                if vid is not None:
+                    env[vid] = r
+        elif outs and outs[0] is not None:
+            self.env[outs[0]] = result
+
     def run_recompute(self, ins: Recompute) -> None:
         if ins.node not in self.replayed:
             self.run_compute(ins)
@@ -185,8 +222,9 @@ class Executor:
     # -- a whole step -------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
         g = self.graph
-        inputs = bind_inputs(g, self.model, batch, self.optimizer)
-        params = dict(self.model.named_parameters())
+        # NOTE: one traversal of the model a step, shared by everything below
+        self.params = params = dict(self.model.named_parameters())
+        inputs = bind_inputs(g, self.model, batch, self.optimizer, params)
         if self.optimizer is not None:
             for key in g.outputs:
                 if key.startswith("grad:") and params[key[5:]].grad is not None:
@@ -204,6 +242,7 @@ class Executor:
             self._write_back(params)
         loss = env[g.outputs["loss"]]
         self.env = []
+        self.params = {}
         self.rng_saved = {}
         self.fresh_state = frozenset()
         if self.hooks_ran:
@@ -218,7 +257,7 @@ class Executor:
         g = self.graph
         if g.meta.get("optimizer_in_backward"):
             return
-        params = dict(self.model.named_parameters())
+        params = self.params
         for key, vid in g.outputs.items():
             if key.startswith("grad:") and self.env[vid] is not None:
                 params[key[5:]].grad = self.env[vid]
