@@ -67,3 +67,64 @@ def test_paired_ratio_times_a_plan_against_the_eager_plan():
     cm.profile(g)
     ratio, spread = latency_check.paired_ratio(g, g, fitgraph.eager_plan(g), cm, rounds=3)
     assert 0.5 < ratio < 2.0 and spread >= 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+])
+def test_the_eager_baseline_is_torchs_own_step_over_the_same_tensors(make):
+    """``update_overhead_s`` times the executor's updates against torch's ``optimizer.step()``
+    built from the graph's update nodes: that optimizer must be the user's (same update,
+    bitwise), or the offset measures something else."""
+    from fitgraph.cost.profiler import ProfiledCostModel
+    from fitgraph.transform.optimizer_in_backward import update_nodes
+
+    model, batch, lf = _case()
+    opt = make(model.parameters())
+    lf(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    g = fitgraph.capture(model, batch, lf, opt, steady_state=True)
+    nodes = update_nodes(g)
+    from fitgraph.execute.optimizer_ops import run_optimizer_node
+
+    runner = latency_check._runner(g, ProfiledCostModel("cpu", progress=False))
+    vids = [r.id for n in nodes for r in (n.args[0], n.args[1], *n.args[2])]
+    torch.manual_seed(1)
+    env = runner.values(vids)
+    torch.manual_seed(1)
+    twin = runner.values(vids)
+    mine = latency_check._torch_optimizer(nodes, env)
+    assert [len(grp["params"]) for grp in mine.param_groups] == [16]
+    for key in ("lr", "weight_decay", "amsgrad", "momentum", "nesterov", "betas"):
+        assert mine.param_groups[0].get(key) == opt.param_groups[0].get(key)
+    if "step" in nodes[0].kwargs["have"]:
+        for n in nodes:
+            twin[n.args[2][0].id].fill_(1.0)
+    with torch.no_grad():
+        mine.step()
+        for n in nodes:
+            run_optimizer_node(n, twin[n.args[0].id], twin[n.args[1].id],
+                               [twin[r.id] for r in n.args[2]], None)
+    for n in nodes:
+        assert torch.equal(env[n.args[0].id], twin[n.args[0].id]), n.name
+    overhead = latency_check.update_overhead_s(g, ProfiledCostModel("cpu", progress=False),
+                                               rounds=3)
+    assert abs(overhead) < 1.0
+
+
+def test_the_offset_is_taken_off_the_eager_time(monkeypatch):
+    """A plan timed at 1.0x the eager plan is over 1.0x eager PyTorch when the executor spends
+    time eager does not: the offset raises the measured ratio (scripted timings)."""
+    times = iter([1.0, 1.0] * 20)
+    monkeypatch.setattr(latency_check, "_timed", lambda ex, runner, g: next(times))
+    model, batch, lf = _case()
+    g = fitgraph.capture(model, batch, lf)
+    from fitgraph.cost.profiler import ProfiledCostModel
+
+    cm = ProfiledCostModel("cpu", progress=False)
+    plan = fitgraph.eager_plan(g)
+    ratio, _ = latency_check.paired_ratio(g, g, plan, cm, rounds=3, eager_offset_s=0.1)
+    assert ratio == pytest.approx(1 / 0.9)

@@ -290,7 +290,7 @@ class TrainStep:
         # transient the steady-state plan does not hold): measure a later step instead
         sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
         if sgd_first:
-            return planned.executor(batch)
+            return planned.executor(batch, params)
         if planned.measured_peak_bytes is None:
             from .measure import grad_bytes, resident_bytes
 
@@ -298,12 +298,12 @@ class TrainStep:
             # meter's peak above it; the first run of each plan is measured
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             with MemoryMeter(self.device) as meter:
-                loss = planned.executor(batch)
+                loss = planned.executor(batch, params)
             planned.measured_peak_bytes = before + meter.peak_bytes
             return loss
         _sync(self.device)
         t0 = time.perf_counter()
-        loss = planned.executor(batch)
+        loss = planned.executor(batch, params)
         _sync(self.device)   # NOTE: CUDA kernels run on after the call returns: time them to the end
         planned.step_times.append(time.perf_counter() - t0)
         return loss

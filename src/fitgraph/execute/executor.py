@@ -220,10 +220,13 @@ class Executor:
         self.host.wait(ins.storage, self.env)
 
     # -- a whole step -------------------------------------------------------------------------
-    def __call__(self, batch: Any) -> torch.Tensor:
+    def __call__(self, batch: Any, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """One step. ``params``: ``dict(model.named_parameters())`` where the caller has it."""
         g = self.graph
         # NOTE: one traversal of the model a step, shared by everything below
-        self.params = params = dict(self.model.named_parameters())
+        if params is None:
+            params = dict(self.model.named_parameters())
+        self.params = params
         inputs = bind_inputs(g, self.model, batch, self.optimizer, params)
         if self.optimizer is not None:
             for key in g.outputs:
