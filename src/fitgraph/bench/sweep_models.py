@@ -2,9 +2,32 @@
 
 Each entry builds one model from a small config with random weights (``XConfig(...)`` then
 ``XForY(config)``: nothing is downloaded), one batch and how to get its loss, seeded, so two
-builds are the same model. Sizes are chosen so that activations dominate the step, as in real
-training: a small hidden size and vocabulary, a long enough sequence / large enough image and
-batch; each step runs in a fraction of a second on one CPU thread.
+builds are the same model.
+
+Sizes: in real training's proportions, scaled down. A 7B Llama trained in bf16 (weights and
+grads 2 bytes, fp32 master weights and AdamW moments 12: 16 bytes a parameter, ~112 GB) at
+sequence 4096, a few sequences a GPU, has eager activations of ~2-4x that persistent state: the
+hidden size is large beside the tokens per step (tokens / hidden ~ 4-16) and there are many
+layers, so no single block's activations dominate. Here everything is fp32 with AdamW (16 bytes
+a parameter too), and:
+
+- transformers: ``HIDDEN=128``, ``LAYERS=4``, ``B, T = 2, 256``: 512 tokens, 4 per hidden unit.
+  A block holds ~12 H^2 parameters (~0.2 M, 3 MiB of state) and keeps ~20 H floats a token for
+  backward (~5 MiB at 512 tokens): eager peaks at ~2-4x the lower bound (weights + grads +
+  AdamW state + batch), as in real training, instead of the ~17x of a 64-wide, 2-layer toy
+  whose step was all activations. The vocabulary (1024, 8x the hidden size as Llama's 32k is
+  8x 4096) keeps the logits a minor share, as they are in real LMs;
+- MoE: four experts of half a dense MLP each (fine-grained experts, as Qwen-MoE or OLMoE);
+- encoder-decoders: 512 encoder and 256 decoder tokens; Whisper: 4 x 250 encoder frames;
+  wav2vec2/HuBERT: two seconds of audio a sample (their conv front-end is ~half the peak);
+- vision transformers: 2 images of 64x64 in 4x4 patches (514 tokens, as the LMs); CNNs keep a
+  batch of 16 and segmentation 8, since their activations per image are small beside their
+  weights; state-space models: a short sequence (their CPU paths scan step by step);
+- torch.nn blocks: the same ``HIDDEN``/``LAYERS`` and ``B, T``.
+
+Eager peaks at 1.9-4.8x the lower bound on the transformers (gemma2, whose eager attention
+materialises the scores, ~4x; CNNs 2.5-10x), and each step runs in under ~0.3 s on one CPU
+thread (T5, 8 layers without SDPA, is the slowest).
 
 ``build(name)`` returns a :class:`SweepCase`; ``names()`` lists the sweep (``TEST_MODELS``, for
 the harness's own tests, are built only when named).
@@ -32,11 +55,11 @@ __all__ = ["MODELS", "TEST_MODELS", "SweepCase", "build", "names"]
 
 SEED = 0
 VOCAB = 1024       # NOTE: small, so the logits (activations) dominate, not the embedding weights
-HIDDEN = 64
+HIDDEN = 128
 HEADS = 4
-LAYERS = 2
-B, T = 4, 256      # causal LMs and encoders
-IMG, IMG_B, CNN_B = 64, 8, 16  # vision: 64x64 images, batch 8 (CNNs 16)
+LAYERS = 4
+B, T = 2, 256      # causal LMs and encoders: B * T / HIDDEN = 4 tokens per hidden unit
+IMG, IMG_B, CNN_B, SEG_B = 64, 2, 16, 8  # vision: 64x64 images; ViTs batch 2, CNNs 16, seg 8
 # NOTE: the configs pin SDPA where the model offers a choice; "eager" attention materialises
 # the [B, H, T, T] scores, which is another model's memory profile than what users run
 ATTN = {"attn_implementation": "sdpa"}
@@ -130,8 +153,8 @@ def _cnn_images() -> dict:
 
 def _seg(n_labels: int = 8, size: int = IMG) -> dict:
     g = _gen()
-    return {"pixel_values": torch.randn((IMG_B, 3, size, size), generator=g),
-            "labels": torch.randint(0, n_labels, (IMG_B, size, size), generator=g)}
+    return {"pixel_values": torch.randn((SEG_B, 3, size, size), generator=g),
+            "labels": torch.randint(0, n_labels, (SEG_B, size, size), generator=g)}
 
 
 # -- decoder LMs ------------------------------------------------------------------------------
@@ -183,7 +206,9 @@ def _phi() -> SweepCase:
 
 # -- mixture of experts -----------------------------------------------------------------------
 
-_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# NOTE: fine-grained experts (Qwen-MoE, DeepSeek-MoE, OLMoE), each half a dense MLP: four of
+# full size would make the experts' weights and their AdamW state outweigh the activations
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=2 * HIDDEN)
 
 
 def _moe(name: str, cls: str, cfg: str, **extra) -> Callable[[], SweepCase]:
@@ -236,13 +261,14 @@ def _bart_like(name: str, cls: str, cfg: str) -> Callable[[], SweepCase]:
 # -- speech -----------------------------------------------------------------------------------
 
 MEL, AUDIO_POS = 80, 250   # NOTE: Whisper's encoder wants exactly 2 * max_source_positions frames
-AUDIO = 16000              # one second of 16 kHz audio per sample for the CTC models
+AUDIO = 2 * 16000          # two seconds of 16 kHz audio per sample (~100 frames) for the CTC models
+SPEECH_B = 4               # NOTE: Whisper: 4 x 250 encoder frames = 1000 tokens, ~8 per hidden unit
 
 
 def _whisper() -> SweepCase:
     g = _gen()
-    labels = torch.randint(1, VOCAB, (B, 64), generator=g)
-    batch = {"input_features": torch.randn((B, MEL, 2 * AUDIO_POS), generator=g),
+    labels = torch.randint(1, VOCAB, (SPEECH_B, 64), generator=g)
+    batch = {"input_features": torch.randn((SPEECH_B, MEL, 2 * AUDIO_POS), generator=g),
              "decoder_input_ids": torch.cat((torch.zeros_like(labels[:, :1]), labels[:, :-1]), 1),
              "labels": labels}
     return _hf("whisper", "speech", "WhisperForConditionalGeneration", "WhisperConfig", batch,
@@ -304,8 +330,8 @@ class _Recurrent(nn.Module):
 
     def __init__(self, kind: type):
         super().__init__()
-        self.rnn = kind(HIDDEN, 2 * HIDDEN, num_layers=2, batch_first=True)
-        self.head = nn.Linear(2 * HIDDEN, 32)
+        self.rnn = kind(HIDDEN, HIDDEN, num_layers=2, batch_first=True)
+        self.head = nn.Linear(HIDDEN, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(x)[0])
@@ -416,7 +442,7 @@ MODELS: dict[str, Callable[[], SweepCase]] = {
                       num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
                       head_dim=HIDDEN // HEADS),
     "olmoe": _moe("olmoe", "OlmoeForCausalLM", "OlmoeConfig", num_experts=4,
-                  num_experts_per_tok=2),
+                  num_experts_per_tok=2, intermediate_size=2 * HIDDEN),
     # encoders
     "bert": _encoder("bert", "BertForMaskedLM", "BertConfig"),
     "roberta": _encoder("roberta", "RobertaForMaskedLM", "RobertaConfig", pad_token_id=1,
@@ -476,7 +502,7 @@ MODELS: dict[str, Callable[[], SweepCase]] = {
                          state_size=8, num_hidden_layers=LAYERS, expand=2),
     "mamba2": lambda: _hf("mamba2", "state-space", "Mamba2ForCausalLM", "Mamba2Config",
                           _ssm_batch(), vocab_size=VOCAB, hidden_size=HIDDEN, state_size=16,
-                          num_hidden_layers=LAYERS, expand=2, num_heads=8, head_dim=16,
+                          num_hidden_layers=LAYERS, expand=2, num_heads=8, head_dim=2 * HIDDEN // 8,
                           n_groups=1, chunk_size=32),
     # torch.nn building blocks
     "nn-lstm": _rnn("nn-lstm", nn.LSTM),
