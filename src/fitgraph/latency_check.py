@@ -44,6 +44,10 @@ __all__ = ["MAX_TRIES", "ROUNDS", "LatencyCheck", "paired_ratio", "update_overhe
 
 # NOTE: paired rounds per measurement: the median of 7 ratios moves by a point or two here
 ROUNDS = 7
+# NOTE: more rounds, up to MAX_ROUNDS, while the ratios' interquartile range is over SETTLED of
+# their median: the median of 7 noisy rounds can be a few percent off, the limit's whole margin
+MAX_ROUNDS = 21
+SETTLED = 0.04
 WARMUP = 1
 # NOTE: plans made in all (the first included) before falling back to the eager plan
 MAX_TRIES = 3
@@ -145,10 +149,17 @@ def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
     return statistics.median(diffs)
 
 
+def _unsettled(ratios: list[float]) -> bool:
+    """Whether the middle half of the ratios spans more than ``SETTLED``: a busy machine
+    (another process, frequency changes) spreads single rounds by tens of percent."""
+    q = statistics.quantiles(ratios, n=4)
+    return (q[2] - q[0]) / statistics.median(ratios) > SETTLED
+
+
 def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS,
                  warmup: int = WARMUP, eager_offset_s: float = 0.0) -> tuple[float, float]:
     """(median, spread) of ``plan`` on ``graph``'s step time over ``base``'s eager plan's, in
-    paired rounds (eager first, then the plan, then the other order: neither always runs on
+    ``rounds`` paired rounds, more while they are unsettled (``_unsettled``) (eager first, then the plan, then the other order: neither always runs on
     the other's warm caches), each step on fresh synthetic inputs; spread = (max - min) /
     median of the ratios. ``eager_offset_s`` is taken off each eager time: what the executor
     spends that eager PyTorch does not (``update_overhead_s``)."""
@@ -160,10 +171,12 @@ def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS
     ratios = []
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        for r in range(warmup + rounds):
+        r = 0
+        while r < warmup + rounds or (r < warmup + MAX_ROUNDS and _unsettled(ratios)):
             order = runs if r % 2 == 0 else runs[::-1]
+            r += 1
             t = {id(ex): _timed(ex, runner, g) for ex, runner, g in order}
-            if r >= warmup:
+            if r > warmup:
                 ratios.append(t[id(planned)] / max(t[id(eager)] - eager_offset_s,
                                                    t[id(eager)] / 2))
     med = statistics.median(ratios)

@@ -13,8 +13,8 @@ eager steps around it, one thread, after warm-up), one AdamW step against eager'
 weights, state and RNG ("bitwise", "allclose" with its largest difference, or "MISMATCH"),
 checkpointing's measured peak and overhead (Hugging Face's ``gradient_checkpointing_enable()``,
 or per-block ``torch.utils.checkpoint``), fitgraph at that peak and its step time against
-checkpointing's (paired in the same rounds), the smallest peak fitgraph reaches (simulated) and
-the lower bound: weights + gradients + AdamW state + batch. Writes ``DIR/sweep.csv``,
+checkpointing's (paired in the same rounds), the smallest peak fitgraph reaches (simulated, then
+planned for and measured) and the lower bound: weights + gradients + AdamW state + batch. Writes ``DIR/sweep.csv``,
 ``DIR/sweep.md`` and each model's log (``DIR/logs``); ``--report FILE`` writes the section for
 BENCHMARKS.md (machine, versions, command, table, errors grouped by cause).
 """
@@ -45,7 +45,8 @@ NOISE = ("USDT:", "[W", "[transformers]", "STAGE:")   # NOTE: profiler / library
 COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes", "params",
            "nodes", "capture_s", "plan_s", "solve_s", "winner", "exact", "result",
            "result_detail", "lower_bound", "eager_peak", "eager_step_s", "peak_110",
-           "overhead_110", "smallest_peak", "smallest_s", "ckpt_kind", "ckpt_peak",
+           "overhead_110", "smallest_peak", "smallest_s", "smallest_measured",
+           "smallest_result", "ckpt_kind", "ckpt_peak",
            "ckpt_overhead", "peak_at_ckpt", "at_ckpt_overhead", "at_ckpt_vs_ckpt", "wall_s",
            "stage_s")
 
@@ -139,7 +140,11 @@ def checks(row: dict) -> str:
     out = []
     if row.get("overhead_110") is not None and row["overhead_110"] > OVERHEAD_MAX:
         out.append(f"overhead {row['overhead_110']:+.1%} > {OVERHEAD_MAX:.0%}")
-    small, lb, ck = row.get("smallest_peak"), row.get("lower_bound"), row.get("ckpt_peak")
+    # NOTE: the smallest peak as measured where its plan ran, else as simulated
+    small = row.get("smallest_measured") or row.get("smallest_peak")
+    lb, ck = row.get("lower_bound"), row.get("ckpt_peak")
+    if row.get("smallest_result") == "MISMATCH":
+        out.append("the smallest plan's results differ from eager's")
     if small and lb and is_transformer(row) and small > LOWER_BOUND_MAX * lb:
         out.append(f"smallest {small / lb:.2f}x lower bound")
     if small and ck and small > ck:
@@ -153,7 +158,7 @@ def checks(row: dict) -> str:
 
 
 HEADER = ("| model | family | status | nodes | capture (s) | plan (s) | vs eager | eager peak (MiB) "
-          "| lower bound (MiB) | @1.10: peak / eager | @1.10: overhead | smallest (sim) / LB "
+          "| lower bound (MiB) | @1.10: peak / eager | @1.10: overhead | smallest / LB (sim) "
           "| ckpt | ckpt peak / eager | ckpt overhead | fitgraph @ckpt peak: peak / ckpt "
           "| time / ckpt | fails | error / notes |")
 
@@ -173,13 +178,21 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['model']}", r.get("family", "—"), r.get("status", "—"),
             "—" if r.get("nodes") is None else f"{r['nodes']:.0f}", _num(r.get("capture_s")), _num(r.get("plan_s")), result,
             _mib(e), _mib(r.get("lower_bound")), _ratio(r.get("peak_110"), e),
-            _pct(r.get("overhead_110")), _ratio(r.get("smallest_peak"), r.get("lower_bound")),
+            _pct(r.get("overhead_110")), _smallest(r),
             r.get("ckpt_kind") or "—", _ratio(r.get("ckpt_peak"), e), _pct(r.get("ckpt_overhead")),
             _ratio(r.get("peak_at_ckpt"), r.get("ckpt_peak")),
             "—" if vs is None else f"{vs:.2f}", checks(r) or ("—" if r.get("status") != "ok"
                                                               else "none"),
             text.replace("|", "\\|").replace("\n", " ") + " |"]))
     return "\n".join(lines)
+
+
+def _smallest(r: dict) -> str:
+    """The smallest peak over the lower bound: measured (simulated), or simulated alone."""
+    sim = _ratio(r.get("smallest_peak"), r.get("lower_bound"))
+    if not r.get("smallest_measured"):
+        return sim
+    return f"{_ratio(r['smallest_measured'], r.get('lower_bound'))} ({sim})"
 
 
 def _num(x) -> str:
@@ -217,8 +230,10 @@ def report_section(rows: list[dict], command: str, wall_s: float, rounds: int) -
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {tf}, "
         f"numpy {numpy.__version__}. Command: `{command}` ({rounds} rounds; the models took "
         f"{wall_s / 60:.0f} min). Each model in its own process; peaks measured (allocator events + resident "
-        "bytes); overheads paired with eager (median of the rounds); smallest peak simulated "
-        "(`BudgetInfeasible.smallest_peak_bytes`); lower bound = weights + gradients + AdamW "
+        "bytes); overheads paired with eager (median of the rounds); smallest peak: every "
+        "transformation allowed (fission's results allclose), simulated "
+        "(`BudgetInfeasible.smallest_peak_bytes`), then planned at that peak and measured in "
+        "one step against eager; lower bound = weights + gradients + AdamW "
         "state + batch.",
         "",
         f"{len(ok)} of {len(rows)} models capture, plan and run with eager's results; "
