@@ -32,6 +32,7 @@ from .capture.optimizer import OPTIMIZER_KINDS, state_keys
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
 from .execute.optimizer_ops import has_step_pre_hooks, init_missing_state
+from .execute.slots import ModelSlots
 from .graph.ir import Graph
 from .measure import _sync
 from .plan.instructions import Plan
@@ -149,6 +150,7 @@ class TrainStep:
         self.exact, self.measure_latency = exact, measure_latency
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
+        self._slots = ModelSlots(model)
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self):
@@ -273,24 +275,26 @@ class TrainStep:
         if planned.unverified:
             self._verify(planned, batch)
         updated = planned.graph.meta.get("optimizer_in_backward", ())
-        params = dict(self.model.named_parameters())
+        tensors = self._slots.tensors()
+        params = tensors[0]
         stale = next((n for n in updated if params[n].grad is not None), None)
         if stale is not None:
             # NOTE: eager would add this .grad into the update; the in-backward step never reads it
             raise ValueError(f"parameter {stale} has a .grad, which an optimizer-in-backward "
                              "step would ignore: call optimizer.zero_grad(set_to_none=True) "
                              "before the step")
-        fresh = (init_missing_state(planned.graph, self.model, self.optimizer, params)
-                 if self.optimizer is not None else frozenset())
         if planned.executor is None:
             planned.executor = Executor(planned.graph, planned.solution.plan, self.model,
                                         self.optimizer)
+        fresh = (init_missing_state(planned.graph, self.model, self.optimizer, params,
+                                    planned.executor.input_specs)
+                 if self.optimizer is not None else frozenset())
         planned.executor.fresh_state = fresh
         # NOTE: SGD's first update copies each gradient into a new momentum buffer (a
         # transient the steady-state plan does not hold): measure a later step instead
         sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
         if sgd_first:
-            return planned.executor(batch, params)
+            return planned.executor(batch, tensors)
         if planned.measured_peak_bytes is None:
             from .measure import grad_bytes, resident_bytes
 
@@ -298,12 +302,12 @@ class TrainStep:
             # meter's peak above it; the first run of each plan is measured
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             with MemoryMeter(self.device) as meter:
-                loss = planned.executor(batch, params)
+                loss = planned.executor(batch, tensors)
             planned.measured_peak_bytes = before + meter.peak_bytes
             return loss
         _sync(self.device)
         t0 = time.perf_counter()
-        loss = planned.executor(batch, params)
+        loss = planned.executor(batch, tensors)
         _sync(self.device)   # NOTE: CUDA kernels run on after the call returns: time them to the end
         planned.step_times.append(time.perf_counter() - t0)
         return loss

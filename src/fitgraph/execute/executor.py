@@ -28,53 +28,61 @@ from ..graph.ir import Graph, Node
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
 from ..plan.remat import recompute_without_writes
 from .codegen import compile_plan
+from .input_specs import InputSpec, input_specs
 from .offload import HostStore
 from .ops import ArgBinder, resolve_target
 from .optimizer_ops import run_optimizer_node, run_step_post_hooks, run_step_pre_hooks
+from .slots import ModelSlots
 
 __all__ = ["Executor", "bind_inputs", "execute"]
 
 
 def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
                 optimizer: torch.optim.Optimizer | None = None,
-                params: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                params: dict[str, torch.Tensor] | None = None,
+                buffers: dict[str, torch.Tensor] | None = None,
+                specs: list[InputSpec] | None = None) -> list[torch.Tensor]:
     """The real tensors for ``graph.inputs``, in order; errors say what does not match.
-    ``params``: ``dict(model.named_parameters())`` where the caller has it already."""
+    ``params`` / ``buffers``: the model's by name, ``specs``: ``input_specs(graph)``, where the
+    caller has them already (an executor does)."""
     leaves, spec = tree_flatten(batch)
     want = graph.meta.get("batch_spec")
     if want is not None and spec != want:
         raise ValueError(f"the batch's structure {spec} differs from the captured one {want}; "
                          "capture the step with this batch structure")
+    if specs is None:
+        specs = input_specs(graph)
     if params is None:
         params = dict(model.named_parameters())
-    buffers = _buffers(graph, model)
-    state_of = {}
-    if optimizer is not None:
-        state_of = {name: optimizer.state.get(p, {}) for name, p in params.items()}
+    if buffers is None:
+        buffers = _buffers(graph, model)
+    state_of: dict[str, dict] = {}
     out = []
-    for vid, name in zip(graph.inputs, graph.input_names):
-        kind, _, key = name.partition(":")
+    for s in specs:
+        kind = s.kind
         if kind == "param":
-            t = params[key]
-        elif kind == "buffer":
-            t = buffers[key] if key in buffers else params[key]
-        elif kind == "batch":
-            t = leaves[int(key)]
+            t = params[s.key]
         elif kind == "state":
-            pname, _, skey = key.rpartition(":")
-            if optimizer is None or skey not in state_of.get(pname, {}):
-                raise ValueError(f"graph input {name} needs optimizer state that is missing; pass "
-                                 "the optimizer the step was captured with")
-            t = state_of[pname][skey]
+            state = state_of.get(s.key)
+            if state is None:
+                state = state_of[s.key] = ({} if optimizer is None
+                                           else optimizer.state.get(params[s.key], {}))
+            if s.state_key not in state:
+                raise ValueError(f"graph input {s.name} needs optimizer state that is missing; "
+                                 "pass the optimizer the step was captured with")
+            t = state[s.state_key]
+        elif kind == "batch":
+            t = leaves[s.key]
+        elif kind == "buffer":
+            t = buffers[s.key] if s.key in buffers else params[s.key]
         elif kind == "const":
-            t = graph.meta["constants"][key]
+            t = graph.meta["constants"][s.key]
         else:
-            raise ValueError(f"unknown graph input kind {name!r}")
-        shape, dtype = _expected(graph, vid)
-        if t.shape != shape or t.dtype != dtype:
-            raise ValueError(f"input {name} has shape {tuple(t.shape)} {t.dtype}, the graph was "
-                             f"captured with {tuple(shape)} {dtype}: capture again for this shape "
-                             "(fitgraph plans are per shape)")
+            raise ValueError(f"unknown graph input kind {s.name!r}")
+        if t.shape != s.shape or t.dtype != s.dtype:
+            raise ValueError(f"input {s.name} has shape {tuple(t.shape)} {t.dtype}, the graph was "
+                             f"captured with {tuple(s.shape)} {s.dtype}: capture again for this "
+                             "shape (fitgraph plans are per shape)")
         out.append(t)
     return out
 
@@ -84,13 +92,6 @@ def _buffers(graph: Graph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not any(n.startswith("buffer:") for n in graph.input_names):
         return {}
     return dict(model.named_buffers())
-
-
-def _expected(graph: Graph, vid: int) -> tuple[torch.Size, torch.dtype]:
-    """(shape, dtype) input ``vid`` was captured with, as torch objects: comparing them costs
-    a fraction of a microsecond, ``str(dtype)`` more (hundreds of inputs a step)."""
-    v = graph.values[vid]
-    return torch.Size(v.shape), getattr(torch, v.dtype)
 
 
 class Executor:
@@ -122,6 +123,8 @@ class Executor:
         # NOTE: parameters whose optimizer state ``init_missing_state`` made for this step
         self.fresh_state: frozenset[str] = frozenset()
         self.params: dict[str, torch.Tensor] = {}   # NOTE: the model's, during a step
+        self.slots = ModelSlots(model) if model is not None else None
+        self.input_specs = input_specs(graph)
         self.hooks_ran = False
         # NOTE: the plan as straight-line Python (execute/codegen.py): a few microseconds of
         # interpreter loop per instruction add up to percents of a step of small ops
@@ -220,14 +223,16 @@ class Executor:
         self.host.wait(ins.storage, self.env)
 
     # -- a whole step -------------------------------------------------------------------------
-    def __call__(self, batch: Any, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """One step. ``params``: ``dict(model.named_parameters())`` where the caller has it."""
+    def __call__(self, batch: Any, tensors: tuple[dict, dict] | None = None) -> torch.Tensor:
+        """One step. ``tensors``: the model's (parameters, buffers) by name where the caller
+        has them (``ModelSlots.tensors()``)."""
         g = self.graph
-        # NOTE: one traversal of the model a step, shared by everything below
-        if params is None:
-            params = dict(self.model.named_parameters())
+        # NOTE: the model's tensors found once a step (no walk of the model: ModelSlots),
+        # shared by everything below
+        params, buffers = self.slots.tensors() if tensors is None else tensors
         self.params = params
-        inputs = bind_inputs(g, self.model, batch, self.optimizer, params)
+        inputs = bind_inputs(g, self.model, batch, self.optimizer, params, buffers,
+                             self.input_specs)
         if self.optimizer is not None:
             for key in g.outputs:
                 if key.startswith("grad:") and params[key[5:]].grad is not None:
@@ -260,7 +265,8 @@ class Executor:
         g = self.graph
         if g.meta.get("optimizer_in_backward"):
             return
-        params = self.params
+        # NOTE: instructions run one by one (bench/insitu.py) have no step's dict
+        params = self.params or dict(self.model.named_parameters())
         for key, vid in g.outputs.items():
             if key.startswith("grad:") and self.env[vid] is not None:
                 params[key[5:]].grad = self.env[vid]

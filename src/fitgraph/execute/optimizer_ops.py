@@ -20,6 +20,7 @@ from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtyp
 from torch.optim.sgd import sgd
 
 from ..graph.ir import Graph, Node
+from .input_specs import input_specs
 
 __all__ = ["OptimizerStateMismatch", "has_step_pre_hooks", "init_missing_state",
            "run_optimizer_node",
@@ -38,22 +39,22 @@ def _group_hyper(node: Node, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def init_missing_state(graph: Graph, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer,
-                       params: dict[str, torch.Tensor] | None = None) -> frozenset[str]:
+                       params: dict[str, torch.Tensor] | None = None,
+                       specs: list | None = None) -> frozenset[str]:
     """Create the optimizer state a steady-state graph reads (``capture(..., steady_state=True)``)
     where the optimizer has none yet, as torch's lazy initialisation creates it at the first
     ``step()``: Adam's step 0 and zero moments (what the first update then reads: bitwise
     eager's first step); SGD's momentum buffer as zeros, to be filled with the gradient by the
     first update (``run_optimizer_node(..., fresh=True)``, torch's first-step rule). Returns
-    the names of the parameters whose state was created here. ``params``:
-    ``dict(model.named_parameters())`` where the caller has it."""
+    the names of the parameters whose state was created here. ``params`` (the model's by
+    name) and ``specs`` (``input_specs(graph)``): where the caller has them."""
     if params is None:
         params = dict(model.named_parameters())
     created = set()
-    for name in graph.input_names:
-        kind, _, key = name.partition(":")
-        if kind != "state":
+    for spec in input_specs(graph) if specs is None else specs:
+        if spec.kind != "state":
             continue
-        pname, _, skey = key.rpartition(":")
+        pname, skey = spec.key, spec.state_key
         state = optimizer.state[params[pname]]
         if skey in state:
             continue
