@@ -25,6 +25,8 @@ weights, no dropout, labels with the last eighth of each row padded to -100), on
   -100, every hidden state kept);
 - ``fitgraph @ reference``: ``fitgraph.optimize`` on the eager model and its plain loss, at the
   reference's measured peak (bytes);
+- with ``--chunks 128,...``: the reference again with that many tokens a chunk (Liger's rule
+  is tuned for GPUs; on a CPU coarser chunks run faster), and fitgraph at each one's peak;
 - ``fitgraph smallest``: at the smallest peak fitgraph reaches (``BudgetInfeasible.
   smallest_peak_bytes`` of an impossible budget), planned and run.
 
@@ -161,7 +163,8 @@ class AnchorRow:
     vocab_bytes: int | None       # peak over the body alone's peak
     step_s: float | None          # eager's median x the median paired ratio
     vs_eager: float | None        # median of step / the eager steps around it
-    vs_reference: float | None    # median over rounds of (its ratio / the reference's)
+    vs_reference: float | None    # median over rounds of (its ratio / its reference's): the
+    #                               reference it was planned at, else Liger's-rule one
     spread: float | None          # (max - min) / median of its timed steps
     result: str = ""              # "bitwise" | "allclose" | "MISMATCH: ..." against eager
     notes: str = ""
@@ -292,6 +295,7 @@ def run(vocab: int = 50257, hidden: int = 128, layers: int = 2, seq: int = 512, 
     results: dict[str, str] = {}
     errors: dict[str, str] = {}
     notes: dict[str, str] = {}
+    matched: dict[str, _System] = {}   # fitgraph's row -> the reference whose peak it was given
 
     def first_step(s: _System):
         """The system's first step against eager's from the same weights and state."""
@@ -324,17 +328,19 @@ def run(vocab: int = 50257, hidden: int = 128, layers: int = 2, seq: int = 512, 
     eager = add("eager", lambda m, o: (_System("", None, m, o, eager_step(m, o, plain)), None))
     ref = add("reference", lambda m, o: (_System("", None, m, o, eager_step(
         m, o, reference_loss)), None))
-    for c in chunks:
-        add(f"reference, chunk {c}", lambda m, o, c=c: (_System("", None, m, o, eager_step(
-            m, o, functools.partial(reference_loss, chunk=c))), None))
+    refs = [ref] + [add(f"reference, chunk {c}", lambda m, o, c=c: (_System(
+        "", None, m, o, eager_step(m, o, functools.partial(reference_loss, chunk=c))), None))
+        for c in chunks]
     body_m, body_o = _copied(model, opt)
     body = _System("body", None, body_m, body_o, eager_step(body_m, body_o, body_loss))
     body.step()
     _measure_memory([s for s in systems if s is not None] + [body], data)
     facts["body_peak"] = body.peak
-    if ref is not None:
-        add("fitgraph @ reference", lambda m, o: _fitgraph_system(m, o, data, ref.peak,
-                                                                  time_budget))
+    for r in refs:
+        if r is not None:   # NOTE: at each reference's measured peak, in bytes
+            add(f"fitgraph @ {r.name}", lambda m, o, r=r: _fitgraph_system(
+                m, o, data, r.peak, time_budget))
+            matched[f"fitgraph @ {r.name}"] = r
     if smallest:
         m, o = _copied(model, opt)
         try:
@@ -359,10 +365,10 @@ def run(vocab: int = 50257, hidden: int = 128, layers: int = 2, seq: int = 512, 
     def row(s: _System) -> AnchorRow:
         vs_e = statistics.median(s.ratios) if s is not eager and s.ratios else (
             1.0 if s is eager else None)
-        vs_r = None
-        if ref is not None and s is not eager and s.ratios and ref.ratios:
-            vs_r = 1.0 if s is ref else statistics.median(
-                a / b for a, b in zip(s.ratios, ref.ratios))
+        vs_r, r = None, matched.get(s.name, ref)
+        if r is not None and s is not eager and s.ratios and r.ratios:
+            vs_r = 1.0 if s is r else statistics.median(
+                a / b for a, b in zip(s.ratios, r.ratios))
         step_s = None if vs_e is None or eager_s is None else vs_e * eager_s
         spread = ((max(s.times) - min(s.times)) / statistics.median(s.times)
                   if s.times else None)
@@ -388,7 +394,7 @@ def table(rows: list[AnchorRow], facts: dict) -> str:
     """The markdown table of ``run``'s rows."""
     eager = next((r for r in rows if r.system == "eager" and r.peak_bytes), None)
     lines = ["| system | peak (MiB) | peak / eager | vocab region (MiB) | step (s) "
-             "| time / eager | time / reference | spread | result vs eager | notes |",
+             "| time / eager | time / reference (its own) | spread | result vs eager | notes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if r.error:
