@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {row['status']} ({row['wall_s']:.0f} s)"
               + (f": {row['error']}" if row.get("error") else ""), flush=True)
         write_csv(rows, out / "sweep.csv")   # NOTE: after each model: a killed sweep keeps its rows
+    if args.from_csv:
+        write_csv(rows, out / "sweep.csv")   # NOTE: the merged rows, one file
     (out / "sweep.md").write_text(markdown_table(rows) + "\n")
     if args.report:
         # NOTE: the models' own wall times: a merged report (--from-csv) measured nothing now
