@@ -10,6 +10,9 @@ out: every graph break with its reason, each region's plan, and the measured pea
 step. Code between regions runs as in eager PyTorch: what it saves for the backward is not
 planned, and the optimizer update runs as ``optimizer.step()``.
 
+The report also says what this route costs in memory: the bytes the measured step saved for
+the backward, by the planned regions and by the code between them (unplanned).
+
 The budget applies to each region: a fraction of the region's own eager peak, or bytes for the
 region's peak; the step's peak (optimizer state and what the eager code keeps included) is
 measured at the first step after compiling settles (the second or third) and checked against a bytes budget, with a warning where it is over.
@@ -72,6 +75,10 @@ class RegionsReport:
     budget_bytes: int | None           # a bytes budget, checked against the measured step
     measured_peak_bytes: int | None = None
     measured_step_s: float | None = None
+    # NOTE: bytes saved for the backward in the measured step: by the planned regions, and
+    # by the code between them (eager, not planned: what the regions route costs in memory)
+    regions_saved_bytes: int | None = None
+    eager_saved_bytes: int | None = None
     notes: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -85,12 +92,57 @@ class RegionsReport:
             lines.append(f"  region {i}: peak {format_bytes(r.eager_peak_bytes)} -> "
                          f"{format_bytes(r.planned_peak_bytes)} (simulated), "
                          f"{r.recomputed_nodes} recomputed")
+        if self.eager_saved_bytes is not None:
+            lines.append(f"  saved for the backward: {format_bytes(self.regions_saved_bytes)} by "
+                         f"the planned regions, {format_bytes(self.eager_saved_bytes)} by the "
+                         "code between them (eager, not planned)")
         lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
                      + ("" if self.budget_bytes is None else
                         f" (budget {format_bytes(self.budget_bytes)})")
                      + ("" if self.measured_step_s is None else
                         f", {self.measured_step_s * 1e3:,.1f} ms"))
         return "\n".join(lines)
+
+
+class _SavedBytes:
+    """Saved-tensor hooks that add up the bytes autograd saves for the backward, apart for the
+    compiled regions and for the eager code between them (each storage once).
+
+    NOTE: a compiled region runs as one autograd Function of AOTAutograd's runtime, which
+    saves its tensors when that Function's ``apply`` returns: the frame that packs them is
+    AOTAutograd's own; every other pack comes from an op the eager code ran. The hooks return
+    the tensor itself, so what is saved, and when it is freed, is unchanged."""
+
+    _AOT = "_aot_autograd"
+
+    def __init__(self) -> None:
+        self.regions: dict[int, int] = {}
+        self.eager: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        import sys
+
+        # NOTE: autograd.Function.apply's Python wrapper sits between: look a few frames up
+        f, region = sys._getframe(1), False
+        for _ in range(3):
+            if f is None:
+                break
+            region = region or self._AOT in f.f_code.co_filename
+            f = f.f_back
+        st = t.untyped_storage()
+        into = self.regions if region else self.eager
+        into.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def totals(self) -> tuple[int, int]:
+        """(bytes saved by the regions, by the eager code), a storage both saved counted once
+        (for the regions)."""
+        eager = {k: v for k, v in self.eager.items() if k not in self.regions}
+        return sum(self.regions.values()), sum(eager.values())
 
 
 @contextlib.contextmanager
@@ -141,6 +193,8 @@ class RegionsStep:
         self._breaks: Counter[str] = Counter()
         self._settled, self._calls = False, 0
         self.measured_peak_bytes: int | None = None
+        self.regions_saved_bytes: int | None = None
+        self.eager_saved_bytes: int | None = None
         self.step_times: list[float] = []
 
     def _compute_loss(self, batch: Any) -> torch.Tensor:
@@ -177,8 +231,11 @@ class RegionsStep:
             return loss
         if self.measured_peak_bytes is None:
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
-            with MemoryMeter(self.device) as meter:
+            saved = _SavedBytes()
+            with MemoryMeter(self.device) as meter, torch.autograd.graph.saved_tensors_hooks(
+                    saved.pack, saved.unpack):
                 loss = self._run(batch)
+            self.regions_saved_bytes, self.eager_saved_bytes = saved.totals()
             self.measured_peak_bytes = before + meter.peak_bytes
             self._check_budget()
             return loss
@@ -213,6 +270,8 @@ class RegionsStep:
         return RegionsReport(
             reason=str(self.reason), graph_breaks=breaks, regions=list(self.backend.reports),
             budget_bytes=self._budget_bytes(), measured_peak_bytes=self.measured_peak_bytes,
+            regions_saved_bytes=self.regions_saved_bytes,
+            eager_saved_bytes=self.eager_saved_bytes,
             measured_step_s=statistics.median(self.step_times) if self.step_times else None)
 
     def save(self, path: str) -> None:

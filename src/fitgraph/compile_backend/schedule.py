@@ -68,17 +68,31 @@ def in_plan_order(gm: fx.GraphModule, pos: dict[int, int], ir_id: dict[str, int]
     """``gm`` with its nodes in plan order: placeholders, then each node at its position
     (``pos`` by IR node id, ``ir_id`` maps fx names to IR ids; a getitem follows the op it
     reads), then the output."""
+    keys: dict[fx.Node, tuple[float, int]] = {}
+
     def key(node: fx.Node) -> tuple[float, int]:
+        if node in keys:
+            return keys[node]
         if node.op in ("placeholder", "get_attr"):
-            return (-1.0, 0)  # NOTE: get_attr: a constant the graph holds (HF GPT-2's masks)
-        if node.op == "output":
-            return (float("inf"), 0)
-        if node.target is operator.getitem:
-            return (key(node.args[0])[0] + 0.5, 0)
-        if node.name not in ir_id or ir_id[node.name] not in pos:
+            k = (-1.0, 0)  # NOTE: get_attr: a constant the graph holds (HF GPT-2's masks)
+        elif node.op == "output":
+            k = (float("inf"), 0)
+        elif node.target is operator.getitem:
+            k = (key(node.args[0])[0] + 0.5, 0)
+        elif node.name in ir_id and ir_id[node.name] in pos:
+            k = (float(pos[ir_id[node.name]]), 0)
+        elif node.name in ir_id:
+            # NOTE: a node the plan runs in the other module: torch's module extraction moves
+            # backward nodes that need no tangent into the forward (seen: a Python float read
+            # with .item(), a graph input, divides an activation; the backward's own copy of
+            # the division lands in the forward). Run it as soon as it can run; the simulated
+            # peak then misses it (the region's report is the plan's, not this order's)
+            k = (max((key(a)[0] for a in node.all_input_nodes), default=-1.0) + 0.25, 0)
+        else:
             raise AssertionError(f"fx node {node.name} ({node.target}) has no place in the plan "
                                  "(a fitgraph bug)")
-        return (float(pos[ir_id[node.name]]), 0)
+        keys[node] = k
+        return k
 
     nodes = list(gm.graph.nodes)
     order = sorted(range(len(nodes)), key=lambda i: (key(nodes[i]), i))
