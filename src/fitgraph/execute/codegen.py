@@ -33,12 +33,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from ..graph.ir import ValueRef
 from ..plan.instructions import Compute, Free, Recompute
 
 __all__ = ["compile_plan"]
 
 _LITERALS = (bool, int, str, type(None))
+
+
+def _direct(fn: Any) -> Any:
+    """An ATen op's C++ callable (``OpOverload._op``): ``OpOverload.__call__`` is a Python
+    frame that only forwards to it, ~0.3 us an op; a GRU's step unrolled is ~20k ops."""
+    if isinstance(fn, torch._ops.OpOverload) and callable(getattr(fn, "_op", None)):
+        return fn._op
+    return fn
 
 
 def compile_plan(ex) -> tuple[Any, str]:
@@ -85,7 +95,7 @@ def compile_plan(ex) -> tuple[Any, str]:
             continue
         node = g.nodes[ins.node]
         if ins.node not in fns:
-            fns[ins.node] = bind(ex.fns[ins.node])
+            fns[ins.node] = bind(_direct(ex.fns[ins.node]))
         call_args = [expr(a) for a in node.args]
         call_args += [f"{key}={expr(v)}" for key, v in node.kwargs.items()]
         call = f"{fns[ins.node]}({', '.join(call_args)})"
