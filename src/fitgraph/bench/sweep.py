@@ -263,7 +263,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 TEXT_COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes", "winner",
-                "result", "result_detail", "ckpt_kind", "exact", "stage_s")
+                "result", "result_detail", "ckpt_kind", "exact", "stage_s", "smallest_result")
 
 
 def read_csv(paths: list[str]) -> list[dict]:
