@@ -75,3 +75,14 @@ def test_random_recompute_falls_back_to_the_replaying_method():
     assert torch.equal(got, want.detach())
     for p, gr in zip(model.parameters(), grads):
         assert torch.equal(p.grad, gr)
+
+
+def test_ops_are_called_without_their_python_wrapper():
+    """Each ATen op is bound as its C++ callable (``OpOverload._op``): the wrapper's Python
+    frame costs ~0.3 us an op, percents of a step of thousands of small ops (GRU, Mamba)."""
+    model, x = _Mixed(), torch.randn(5, 6)
+    g = fitgraph.capture(model, x, _loss)
+    ex = Executor(g, fitgraph.eager_plan(g), model)
+    bound = list(ex._run.__globals__.values())
+    assert not any(isinstance(v, torch._ops.OpOverload) for v in bound)
+    assert any(v is torch.ops.aten.addmm.default._op for v in bound)
