@@ -25,6 +25,8 @@ def _scripted(monkeypatch, ratios):
         seen.append(plan)
         return ratios[len(seen) - 1], 0.01
     monkeypatch.setattr(latency_check, "paired_ratio", fake)
+    # NOTE: the eager plan as fast as eager PyTorch: the scripted ratios are the measured ones
+    monkeypatch.setattr(latency_check, "eager_factor", lambda *a, **k: 1.0)
     return seen
 
 
@@ -128,3 +130,50 @@ def test_the_offset_is_taken_off_the_eager_time(monkeypatch):
     plan = fitgraph.eager_plan(g)
     ratio, _ = latency_check.paired_ratio(g, g, plan, cm, rounds=3, eager_offset_s=0.1)
     assert ratio == pytest.approx(1 / 0.9)
+
+
+def test_the_ratio_is_scaled_by_the_eager_plan_over_eager_pytorch(monkeypatch):
+    """Where the eager plan runs slower than the user's eager step (many small ops eager runs
+    in C++), a plan at 1.0x the eager plan is over 1.0x eager: the check scales by the
+    measured factor, and the user's model is left as it was (no .grad, same buffers)."""
+    seen = _scripted(monkeypatch, [1.05, 1.05, 1.05])
+    monkeypatch.setattr(latency_check, "eager_factor", lambda *a, **k: 1.2)
+    import copy
+
+    model, batch, lf = _case()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = fitgraph.optimize(model, batch, lf, opt, latency_limit=1.10, time_budget=5)
+    check = step.report().notes["latency_check"]
+    assert check["eager_factor"] == 1.2
+    assert [t["measured"] for t in check["tries"]] == [pytest.approx(1.26)] * len(seen)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # NOTE: even the eager plan is over the limit against eager PyTorch: the step runs eager
+    assert check["plan"] == "eager PyTorch"
+    for _ in range(2):
+        loss = step(batch)
+        lf(twin, batch).backward()
+        twin_opt.step()
+        opt.zero_grad(set_to_none=True)
+        twin_opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert loss.shape == () and step.report().measured_peak_bytes is not None
+
+
+def test_eager_pytorch_is_timed_without_side_effects():
+    """The timer of the user's forward and backward writes no .grad, keeps BatchNorm's
+    running stats and the RNG stream as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Dropout(0.5))
+    x = torch.randn(16, 8)
+    step = fitgraph.optimize(model, x, lambda m, b: m(b).square().mean(), latency_limit=1.5,
+                             time_budget=5, measure_latency=False)
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    assert step._torch_forward_backward(x)() > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)

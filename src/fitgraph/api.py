@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .capture.api import capture
-from .capture.calling import LossFn
+from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
 from .capture.optimizer import OPTIMIZER_KINDS, state_keys
 from .execute.executor import Executor
@@ -125,6 +125,9 @@ class _Planned:
     step_times: list[float] = field(default_factory=list)
     # NOTE: loaded without a batch: the first batch's capture must fingerprint the same
     unverified: bool = False
+    # NOTE: no plan, the eager plan included, ran within the latency limit against eager
+    # PyTorch (the executor runs ops one by one that eager runs in C++): run eager PyTorch
+    eager_pytorch: bool = False
 
 
 class TrainStep:
@@ -203,18 +206,52 @@ class TrainStep:
             budget = (None if self.budget is None
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
             if self.latency_limit is not None and self.measure_latency and _measured(cm):
-                sol = self._within_measured_limit(graph, cm, eager)
+                sol = self._within_measured_limit(graph, cm, eager, batch)
             else:
                 sol = solve(Problem(graph, cm, budget_bytes=budget,
                                     latency_limit=self.latency_limit,
                                     time_budget_s=self.time_budget, exact=self.exact),
                             self.solver)
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
-        return _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
+        planned = _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
+        checked = sol.notes.get("latency_check") or {}
+        factor = checked.get("eager_factor")
+        planned.eager_pytorch = bool(
+            checked.get("plan") == "eager" and factor is not None
+            and factor > self.latency_limit and not graph.meta.get("optimizer_in_backward"))
+        if planned.eager_pytorch:
+            sol.notes["latency_check"] = dict(checked, plan="eager PyTorch")
+        return planned
 
-    def _within_measured_limit(self, graph: Graph, cm, eager: Solution) -> Solution:
-        """The solver's plan for the latency limit, checked by measurement against the eager
-        plan and planned again for a tighter limit where it runs over (``latency_check``)."""
+    def _torch_forward_backward(self, batch: Any):
+        """A timer of the user's own forward and backward in eager PyTorch that leaves the
+        model as it was: gradients returned (``autograd.grad``), not written to ``.grad``;
+        buffers (BatchNorm's running stats) restored; the RNG state forked."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buffers = list(self.model.buffers())
+        devices = ([self.device.index or 0] if self.device.type == "cuda" else [])
+
+        def timed() -> float:
+            saved = [b.clone() for b in buffers]
+            with torch.random.fork_rng(devices=devices):
+                _sync(self.device)
+                t0 = time.perf_counter()
+                loss = compute_loss(self.model, batch, self.loss_fn)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                _sync(self.device)
+                dt = time.perf_counter() - t0
+            del loss, grads
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+            return dt
+
+        return timed
+
+    def _within_measured_limit(self, graph: Graph, cm, eager: Solution,
+                               batch: Any = None) -> Solution:
+        """The solver's plan for the latency limit, checked by measurement against eager
+        and planned again for a tighter limit where it runs over (``latency_check``)."""
         from . import latency_check
 
         tries = []
@@ -227,8 +264,10 @@ class TrainStep:
             return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=share,
                                  exact=self.exact), self.solver)
 
+        torch_fb = (self._torch_forward_backward(batch)
+                    if batch is not None and self.clip_grad_norm is None else None)
         sol, checked = latency_check.check(graph, self.latency_limit, solve_for, cm,
-                                           eager.sim.latency_s)
+                                           eager.sim.latency_s, torch_fb)
         if sol is None:
             sol = dataclasses.replace(eager, solver=self.solver)
         return dataclasses.replace(sol, notes=dict(sol.notes, latency_check=checked.notes()))
@@ -274,6 +313,8 @@ class TrainStep:
         self._last = self._key(batch)
         if planned.unverified:
             self._verify(planned, batch)
+        if planned.eager_pytorch:
+            return self._measured(planned, batch, lambda: self._eager_step(batch))
         updated = planned.graph.meta.get("optimizer_in_backward", ())
         tensors = self._slots.tensors()
         params = tensors[0]
@@ -295,6 +336,10 @@ class TrainStep:
         sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
         if sgd_first:
             return planned.executor(batch, tensors)
+        return self._measured(planned, batch, lambda: planned.executor(batch, tensors))
+
+    def _measured(self, planned: _Planned, batch: Any, run) -> torch.Tensor:
+        """``run()``: its peak measured the first time, its time after."""
         if planned.measured_peak_bytes is None:
             from .measure import grad_bytes, resident_bytes
 
@@ -302,15 +347,32 @@ class TrainStep:
             # meter's peak above it; the first run of each plan is measured
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             with MemoryMeter(self.device) as meter:
-                loss = planned.executor(batch, tensors)
+                loss = run()
             planned.measured_peak_bytes = before + meter.peak_bytes
             return loss
         _sync(self.device)
         t0 = time.perf_counter()
-        loss = planned.executor(batch, tensors)
+        loss = run()
         _sync(self.device)   # NOTE: CUDA kernels run on after the call returns: time them to the end
         planned.step_times.append(time.perf_counter() - t0)
         return loss
+
+    def _eager_step(self, batch: Any) -> torch.Tensor:
+        """The step as eager PyTorch runs it (``_Planned.eager_pytorch``)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is not None:
+            stale = next((n for n, p in self.model.named_parameters() if p.grad is not None), None)
+            if stale is not None:  # NOTE: the same rule as every other fitgraph step
+                raise ValueError(f"parameter {stale} already has a .grad; with an optimizer in "
+                                 "the step gradients are not accumulated across steps: call "
+                                 "optimizer.zero_grad(set_to_none=True) before the step")
+        loss = compute_loss(self.model, batch, self.loss_fn)
+        loss.backward()
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach()
 
     step = __call__
 
