@@ -77,7 +77,10 @@ def test_lstm_plans_and_runs_as_eager_bitwise(cache_dir):
     m1 = copy.deepcopy(m0)
     o0 = torch.optim.AdamW(m0.parameters())
     o1 = torch.optim.AdamW(m1.parameters())
-    step = fitgraph.optimize(m1, x, _lstm_loss, o1, latency_limit=1.1,
+    # NOTE: measure_latency=False: this tiny LSTM's eager plan can time over 1.1x eager
+    # PyTorch's fused kernel, and the step would then run eager PyTorch (latency_check), which
+    # is not the plan whose simulated peak this test holds to the measured one
+    step = fitgraph.optimize(m1, x, _lstm_loss, o1, latency_limit=1.1, measure_latency=False,
                              cost_model=_cost_model(cache_dir, in_situ=True))
     for _ in range(2):
         o0.zero_grad(set_to_none=True)
