@@ -223,31 +223,6 @@ class TrainStep:
             sol.notes["latency_check"] = dict(checked, plan="eager PyTorch")
         return planned
 
-    def _torch_forward_backward(self, batch: Any):
-        """A timer of the user's own forward and backward in eager PyTorch that leaves the
-        model as it was: gradients returned (``autograd.grad``), not written to ``.grad``;
-        buffers (BatchNorm's running stats) restored; the RNG state forked."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        buffers = list(self.model.buffers())
-        devices = ([self.device.index or 0] if self.device.type == "cuda" else [])
-
-        def timed() -> float:
-            saved = [b.clone() for b in buffers]
-            with torch.random.fork_rng(devices=devices):
-                _sync(self.device)
-                t0 = time.perf_counter()
-                loss = compute_loss(self.model, batch, self.loss_fn)
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                _sync(self.device)
-                dt = time.perf_counter() - t0
-            del loss, grads
-            with torch.no_grad():
-                for b, v in zip(buffers, saved):
-                    b.copy_(v)
-            return dt
-
-        return timed
-
     def _within_measured_limit(self, graph: Graph, cm, eager: Solution,
                                batch: Any = None) -> Solution:
         """The solver's plan for the latency limit, checked by measurement against eager
@@ -264,7 +239,8 @@ class TrainStep:
             return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=share,
                                  exact=self.exact), self.solver)
 
-        torch_fb = (self._torch_forward_backward(batch)
+        torch_fb = (latency_check.torch_forward_backward(self.model, batch, self.loss_fn,
+                                                         self.device)
                     if batch is not None and self.clip_grad_norm is None else None)
         sol, checked = latency_check.check(graph, self.latency_limit, solve_for, cm,
                                            eager.sim.latency_s, torch_fb)

@@ -45,7 +45,7 @@ from .plan.eager import eager_plan
 from .plan.instructions import Plan
 
 __all__ = ["MAX_TRIES", "ROUNDS", "LatencyCheck", "eager_factor", "paired_ratio",
-           "update_overhead_s"]
+           "torch_forward_backward", "update_overhead_s", "update_times"]
 
 # NOTE: paired rounds per measurement: the median of 7 ratios moves by a point or two here
 ROUNDS = 7
@@ -114,9 +114,10 @@ def _torch_optimizer(nodes, env: list):
     return opt
 
 
-def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
-    """Seconds the executor spends on ``base``'s optimizer updates beyond torch's
-    ``optimizer.step()`` over the same (synthetic) tensors: median of paired rounds.
+def update_times(base: Graph, cm, rounds: int = 5) -> tuple[float, float]:
+    """(seconds the executor spends on ``base``'s optimizer updates beyond torch's
+    ``optimizer.step()`` over the same (synthetic) tensors, seconds of that step): medians of
+    paired rounds; (0, 0) without updates to time.
 
     NOTE: the executor updates one parameter a call, torch's step the whole list (see
     ``execute/optimizer_ops._apply``): on a small model that is a percent or two of the
@@ -127,14 +128,14 @@ def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
     nodes = [n for n in update_nodes(base) if n.kwargs["have"] == n.kwargs["state_keys"]]
     kinds = {n.target for n in nodes}
     if not nodes or len(kinds) != 1:
-        return 0.0
+        return 0.0, 0.0
     vids = [r.id for n in nodes for r in (n.args[0], n.args[1], *n.args[2])]
     env = _runner(base, cm).values(vids)
     with torch.no_grad():
         try:
             opt = _torch_optimizer(nodes, env)
         except (TypeError, ValueError):  # NOTE: a torch whose optimizers take other settings
-            return 0.0
+            return 0.0, 0.0
         args = [(n, env[n.args[0].id], env[n.args[1].id], [env[r.id] for r in n.args[2]])
                 for n in nodes]
 
@@ -152,12 +153,41 @@ def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
             if r:
                 diffs.append(t["fg"] - t["torch"])
                 torch_s.append(t["torch"])
-    _LAST_TORCH_STEP_S[0] = statistics.median(torch_s)
-    return statistics.median(diffs)
+    return statistics.median(diffs), statistics.median(torch_s)
 
 
-# NOTE: torch's optimizer.step() time measured by the last update_overhead_s (0: none)
-_LAST_TORCH_STEP_S = [0.0]
+def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
+    """The first of ``update_times``: what the executor's updates cost beyond torch's step."""
+    return update_times(base, cm, rounds)[0]
+
+
+def torch_forward_backward(model: torch.nn.Module, batch, loss_fn, device: torch.device):
+    """A timer of the user's own forward and backward in eager PyTorch that leaves the model
+    as it was: gradients returned (``autograd.grad``), not written to ``.grad``; buffers
+    (BatchNorm's running stats) restored; the RNG state forked."""
+    from .capture.calling import compute_loss
+    from .measure import _sync
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = list(model.buffers())
+    devices = [device.index or 0] if device.type == "cuda" else []
+
+    def timed() -> float:
+        saved = [b.clone() for b in buffers]
+        with torch.random.fork_rng(devices=devices):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = compute_loss(model, batch, loss_fn)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            _sync(device)
+            dt = time.perf_counter() - t0
+        del loss, grads
+        with torch.no_grad():
+            for b, v in zip(buffers, saved):
+                b.copy_(v)
+        return dt
+
+    return timed
 
 
 def eager_factor(base: Graph, cm, torch_forward_backward, optimizer_s: float,
@@ -239,18 +269,18 @@ class LatencyCheck:
 
 
 def check(base: Graph, limit: float, solve_for, cm, eager_latency_s: float,
-          torch_forward_backward=None):
+          forward_backward=None):
     """Plan with ``solve_for(limit) -> Solution`` and measure; plan again for a scaled limit
     while the measured ratio is over ``limit``. Returns (solution or None for the eager plan,
     LatencyCheck)."""
     tries: list[Measured] = []
     sols = []
     target = limit
-    offset = update_overhead_s(base, cm)
+    offset, torch_step_s = update_times(base, cm)
     factor = None
-    if torch_forward_backward is not None:
+    if forward_backward is not None:
         try:
-            factor = eager_factor(base, cm, torch_forward_backward, _LAST_TORCH_STEP_S[0])
+            factor = eager_factor(base, cm, forward_backward, torch_step_s)
         except Exception:  # noqa: BLE001  NOTE: eager PyTorch not runnable here: the offset
             factor = None
     for _ in range(MAX_TRIES):
