@@ -12,6 +12,7 @@ import operator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
@@ -56,13 +57,18 @@ class ConvertState:
         self.constants: dict[str, torch.Tensor] = {}
 
     def value_for(self, t: torch.Tensor, name: str, role: Role, phase: Phase, module: str,
-                  producer: int | None, as_input: bool) -> int:
+                  producer: int | None, as_input: bool, traced: Any = None) -> int:
+        """The IR value of tensor ``t``; ``traced``, the tracer's (fake) twin of a real
+        ``t``, shares its storage: the traced ops that view it alias it."""
         self.keepalive.append(t)
         ref = StorageWeakRef(t.untyped_storage())
         st = self.storage_ids.get(ref)
         if st is None:
             st = self.b.new_storage(t.untyped_storage().nbytes(), _device_name(t), role, name)
             self.storage_ids[ref] = st
+        if isinstance(traced, torch.Tensor) and traced is not t:
+            self.keepalive.append(traced)
+            self.storage_ids.setdefault(StorageWeakRef(traced.untyped_storage()), st)
         kwargs = dict(storage=st, stride=t.stride(), offset=t.storage_offset())
         if as_input:
             return self.b.add_input(name, t.shape, dtype_name(t.dtype), role, **kwargs)
@@ -122,6 +128,19 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _fake_twin(traced: TracedStep, t: torch.Tensor) -> torch.Tensor | None:
+    """The fake tensor the traced ops read for real constant ``t``: a view of it must alias
+    the constant, not become a fresh activation (BEiT's relative-position index, viewed in
+    every layer, once was one, and the remat evaluator and simulator disagreed on it)."""
+    mode = traced.fake_mode
+    if mode is None or isinstance(t, FakeTensor):
+        return None
+    try:
+        return mode.from_tensor(t)   # NOTE: memoised: the same twin the tracer made
+    except Exception:  # NOTE: no twin only loses the aliasing, as before
+        return None
+
+
 def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tuple[ConvertState, dict[str, int], list[str]]:
     """Convert ``traced.gm``; return the state, the outputs map and names of params with no grad."""
     cs = ConvertState()
@@ -144,7 +163,8 @@ def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tu
             t = getattr(gm, node.target)
             constants[node.target] = t
             cs.fx_value[node] = cs.value_for(t, f"const:{node.target}", Role.CONSTANT,
-                                             Phase.INPUT, "", None, True)
+                                             Phase.INPUT, "", None, True,
+                                             traced=_fake_twin(traced, t))
             continue
         if node.op == "output":
             loss, *grads = node.args[0]  # NOTE: make_fx flattens (loss, [grads])

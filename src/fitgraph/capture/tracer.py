@@ -142,6 +142,8 @@ class TracedStep:
     buffer_names: list[str]
     batch_spec: Any
     n_batch: int
+    # NOTE: the mode that traced it: it gives a constant's fake twin, which the ops read
+    fake_mode: FakeTensorMode | None = None
 
 
 def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None):
@@ -263,5 +265,5 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     except Exception as e:  # NOTE: translate torch's tracing errors into one actionable error
         module = tracker.error_module if tracker.error_module is not None else tracker.module
         raise translate(e, module, model) from e
-    return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves))
+    return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves), fake_mode)
 
