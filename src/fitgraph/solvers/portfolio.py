@@ -48,6 +48,7 @@ from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import compact_masks, dropout_masks
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission import FissionConfig, solve_fission
+from .fission_backward import split_backward
 from .fission_regions import candidate_regions, peak_starts
 from .hotspot import solve_hotspot
 from .joint import solve_joint
@@ -165,6 +166,17 @@ def _least_peak(problem: Problem, t0: float) -> Solution | None:
         return None
 
 
+def _split_backward(problem: Problem, least: Solution | None) -> Solution | None:
+    """``split_backward`` (forward regions re-made in the backward in parts, every block
+    alike) where the least-peak plan is still over the budget: its own search, up to the
+    problem's whole time budget again (an infeasible budget costs that much more to prove)."""
+    try:
+        return split_backward(dataclasses.replace(problem, budget_bytes=None,
+                                                  latency_limit=_UNBOUNDED))
+    except BudgetInfeasible:
+        return None
+
+
 @register("auto")
 def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
@@ -257,12 +269,17 @@ def solve_auto(problem: Problem) -> Solution:
         errors = [e for e in (hot_err, fis_err) if e is not None]
         best = min(errors, key=lambda e: e.smallest_peak_bytes)
         least = _least_peak(problem, t0)
+        if (least is None or least.sim.peak_bytes > budget) and not problem.exact:
+            deeper = _split_backward(problem, least)
+            if deeper is not None and (least is None
+                                       or deeper.sim.peak_bytes < least.sim.peak_bytes):
+                least = deeper
         if least is not None and least.sim.peak_bytes <= budget:
             # NOTE: budget mode's greedy stops its path where it stalls; the least-peak search
             # (a latency limit no plan reaches) walks another and fits
-            win, name = least, "hotspot"
+            win, name = least, least.solver
             why = (f"budget mode reached {best.smallest_peak_bytes / _MIB:,.1f} MiB at least; "
-                   f"the least-peak search {_describe(least)}")
+                   f"the least-peak search ({least.solver}) {_describe(least)}")
         else:
             if least is not None and least.sim.peak_bytes < best.smallest_peak_bytes:
                 best = BudgetInfeasible(budget, least.sim.peak_bytes,

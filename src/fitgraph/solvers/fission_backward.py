@@ -1,0 +1,246 @@
+"""Split the remat plan's peak: re-make forward regions in the backward, in parts, in every block.
+
+Below what remat alone reaches, a transformer's peak is one block's recomputed attention in the
+backward: the softmax, the dropout mask, the gradient of the probabilities and its product with
+the mask, four ``[batch, heads, T, T]`` tensors at once, beside every gradient made so far.
+``fission`` grows its regions from the eager plan's peak, where no such region is convex (a
+block's forward and backward have every later block between them). Here each round looks at the
+remat plan's peak (hotspot, least peak), grows regions from what is live there, and tries:
+
+- re-making a forward region in the backward and running it there in parts, with the backward
+  ops that read it (``transform.recompute_copies``, then ``split_region``) — in every block
+  alike at once (the same ops from an alike start), since each block's backward peaks alike
+  and splitting one only moves the peak to the next;
+- a plain split of a region the peak holds (a chunked loss: its logits and their gradient).
+
+Candidates are ranked by the bytes live at the peak that the region holds along its split
+dim; the first ``TRIES`` are planned by hotspot (least peak), and the first that lowers the
+peak is kept; rounds go on while one does and time is left. The graph it returns has its
+dropout masks as bits (``compact_masks``: a copy must not draw again). Results are allclose
+to eager's, as fission's (parts), so ``exact`` problems never get here.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> from fitgraph.solvers import Problem
+    >>> from fitgraph.solvers.fission_backward import split_backward
+    >>> _ = torch.manual_seed(0)
+    >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.GELU(),
+    ...                                   torch.nn.Linear(512, 16))
+    >>> model = torch.nn.Sequential(*(mlp() for _ in range(3)))
+    >>> g = fitgraph.capture(model, torch.randn(256, 16), lambda m, x: m(x).square().mean())
+    >>> cm = RooflineCostModel(get_device("cpu-generic"))
+    >>> s = split_backward(Problem(g, cm, latency_limit=1e9, time_budget_s=10))
+    >>> s.sim.peak_bytes < s.notes["least_peak_before"], s.graph is not None
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..graph.analysis import GraphError
+from ..graph.dim_region import Region, grow_region
+from ..graph.ir import Graph, Phase
+from ..sim.simulate import SimResult
+from ..transform.compact_masks import compact_masks
+from ..transform.fission import FissionError, split_region
+from ..transform.fission_loss import count_targets_apart
+from ..transform.fission_shift import unshift_losses
+from ..transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
+from ..transform.view_chains import collapse_view_chains
+from .base import BudgetInfeasible, Problem, Solution
+from .fission_regions import candidate_regions, peak_starts, trimmed
+from .hotspot import solve_hotspot
+
+__all__ = ["split_backward"]
+
+# NOTE: parts per split: 4 cuts a block's attention to a quarter; a later round may split again
+PARTS = 8
+# NOTE: candidates of each kind planned per round (each a hotspot solve: seconds), best first
+TRIES = 2
+ROUNDS = 6
+PLAN_SHARE = 0.25
+MAX_STORAGES = 3
+SHARES = (0.0, 0.25)
+# NOTE: a latency limit no plan reaches: hotspot then minimises the peak alone
+_UNBOUNDED = 1e9
+
+
+def split_backward(problem: Problem) -> Solution | None:
+    """hotspot's least-peak plan on ``problem.graph`` (masks as bits) lowered by rounds of
+    backward splits (see the module doc), within ``problem.time_budget_s``; None where hotspot
+    finds no plan. ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and
+    the peak it reached), ``least_peak_before`` (the peak before the first split)."""
+    t0 = time.perf_counter()
+    deadline = t0 + problem.time_budget_s
+    cm = problem.cost_model
+    # NOTE: as fission reads the graph: a loss counts its targets apart and reads every
+    # position of a shifted loss, and reshape round trips are read through, so a chunked loss
+    # (logits, loss and gradient in one region) is a candidate
+    graph = collapse_view_chains(count_targets_apart(unshift_losses(
+        compact_masks(problem.graph))))
+    best = _least(graph, cm, deadline, t0, problem.time_budget_s)
+    if best is None:
+        return None
+    before, done, tried = best.sim.peak_bytes, [], []
+    for _ in range(ROUNDS):
+        better, planned = None, {True: 0, False: 0}
+        for what, make in _candidates(graph, best):
+            if time.perf_counter() > deadline:
+                break
+            # NOTE: each kind gets its tries: a plain split that runs forward and backward
+            # nodes in parts (GPT-2's attention split whole: 42.9 MiB against 23.9 unsplit)
+            # keeps its parts' forward tensors for the backward, which remat cannot drop, and
+            # ranks high on the bytes it holds
+            kind = "re-made" in what
+            if planned[kind] >= TRIES:
+                continue
+            try:
+                g2 = make()
+            except (FissionError, CopyError, GraphError, StopIteration) as e:
+                tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
+                continue
+            sol = _least(g2, cm, deadline, t0, problem.time_budget_s)
+            planned[kind] += 1
+            tried.append(f"{what}: " + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
+            if sol is not None and sol.sim.peak_bytes < best.sim.peak_bytes:
+                better = (g2, sol, what)
+                break
+        if better is None:
+            break
+        graph, best, what = better
+        done.append(what)
+    notes = dict(best.notes, splits=done, tried=tried, least_peak_before=before,
+                 masks="bits" if graph is not problem.graph else "as captured")
+    return dataclasses.replace(best, solver="split_backward", notes=notes,
+                               solve_s=time.perf_counter() - t0,
+                               graph=None if graph is problem.graph else graph)
+
+
+def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Solution | None:
+    if hasattr(cm, "profile"):
+        cm.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
+    left = max(deadline - time.perf_counter(), 1.0)
+    try:
+        # NOTE: a share of the whole per plan: each round plans several candidates
+        return solve_hotspot(Problem(graph, cm, latency_limit=_UNBOUNDED,
+                                     time_budget_s=min(left, max(1.0, total * PLAN_SHARE))))
+    except BudgetInfeasible:
+        return None
+    except RuntimeError as e:
+        # NOTE: hotspot proves its plan on the simulator and refuses one its fast evaluator
+        # priced otherwise; seen on split graphs whose backward slices a forward view (BERT's
+        # attention mask, dropped per use): that candidate is passed over, never run unproven
+        if "fast evaluator" not in str(e):
+            raise
+        return None
+
+
+def _held(graph: Graph, region: Region, sim: SimResult) -> int:
+    """Bytes live at the peak in storages the region holds along its split dim."""
+    live = sim.peak_live
+    sts = {graph.values[v].storage for v, d in region.dims.items() if isinstance(d, int)}
+    return sum(graph.storages[st].nbytes for st in sts & live)
+
+
+def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
+    """(what, make the split graph) for the regions at ``best``'s peak, best-ranked first."""
+    starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES)
+    ranked = []
+    seen: set = set()
+    for i, r in enumerate(candidate_regions(graph, starts, SHARES)):
+        held = _held(graph, r, best.sim)
+        if not held or r.length < PARTS:
+            continue
+        v = graph.values[r.start[0]]
+        share = _share(graph, r)
+        start = _forward_start(graph, r)
+        if start is not None:
+            u = graph.values[start[0]]
+            key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], share)
+            if key not in seen:
+                seen.add(key)
+                what = (f"{u.name} dim {start[1]} re-made in the backward in {PARTS} parts, "
+                        "in every block alike")
+                ranked.append((-held, i, what, _alike_maker(graph, start, share)))
+        what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {PARTS} parts"
+        ranked.append((-held, i, what, lambda r=r: split_region(graph, r, PARTS, verify=True)))
+    ranked.sort(key=lambda c: c[:2])
+    return [(what, make) for *_, what, make in ranked]
+
+
+def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
+    """The largest forward value the region runs in parts, and its dim (None: none)."""
+    found = [(graph.values[v].nbytes, -v, d) for v, d in region.dims.items()
+             if isinstance(d, int) and graph.values[v].producer is not None
+             and graph.nodes[graph.values[v].producer].phase is Phase.FORWARD]
+    if not found:
+        return None
+    _, v, d = max(found)
+    return -v, d
+
+
+def _share(graph: Graph, region: Region) -> float:
+    """The trim share ``region`` was made with (candidate_regions does not say): the smallest
+    that gives its nodes."""
+    whole = grow_region(graph, *region.start)
+    for share in SHARES:
+        t = trimmed(graph, whole, share) if share else whole
+        if t.nodes == region.nodes:
+            return share
+    return 0.0
+
+
+def _alike_maker(graph: Graph, start: tuple[int, int], share: float):
+    """Re-makes the forward region grown from ``start`` in the backward, in parts, and so for
+    every alike start (each its own region: blocks differ in their edges, as BERT's first
+    layer reads the expanded attention mask the others share); an alike start whose region
+    cannot be re-made is left as it is."""
+    vid, dim = start
+    names = [graph.values[v].name for v in _alike_starts(graph, vid)]
+    own = graph.values[vid].name
+
+    def make() -> Graph:
+        g = graph
+        for name in names:
+            try:
+                g = _copied_in_parts(g, next(v.id for v in g.values if v.name == name), dim,
+                                     share)
+            except (FissionError, CopyError, GraphError, StopIteration):
+                if name == own:
+                    raise
+        return g
+    return make
+
+
+def _alike_starts(graph: Graph, vid: int) -> list[int]:
+    """Forward values made by the same op, of the same shape, at the same output index."""
+    v = graph.values[vid]
+    n = graph.nodes[v.producer]
+    at = n.outputs.index(vid)
+    out = []
+    for m in graph.nodes:
+        if (m.phase is Phase.FORWARD and m.target == n.target and len(m.outputs) > at
+                and m.outputs[at] is not None and graph.values[m.outputs[at]].shape == v.shape):
+            out.append(m.outputs[at])
+    return out
+
+
+def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
+    r = grow_region(graph, vid, dim)
+    r = trimmed(graph, r, share) if share else r
+    return [n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD]
+
+
+def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
+    """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
+    backward and run there in ``PARTS`` parts with the backward ops that read it."""
+    nodes = copy_set(graph, _forward_nodes(graph, vid, dim, share))
+    name = graph.values[vid].name + COPY_SUFFIX
+    g = recompute_copies(graph, nodes)
+    copy = next(v.id for v in g.values if v.name == name)
+    not_backward = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
+    region = grow_region(g, copy, dim, exclude=not_backward)
+    return split_region(g, region, PARTS, verify=True)

@@ -1,0 +1,174 @@
+"""Re-make forward tensors in the backward as graph nodes, so the backward can run them in parts.
+
+Remat (``plan.remat``) re-makes a dropped tensor whole, right before the backward reads it. For
+attention that is four ``[batch, heads, T, T]`` tensors at once in the backward (the scores'
+softmax, the dropout mask, the gradient of the probabilities and its product with the mask):
+one block's recomputed attention then sets the peak of a step that is otherwise small. Fission
+cannot split the forward and the backward of one block together (every later block and the
+loss lie between them: no such region is convex). Here the forward nodes ``nodes`` are copied
+into the backward, right before its first reader of what they make, and every backward reader
+reads the copies; the originals' outputs are then read by the forward alone. The copies and the
+backward ops that read them are one convex region of the backward, which ``split_region`` runs
+in parts (heads, rows): the attention's backward then holds one part's tensors at a time.
+
+The copies compute the same ops on the same inputs, so results are bitwise those of the graph
+(the executor runs them as it runs any node). Only deterministic nodes are copied (a random
+draw re-run draws again: compact the dropout masks to bits first, ``compact_masks``, and the
+mask is re-made from its packed bits). A copy's in-place write lands in the copy of the tensor
+it writes, which the copies made; a node that writes a tensor made elsewhere is not copied.
+
+Example:
+    >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
+    >>> from fitgraph.transform.recompute_copies import recompute_copies
+    >>> b = GraphBuilder(); x = b.add_input("x", (4, 8), "float32", Role.PARAMETER)
+    >>> e = b.add_node("aten.exp.default", [x], [((4, 8), "float32")])[0]
+    >>> s = b.add_node("aten.sum.default", [e], [((), "float32")])[0]
+    >>> gx = b.add_node("aten.mul.Tensor", [s, e], [((4, 8), "float32")],
+    ...                 phase=Phase.BACKWARD)[0]
+    >>> g = recompute_copies(b.finish({"loss": s, "grad:x": gx}), [0])
+    >>> [(n.name, n.phase.value) for n in g.nodes]
+    [('exp_0', 'forward'), ('sum_1', 'forward'), ('exp_0.re', 'backward'), ('mul_2', 'backward')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..graph.analysis import new_storages, verify_graph
+from ..graph.ir import Graph, Node, Phase, Role
+from .fission_meta import Meta
+from .fission_writer import GraphWriter, OutSpec
+
+__all__ = ["COPY_SUFFIX", "CopyError", "copy_set", "copyable", "recompute_copies"]
+
+COPY_SUFFIX = ".re"
+
+
+class CopyError(ValueError):
+    """The nodes cannot be copied into the backward (the message says which and why)."""
+
+
+def copyable(graph: Graph, nid: int, inside: set[int], fresh: dict[int, list[int]] | None = None
+             ) -> str:
+    """Why node ``nid`` cannot be copied into the backward with the nodes ``inside`` ("" if it
+    can): a random draw, a forward-only node, a graph output, or an in-place write to a tensor
+    the copies do not make."""
+    n = graph.nodes[nid]
+    fresh = new_storages(graph) if fresh is None else fresh
+    if n.phase is not Phase.FORWARD:
+        return f"{n.name} runs in the {n.phase.value}, not the forward"
+    if n.random:
+        return f"{n.name} draws random numbers (compact dropout masks to bits first)"
+    outputs = set(graph.outputs.values())
+    if any(o in outputs for o in n.outputs if o is not None):
+        return f"{n.name} makes a step output"
+    made = {st for m in inside for st in fresh.get(m, ())}
+    for v in n.mutates:
+        if graph.values[v].storage not in made:
+            return f"{n.name} writes {graph.values[v].name} in place, which the copies do not make"
+    return ""
+
+
+# NOTE: a producer whose tensor is this many times the bytes it reads is copied with its readers
+# (a dropout mask re-made from packed bits: 8x to bool, 4x more to float32), so the copies read
+# the small tensor and the large one exists only in parts
+EXPANDS = 2
+
+
+def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
+    """The copyable ones of ``nodes`` (``copyable``), plus the forward producers of their
+    inputs whose tensor is ``EXPANDS`` times the bytes they read, with the in-place writes
+    that finish it (a mask's scaling), transitively: what ``recompute_copies`` should copy so
+    that the backward re-makes large tensors from small ones."""
+    fresh = new_storages(graph)
+    maker = {st: nid for nid, sts in fresh.items() for st in sts}
+    writers: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        for v in n.mutates:
+            writers.setdefault(graph.values[v].storage, []).append(n.id)
+    inside: set[int] = set()
+    for nid in sorted(set(nodes)):
+        if not copyable(graph, nid, inside | {nid}, fresh):
+            inside.add(nid)
+    todo = sorted(inside)
+    while todo:
+        for x in graph.nodes[todo.pop()].inputs:
+            v = graph.values[x]
+            mk = maker.get(v.storage)
+            if v.producer is None or v.producer in inside or mk is None:
+                continue
+            chain = {mk, *(w for w in writers.get(v.storage, ()) if w <= v.producer)}
+            read = sum(graph.values[i].nbytes for i in graph.nodes[mk].inputs)
+            if (graph.storages[v.storage].nbytes > EXPANDS * read
+                    and not any(copyable(graph, c, inside | chain, fresh) for c in chain)):
+                new = chain - inside
+                inside |= new
+                todo.extend(sorted(new))
+    return inside
+
+
+def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
+    """A copy of ``graph`` in which the backward reads copies of ``nodes``' outputs, made right
+    before its first reader (see the module doc). Raises CopyError where a node cannot be
+    copied (``copyable``) or no backward node reads what they make."""
+    inside = set(nodes)
+    fresh = new_storages(graph)
+    for nid in sorted(inside):
+        why = copyable(graph, nid, inside, fresh)
+        if why:
+            raise CopyError(why)
+    made = {o for nid in inside for o in graph.nodes[nid].outputs if o is not None}
+    first = next((n.id for n in graph.nodes if n.phase is not Phase.FORWARD
+                  and any(v in made for v in n.inputs)), None)
+    if first is None:
+        raise CopyError("no backward node reads what the nodes make: nothing to re-make")
+    if max(inside) > first:
+        raise CopyError(f"{graph.nodes[first].name} reads what the nodes make before "
+                        f"{graph.nodes[max(inside)].name} runs: no place to re-make them")
+    w = GraphWriter(graph)
+    for n in graph.nodes:
+        if n.id == first:
+            _copies(w, graph, sorted(inside), fresh)
+        w.copy_node(n)
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
+
+
+def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]]) -> None:
+    """The nodes again, in graph order, as backward nodes; from here on every node reads the
+    copies (``w.whole`` maps the originals' outputs to them)."""
+    remap: dict[int, int] = {}        # old value -> its copy
+    storage: dict[int, int] = {}      # old storage the copies make -> new storage
+    for nid in nodes:
+        n: Node = graph.nodes[nid]
+        for st in fresh.get(nid, ()):
+            s = graph.storages[st]
+            storage[st] = w.new_storage(s.nbytes, s.device, Role.ACTIVATION, s.name + COPY_SUFFIX)
+        whole = dict(w.whole)
+        whole.update(remap)
+        saved, w.whole = w.whole, whole
+        args, kwargs = w.remapped(n.args, n.kwargs)
+        w.whole = saved
+        outs: list[OutSpec | None] = []
+        for o in n.outputs:
+            if o is None:
+                outs.append(None)
+                continue
+            v = graph.values[o]
+            st = storage.get(v.storage, w.mapped_storage(v.storage))
+            outs.append(OutSpec(v.name + COPY_SUFFIX, Meta(v.shape, v.stride, v.storage_offset),
+                                v.dtype, storage=st, role=Role.ACTIVATION))
+        mutates = tuple(whole[v] for v in n.mutates)
+        new = w.add_node(n.name + COPY_SUFFIX, n.target, args, kwargs, outs, phase=Phase.BACKWARD,
+                         module=n.module, device=_device(graph, n), mutates=mutates,
+                         flops=n.flops, out_is_tuple=n.out_is_tuple)
+        for o, c in zip(n.outputs, new):
+            if o is not None:
+                remap[o] = c
+    w.whole.update(remap)
+
+
+def _device(graph: Graph, n: Node) -> str:
+    vids = [o for o in n.outputs if o is not None] or list(n.inputs)
+    return graph.storages[graph.values[vids[0]].storage].device if vids else "cpu"
