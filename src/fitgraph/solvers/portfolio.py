@@ -17,6 +17,11 @@ and remat alone is slower than eager (or a latency limit is asked), ``joint`` we
 against recompute; if it beats hotspot, it is the no-split option fission must beat; and
 fission's split graphs are planned by ``joint`` too (``FissionConfig(offload=True)``), so
 splits, remat and offloading combine in one plan.
+Where every option misses the budget, the least-peak plan (hotspot, a latency limit that never
+binds) is tried, and where it misses too and results need not be bitwise, ``split_backward``
+(``solvers.fission_backward``: the remat plan's peak region re-made in the backward in parts,
+in every block alike; up to the time budget again): the first that fits is returned, else
+BudgetInfeasible names the least peak found.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
