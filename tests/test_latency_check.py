@@ -161,6 +161,7 @@ def test_the_ratio_is_scaled_by_the_eager_plan_over_eager_pytorch(monkeypatch):
         twin_opt.zero_grad(set_to_none=True)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     assert loss.shape == () and step.report().measured_peak_bytes is not None
+    assert "runs eager PyTorch" in str(step.report()).splitlines()[0]
 
 
 def test_eager_pytorch_is_timed_without_side_effects():

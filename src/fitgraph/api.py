@@ -82,6 +82,11 @@ class OptimizeReport:
         # NOTE: "auto" names the solver whose plan it returned
         solver = (f"{self.solver}: {self.notes['winner']}" if "winner" in self.notes
                   else self.solver)
+        check = self.notes.get("latency_check")
+        if isinstance(check, dict) and check.get("plan") == "eager PyTorch":
+            # NOTE: even the eager plan timed over the limit: the step runs eager PyTorch,
+            # whose peak is the eager plan's (law 2)
+            solver += "; runs eager PyTorch: every plan timed over the latency limit"
         lines = [f"fitgraph plan ({solver}, {target}; {self.nodes} nodes, "
                  f"{self.recomputes} recomputes, solved in {self.solve_s:.2f} s; costs: "
                  f"{self.cost_model})",

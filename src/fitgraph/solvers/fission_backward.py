@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..graph.analysis import GraphError
+from ..graph.analysis import GraphError, new_storages
 from ..graph.dim_region import Region, grow_region
 from ..graph.ir import Graph, Phase
 from ..sim.simulate import SimResult
@@ -243,4 +243,21 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     copy = next(v.id for v in g.values if v.name == name)
     not_backward = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
     region = grow_region(g, copy, dim, exclude=not_backward)
-    return split_region(g, region, PARTS, verify=True)
+    out = split_region(g, region, PARTS, verify=True)
+    _check_views(out)
+    return out
+
+
+def _check_views(graph: Graph) -> None:
+    """A node that allocates nothing and writes nothing (a view) must return tensors in the
+    storages it reads; CopyError where one does not (the planner would free the wrong
+    storage)."""
+    fresh = new_storages(graph)
+    for n in graph.nodes:
+        if fresh[n.id] or n.mutates:
+            continue
+        read = {graph.values[v].storage for v in n.inputs}
+        for o in n.outputs:
+            if o is not None and graph.values[o].storage not in read:
+                raise CopyError(f"{n.name} returns {graph.values[o].name} in a storage it "
+                                "does not read")

@@ -86,10 +86,28 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
     for n in graph.nodes:
         for v in n.mutates:
             writers.setdefault(graph.values[v].storage, []).append(n.id)
+    fwd_readers: dict[int, set[int]] = {}   # storage -> forward nodes that read it
+    for n in graph.nodes:
+        if n.phase is Phase.FORWARD:
+            for v in n.inputs:
+                fwd_readers.setdefault(graph.values[v].storage, set()).add(n.id)
     inside: set[int] = set()
     for nid in sorted(set(nodes)):
         if not copyable(graph, nid, inside | {nid}, fresh):
             inside.add(nid)
+    # NOTE: a source of the region (it reads nothing the region makes) that forward nodes
+    # outside it read too is shared (BERT's attention mask, made once for every layer): left
+    # out, as in the expansion below
+    shared = True
+    while shared:
+        made = {graph.values[o].storage for m in inside for o in graph.nodes[m].outputs
+                if o is not None}
+        shared = {m for m in inside
+                  if not any(graph.values[v].storage in made - set(_storages(graph, m))
+                             for v in graph.nodes[m].inputs)
+                  and any(not fwd_readers.get(st, set()) <= inside
+                          for st in _storages(graph, m))}
+        inside -= shared
     todo = sorted(inside)
     while todo:
         for x in graph.nodes[todo.pop()].inputs:
@@ -99,12 +117,20 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
                 continue
             chain = {mk, *(w for w in writers.get(v.storage, ()) if w <= v.producer)}
             read = sum(graph.values[i].nbytes for i in graph.nodes[mk].inputs)
+            # NOTE: only a tensor the copies alone read in the forward: one every block reads
+            # (an attention mask made once) would be copied with each block's region, and the
+            # backward of every block would read the first block's copies
             if (graph.storages[v.storage].nbytes > EXPANDS * read
+                    and fwd_readers.get(v.storage, set()) <= inside | chain
                     and not any(copyable(graph, c, inside | chain, fresh) for c in chain)):
                 new = chain - inside
                 inside |= new
                 todo.extend(sorted(new))
     return inside
+
+
+def _storages(graph: Graph, nid: int) -> list[int]:
+    return [graph.values[o].storage for o in graph.nodes[nid].outputs if o is not None]
 
 
 def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
