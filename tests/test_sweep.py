@@ -70,6 +70,22 @@ def test_compare_tells_bitwise_close_and_wrong_apart():
     assert verdict == "MISMATCH" and "grad weight" in detail
 
 
+def test_compare_reads_a_zero_gradient_as_rounding_noise():
+    """A gradient that is zero in exact arithmetic (a key's bias under softmax) differs
+    entirely when summed in another order, by nothing beside the model's gradients."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 4)).sum().backward()
+        m.bias.grad = torch.full((4,), 1e-9)
+    loss = torch.tensor(1.0)
+    b.bias.grad = -a.bias.grad
+    assert compare(loss, loss.clone(), a, b)[0] == "allclose"
+    b.bias.grad = torch.full((4,), 1e-3)   # NOTE: above the noise of a 2.0 gradient
+    assert compare(loss, loss.clone(), a, b)[0] == "MISMATCH"
+
+
 def test_checks_name_each_failed_criterion():
     row = {"model": "gpt2", "family": "decoder", "status": "ok", "overhead_110": 0.05,
            "lower_bound": 100, "smallest_peak": 200, "ckpt_peak": 150, "at_ckpt_vs_ckpt": 0.9}

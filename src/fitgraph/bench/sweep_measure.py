@@ -7,7 +7,7 @@ AdamW step of the plan against eager from the same weights, optimizer state and 
 (Hugging Face's ``gradient_checkpointing_enable()``, or per-block ``torch.utils.checkpoint``
 where the model has none), at-ckpt (fitgraph at checkpointing's measured peak, in bytes),
 smallest (the smallest peak fitgraph reaches, fission allowed: ``BudgetInfeasible.smallest_peak_bytes``
-of a budget of half the lower bound, which no plan can meet; simulated), smallest-run (a plan at
+of a budget one byte below the lower bound, which no plan can meet; simulated), smallest-run (a plan at
 that peak run once against eager: its measured peak and results), time (interleaved rounds, each timed step right after an eager one,
 ``harness._time_rounds``). A stage that fails ends the row with its error; the checkpointing
 stages fail alone (their error goes to ``notes``), since the model itself ran.
@@ -68,16 +68,27 @@ def _exact_kwargs() -> dict:
     return {"exact": True} if "exact" in inspect.signature(optimize).parameters else {}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item() if b.numel() else 0.0
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """The largest difference relative to ``b``'s largest element, or to ``floor`` where that
+    is smaller."""
+    scale = max(b.abs().max().item() if b.numel() else 0.0, floor)
     diff = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
     return diff / scale if scale > 0 else diff
+
+
+# NOTE: a gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores a
+# shift) is rounding noise; summed in another order it differs entirely, by nothing that
+# matters: a tensor's differences are measured against at least this share of the largest
+# gradient of the model (so a difference below REL_TOL x NOISE_FLOOR = 1e-5 of it is noise; a
+# small but real gradient wrong by as much as itself still fails)
+NOISE_FLOOR = 0.1
 
 
 def compare(loss_e, loss_f, eager: torch.nn.Module, planned: torch.nn.Module) -> tuple[str, str]:
     """("bitwise" | "allclose" | "MISMATCH", detail): the plan's loss, gradients and updated
     parameters against eager's. Gradients and the loss within ``REL_TOL`` of the largest
-    element, parameters within ``PARAM_ATOL``.
+    element (a gradient's, at least ``NOISE_FLOOR`` of the model's largest gradient),
+    parameters within ``PARAM_ATOL``.
 
     Example:
         >>> m = torch.nn.Linear(2, 2); l = torch.tensor(1.0)
@@ -96,8 +107,10 @@ def compare(loss_e, loss_f, eager: torch.nn.Module, planned: torch.nn.Module) ->
     params = [(f"param {n}", p.detach(), pf[n].detach()) for n, p in pe.items()]
     if all(torch.equal(a, b) for _, a, b in pairs + params):
         return "bitwise", ""
-    worst = max(pairs, key=lambda t: _rel(t[2], t[1]))
-    rel = _rel(worst[2], worst[1])
+    floor = NOISE_FLOOR * max((b.abs().max().item() for n, _, b in pairs[1:] if b.numel()),
+                              default=0.0)
+    worst = max(pairs, key=lambda t: _rel(t[2], t[1], floor))
+    rel = _rel(worst[2], worst[1], floor)
     pworst = max(params, key=lambda t: (t[2].double() - t[1].double()).abs().max().item())
     pdiff = (pworst[2].double() - pworst[1].double()).abs().max().item()
     detail = f"max rel {rel:.1e} ({worst[0]}), params max abs {pdiff:.1e} ({pworst[0]})"
@@ -298,9 +311,12 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
             m_s, o_s = _copied(m_e, o_e)
             # NOTE: every transformation, fission included: the smallest peak fitgraph reaches
             # (results allclose, not bitwise; checked below)
-            optimize(m_s, batch, loss_fn, o_s, budget=row["lower_bound"] // 2,
+            # NOTE: one byte below the lower bound, which no plan meets (the optimizer step
+            # holds every gradient beside the weights, state and batch) but which is above
+            # what exists before the step, so every least-peak search runs
+            optimize(m_s, batch, loss_fn, o_s, budget=row["lower_bound"] - 1,
                      time_budget=time_budget)
-            row["notes"] += "half the lower bound was reported feasible; "
+            row["notes"] += "the lower bound was reported feasible; "
         except BudgetInfeasible as e:
             row["smallest_peak"] = e.smallest_peak_bytes
         except _NotSearched:

@@ -62,6 +62,7 @@ PARTS = 8
 TRIES = 2
 ROUNDS = 6
 PLAN_SHARE = 0.25
+PLAN_MIN_S = 1.0
 MAX_STORAGES = 3
 SHARES = (0.0, 0.25)
 # NOTE: a latency limit no plan reaches: hotspot then minimises the peak alone
@@ -126,7 +127,7 @@ def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Soluti
     try:
         # NOTE: a share of the whole per plan: each round plans several candidates
         return solve_hotspot(Problem(graph, cm, latency_limit=_UNBOUNDED,
-                                     time_budget_s=min(left, max(1.0, total * PLAN_SHARE))))
+                                     time_budget_s=min(left, max(PLAN_MIN_S, total * PLAN_SHARE))))
     except BudgetInfeasible:
         return None
     except RuntimeError as e:
