@@ -95,19 +95,6 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
     for nid in sorted(set(nodes)):
         if not copyable(graph, nid, inside | {nid}, fresh):
             inside.add(nid)
-    # NOTE: a source of the region (it reads nothing the region makes) that forward nodes
-    # outside it read too is shared (BERT's attention mask, made once for every layer): left
-    # out, as in the expansion below
-    shared = True
-    while shared:
-        made = {graph.values[o].storage for m in inside for o in graph.nodes[m].outputs
-                if o is not None}
-        shared = {m for m in inside
-                  if not any(graph.values[v].storage in made - set(_storages(graph, m))
-                             for v in graph.nodes[m].inputs)
-                  and any(not fwd_readers.get(st, set()) <= inside
-                          for st in _storages(graph, m))}
-        inside -= shared
     todo = sorted(inside)
     while todo:
         for x in graph.nodes[todo.pop()].inputs:
@@ -127,10 +114,6 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
                 inside |= new
                 todo.extend(sorted(new))
     return inside
-
-
-def _storages(graph: Graph, nid: int) -> list[int]:
-    return [graph.values[o].storage for o in graph.nodes[nid].outputs if o is not None]
 
 
 def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
