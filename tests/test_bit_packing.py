@@ -15,7 +15,8 @@ def test_every_byte_pattern_packs_to_its_value_and_back():
     values = torch.arange(256)
     bits = ((values[:, None] >> torch.arange(8)) & 1).bool()
     packed = pack_bits(bits)
-    assert packed.dtype == torch.uint8 and torch.equal(packed, values.to(torch.uint8))
+    assert packed.shape == (256, 1)   # NOTE: rows of bytes: the last dim / 8
+    assert packed.dtype == torch.uint8 and torch.equal(packed[:, 0], values.to(torch.uint8))
     assert torch.equal(unpack_bits(packed, [256, 8]), bits)
     assert packs_alike("cpu")
 
@@ -27,7 +28,7 @@ def test_random_bits_of_any_density_and_shape_round_trip(seed):
     density = float(torch.rand((), generator=g))
     bits = torch.rand(shape, generator=g) < density
     packed = pack_bits(bits)
-    assert packed.shape == (bits.numel() // 8,)
+    assert packed.shape == tuple(shape[:-1]) + (1,)
     back = unpack_bits(packed, shape)
     assert back.dtype == torch.bool and back.shape == bits.shape and torch.equal(back, bits)
     # NOTE: a bool tensor holds only 0 and 1 bytes: anything else would compare alike but
@@ -46,8 +47,26 @@ def test_fake_tensors_get_the_real_shapes():
         bits = torch.empty(6, 8, dtype=torch.bool)
         packed = pack_bits(bits)
         out = unpack_bits(packed, [6, 8])
-    assert (packed.shape, packed.dtype) == ((6,), torch.uint8)
+    assert (packed.shape, packed.dtype) == ((6, 1), torch.uint8)
     assert (out.shape, out.dtype) == ((6, 8), torch.bool)
+
+
+def test_a_last_dim_not_a_multiple_of_8_packs_flat():
+    bits = torch.rand(4, 6) < 0.5
+    packed = pack_bits(bits)
+    assert packed.shape == (3,) and torch.equal(unpack_bits(packed, [4, 6]), bits)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_a_slice_of_rows_or_whole_bytes_unpacks_alone(dim):
+    # NOTE: what a part of a split region reads: a strided slice of the packed rows
+    bits = torch.rand(2, 6, 32, generator=torch.Generator().manual_seed(dim)) < 0.4
+    packed = pack_bits(bits)
+    lo, hi = (1, 2) if dim == 0 else (2, 5) if dim == 1 else (1, 3)
+    part = packed.narrow(dim, lo, hi - lo)
+    scale = 8 if dim == 2 else 1
+    want = bits.narrow(dim, lo * scale, (hi - lo) * scale)
+    assert torch.equal(unpack_bits(part, list(want.shape)), want)
 
 
 @pytest.mark.parametrize("bad", [torch.ones(7, dtype=torch.bool), torch.ones(8),

@@ -132,3 +132,27 @@ def test_auto_reaches_a_budget_below_remat_alone():
     s = solve(Problem(g, cm, budget_bytes=budget, time_budget_s=20), "auto")
     assert s.sim.peak_bytes <= budget and s.graph is not None
     assert s.notes["winner"] == "split_backward"
+
+
+def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
+    from fitgraph.solvers.fission_backward import _copied_in_parts, _forward_in_parts
+
+    model = _encoder()
+    g = compact_masks(fitgraph.capture(model, BATCH, _loss))
+    soft = next(n for n in g.nodes if n.phase is Phase.FORWARD and "softmax" in n.target)
+    # NOTE: before the copies the backward reads the softmax: its forward stays whole
+    assert _forward_in_parts(g, g.values[soft.outputs[0]].name, 2) is g
+    s = _copied_in_parts(g, soft.outputs[0], 2, 0.0)
+    fwd = [n for n in s.nodes if n.phase is Phase.FORWARD and "softmax" in n.target
+           and n.module == soft.module]   # NOTE: this block's (the alike maker does each)
+    assert len(fwd) > 1 and all(".part" in n.name for n in fwd)
+    later = {v for n in s.nodes if n.phase is not Phase.FORWARD for v in n.inputs}
+    assert not any(o in later for n in fwd for o in n.outputs)
+    # NOTE: the mask's bits are packed in rows: each backward part unpacks its own rows
+    unpacks = [n.name for n in s.nodes if n.phase is Phase.BACKWARD and ".unpacked" in n.name]
+    assert unpacks and all(".part" in name for name in unpacks)
+    la, ga = _run(g, fitgraph.eager_plan(g), model)
+    lb, gb = _run(s, fitgraph.eager_plan(s), model)
+    torch.testing.assert_close(lb, la)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)

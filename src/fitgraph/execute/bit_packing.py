@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "packs_alike", "unpack_bits"]
+from ..graph.own_ops import packed_shape
+
+__all__ = ["pack_bits", "packed_shape", "packs_alike", "unpack_bits"]
 
 # NOTE: the flag of byte j (bit 8j) times 2**(56 - 7j) lands on bit 56 + j, and no two partial
 # products meet below bit 56 + 8: the top byte is the eight flags in order
@@ -54,21 +56,23 @@ def _words(bits: torch.Tensor) -> torch.Tensor:
 # NOTE: the targets these register are graph.own_ops.PACK_BITS and UNPACK_BITS
 @torch.library.custom_op("fitgraph::pack_bits", mutates_args=())
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """``bits`` (contiguous bool, numel a multiple of 8) packed eight to a byte (uint8, 1-D)."""
+    """``bits`` (contiguous bool, numel a multiple of 8) packed eight to a byte (uint8, of
+    ``packed_shape(bits.shape)``)."""
     words = _words(bits) * _GATHER
     words >>= 56
-    return words.to(torch.uint8)
+    return words.to(torch.uint8).view(packed_shape(bits.shape))
 
 
 @pack_bits.register_fake
 def _(bits: torch.Tensor) -> torch.Tensor:
-    return bits.new_empty((bits.numel() // 8,), dtype=torch.uint8)
+    return bits.new_empty(packed_shape(bits.shape), dtype=torch.uint8)
 
 
 @torch.library.custom_op("fitgraph::unpack_bits", mutates_args=())
 def unpack_bits(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """The bool tensor of ``shape`` that ``pack_bits`` packed into ``packed``."""
-    words = packed.to(torch.int64)
+    """The bool tensor of ``shape`` that ``pack_bits`` packed into ``packed`` (read in its
+    logical order: a strided slice of rows unpacks to the same slice of the bits)."""
+    words = packed.to(torch.int64, memory_format=torch.contiguous_format)
     words.mul_(_COPIES).bitwise_and_(_SELECT).add_(_ROUND_UP)
     words >>= 7
     words.bitwise_and_(_LOW_BITS)
@@ -92,7 +96,7 @@ def packs_alike(device: str) -> bool:
             values = torch.arange(256, dtype=torch.int64, device=device)
             bits = ((values[:, None] >> torch.arange(8, device=device)) & 1).bool()
             packed = pack_bits(bits)
-            _ALIKE[device] = bool(torch.equal(packed, values.to(torch.uint8))
+            _ALIKE[device] = bool(torch.equal(packed.reshape(-1), values.to(torch.uint8))
                                   and torch.equal(unpack_bits(packed, [256, 8]), bits))
         except (RuntimeError, AssertionError):
             _ALIKE[device] = False

@@ -71,10 +71,12 @@ def view(node, ins, outs) -> list[Split]:
 
 
 def unpack_bits(node, ins, outs) -> list[Split]:
-    """fitgraph::unpack_bits(packed, shape): bytes [numel/8] -> bits of ``shape``, element 8i+j
-    in bit j of byte i: a reshape whose input holds eight elements a byte. Its outermost dim of
-    size > 1 cuts into blocks of whole bytes when a row of it is a multiple of 8 elements (a
-    part unpacks its own bytes: a dropout mask's bits unpacked per part of a batch region).
+    """fitgraph::unpack_bits(packed, shape): bytes -> bits of ``shape``, element 8i+j in bit j
+    of byte i. Packed in rows (``own_ops.packed_shape``: ``shape`` with its last dim / 8), it
+    cuts along any dim, the last in whole bytes (8 bits a unit); packed flat, it is a reshape
+    whose input holds eight elements a byte: its outermost dim of size > 1 cuts into blocks of
+    whole bytes when a row of it is a multiple of 8 elements. Either way a part unpacks its own
+    bytes (a dropout mask's bits unpacked per part of a split region).
 
     Example:
         >>> from fitgraph.graph.ir import Node, Phase, ValueRef
@@ -82,8 +84,21 @@ def unpack_bits(node, ins, outs) -> list[Split]:
         ...          (0,), (1,), (), Phase.FORWARD, "")
         >>> [(s.operands[0].unit, s.outputs[0].dim) for s in unpack_bits(n, [(12,)], [(4, 3, 8)])]
         [(3, 0)]
+        >>> [(s.operands[0].dim, s.outputs[0].unit) for s in
+        ...  unpack_bits(n, [(4, 3, 1)], [(4, 3, 8)])]
+        [(0, 1), (1, 1)]
     """
-    shape = outs[0]
+    packed, shape = ins[0], outs[0]
+    if len(packed) == len(shape) and len(shape) > 1:
+        splits = []
+        for d, s in enumerate(shape):
+            bytes_ = packed[d] if d == len(shape) - 1 else s
+            if bytes_ < 2:
+                continue
+            unit = 8 if d == len(shape) - 1 else 1
+            splits.append(Split((Along(d),), (Along(d, unit),),
+                                sizes=(SizeArg((1, d), ("out", 0), d),)))
+        return splits
     d = next((i for i, s in enumerate(shape) if s != 1), None)
     if d is None or shape[d] < 2:
         return []

@@ -9,7 +9,26 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PACK_BITS", "UNPACK_BITS"]
+__all__ = ["PACK_BITS", "UNPACK_BITS", "packed_shape"]
 
 PACK_BITS = "fitgraph.pack_bits.default"      # bool bits -> uint8, eight to a byte
 UNPACK_BITS = "fitgraph.unpack_bits.default"  # uint8 packed bits -> bool of a shape
+
+
+def packed_shape(shape) -> tuple[int, ...]:
+    """The shape ``pack_bits`` gives bits of ``shape``: its rows of bytes (the last dim / 8)
+    where the last dim is a multiple of 8, so that a slice of rows (any dim but the last) or of
+    whole bytes is a slice of the packed tensor too and unpacks alone (a part of a split
+    region); else 1-D.
+
+    Example:
+        >>> packed_shape((2, 4, 256)), packed_shape((3, 4, 6))
+        ((2, 4, 32), (9,))
+    """
+    shape = tuple(shape)
+    if shape and shape[-1] % 8 == 0:
+        return shape[:-1] + (shape[-1] // 8,)
+    n = 1
+    for s in shape:
+        n *= s
+    return (n // 8,)

@@ -246,6 +246,37 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     region = grow_region(g, copy, dim, exclude=not_backward)
     out = split_region(g, region, PARTS, verify=True)
     _check_views(out)
+    return _forward_in_parts(out, graph.values[vid].name, dim)
+
+
+def _forward_in_parts(graph: Graph, name: str, dim: int) -> Graph:
+    """``graph`` with the forward region grown from value ``name`` along ``dim`` (forward
+    nodes only) run in ``PARTS`` parts too; ``graph`` itself where it cannot be.
+
+    Once the backward reads the copies, the forward region's own tensors are read by forward
+    nodes alone: its parts die in the forward, so splitting it costs no saved tensor and cuts
+    the forward's peak (a block's scores and softmax, whole, in every forward)."""
+    vid = next((v.id for v in graph.values if v.name == name), None)
+    if vid is None:
+        return graph
+    out_of_forward = {n.id: "not in the forward" for n in graph.nodes
+                      if n.phase is not Phase.FORWARD}
+    # NOTE: a forward node whose storages the backward reads (through any view) stays whole:
+    # its parts would be saved for the backward
+    later = {graph.values[v].storage for n in graph.nodes if n.phase is not Phase.FORWARD
+             for v in n.inputs}
+    saved = {n.id: "read by the backward" for n in graph.nodes if n.phase is Phase.FORWARD
+             and any(graph.values[o].storage in later for o in n.outputs if o is not None)}
+    if graph.values[vid].producer in saved:
+        return graph
+    region = grow_region(graph, vid, dim, exclude=out_of_forward | saved)
+    if region.length < PARTS:
+        return graph
+    try:
+        out = split_region(graph, region, PARTS, verify=True)
+        _check_views(out)
+    except (FissionError, CopyError, GraphError):
+        return graph
     return out
 
 

@@ -68,7 +68,7 @@ from numbers import Real
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
-from ..graph.own_ops import PACK_BITS, UNPACK_BITS
+from ..graph.own_ops import PACK_BITS, UNPACK_BITS, packed_shape
 from ..plan.remat import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
@@ -290,8 +290,10 @@ def _packed(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: st
     v = graph.values[mask.value]
     if v.numel % 8 or not packs_alike(kw["device"]):
         return bits
+    rows = packed_shape(v.shape)
     packed = w.add_node(f"{name}.packed", PACK_BITS, (ValueRef(bits),), {},
-                        [OutSpec(f"{name}.packed", Meta((v.numel // 8,), (1,), 0), "uint8",
+                        [OutSpec(f"{name}.packed", Meta(rows, contiguous_strides(rows), 0),
+                                 "uint8",
                                  role=Role.ACTIVATION)], **kw)[0]
     return w.add_node(f"{name}.unpacked", UNPACK_BITS, (ValueRef(packed), list(v.shape)), {},
                       [OutSpec(f"{name}.unpacked", Meta(v.shape, v.stride, 0), "bool",
