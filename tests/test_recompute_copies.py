@@ -156,3 +156,25 @@ def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
     torch.testing.assert_close(lb, la)
     for k in ga:
         torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)
+
+
+def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
+    from fitgraph.graph.ir import GraphBuilder, Role
+    from fitgraph.solvers.fission_backward import _linked
+
+    b = GraphBuilder()
+    mask = b.add_input("mask", (4, 8), "bool", Role.INPUT)
+    xs = [b.add_input(f"x{i}", (4, 8), "float32", Role.INPUT) for i in range(2)]
+    shared = b.add_node("aten.logical_not.default", [mask], [((4, 8), "bool")])[0]
+    outs = []
+    for x in xs:   # NOTE: each block turns the shared mask into its own float mask
+        w = b.add_node("aten.bitwise_not.default", [shared], [((4, 8), "bool")])[0]
+        s = b.add_node("aten.mul.Tensor", [x, w], [((4, 8), "float32")])[0]
+        outs.append(b.add_node("aten.exp.default", [s], [((4, 8), "float32")])[0])
+    g = b.finish({"a": outs[0], "b": outs[1]})
+    names = {n.name: n.id for n in g.nodes}
+    everything = set(names.values())
+    own = {g.nodes[i].name for i in _linked(g, names["mul_2"], everything)}
+    # NOTE: block 0's product, what it leads to and what leads to them; block 1's nodes only
+    # hang off the shared node
+    assert own == {"logical_not_0", "bitwise_not_1", "mul_2", "exp_3"}

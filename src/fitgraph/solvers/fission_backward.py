@@ -232,7 +232,36 @@ def _alike_starts(graph: Graph, vid: int) -> list[int]:
 def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
     r = grow_region(graph, vid, dim)
     r = trimmed(graph, r, share) if share else r
-    return [n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD]
+    fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD}
+    return sorted(_linked(graph, graph.values[vid].producer, fwd))
+
+
+def _linked(graph: Graph, start: int, nodes: set[int]) -> set[int]:
+    """The nodes of ``nodes`` that ``start`` leads to (through tensors one makes and another
+    reads), and those that lead to ``start`` or to them. A region also takes the other readers
+    of a tensor it reads along its dim (every block's attention mask, made from one shared
+    mask): those belong to other blocks, and copied or split with this one they would be
+    kept whole from the forward to the backward."""
+    readers: dict[int, set[int]] = {n: set() for n in nodes}
+    makers: dict[int, set[int]] = {n: set() for n in nodes}
+    for n in nodes:
+        for v in graph.nodes[n].inputs:
+            m = graph.values[v].producer
+            if m in nodes and m != n:
+                readers[m].add(n)
+                makers[n].add(m)
+    after = _closure({start}, readers)
+    return _closure(after, makers)
+
+
+def _closure(seeds: set[int], edges: dict[int, set[int]]) -> set[int]:
+    seen, todo = set(seeds), list(seeds)
+    while todo:
+        for m in edges.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
 
 
 def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
@@ -270,6 +299,10 @@ def _forward_in_parts(graph: Graph, name: str, dim: int) -> Graph:
     if graph.values[vid].producer in saved:
         return graph
     region = grow_region(graph, vid, dim, exclude=out_of_forward | saved)
+    own = _linked(graph, graph.values[vid].producer, set(region.nodes))
+    if len(own) < len(region.nodes):
+        others = {n: "another block's" for n in region.nodes if n not in own}
+        region = grow_region(graph, vid, dim, exclude=out_of_forward | saved | others)
     if region.length < PARTS:
         return graph
     try:
