@@ -444,7 +444,9 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     within it. ``cost_model``: None measures ops on this machine (cached); a device name
     ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
-    or, with ``on_new_shape="error"``, refused.
+    or, with ``on_new_shape="error"``, refused. ``time_budget``: the solvers' seconds; a budget
+    below what remat alone reaches also runs ``split_backward`` (regions re-made in the
+    backward in parts), for at least 60 s more, before it is reported infeasible.
 
     ``solver``: a registered solver (``fitgraph.solvers.SOLVERS``); the default ``"auto"``
     runs ``hotspot`` (remat and reordering) and, where the peak holds a region it can split,

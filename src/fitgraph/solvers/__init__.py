@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (registers)
     portfolio,
     rotor,
 )
-from .base import SOLVERS, BudgetInfeasible, Problem, Solution, register, solve
+from .base import SOLVERS, BudgetInfeasible, EvaluatorMismatch, Problem, Solution, register, solve
 
-__all__ = ["SOLVERS", "BudgetInfeasible", "Problem", "Solution", "register", "solve"]
+__all__ = ["SOLVERS", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solution", "register",
+           "solve"]

@@ -18,7 +18,8 @@ from ..sim.simulate import SimResult
 from ..units import format_bytes
 from .collector import fewer_collections
 
-__all__ = ["SOLVERS", "BudgetInfeasible", "Problem", "Solution", "register", "solve"]
+__all__ = ["SOLVERS", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solution", "register",
+           "solve"]
 
 
 class BudgetInfeasible(RuntimeError):
@@ -34,6 +35,11 @@ class BudgetInfeasible(RuntimeError):
         self.smallest_peak_bytes = smallest_peak_bytes
         self.dominated_by = dominated_by
         self.solver = solver
+
+
+class EvaluatorMismatch(RuntimeError):
+    """A solver's fast evaluator priced its plan otherwise than the simulator (a bug in the
+    evaluator, never a plan to run): the solver refuses the plan."""
 
 
 @dataclass(frozen=True)

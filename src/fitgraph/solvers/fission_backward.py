@@ -50,7 +50,7 @@ from ..transform.fission_loss import count_targets_apart
 from ..transform.fission_shift import unshift_losses
 from ..transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
 from ..transform.view_chains import collapse_view_chains
-from .base import BudgetInfeasible, Problem, Solution
+from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from .fission_regions import candidate_regions, peak_starts, trimmed
 from .hotspot import solve_hotspot
 
@@ -130,12 +130,10 @@ def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Soluti
                                      time_budget_s=min(left, max(PLAN_MIN_S, total * PLAN_SHARE))))
     except BudgetInfeasible:
         return None
-    except RuntimeError as e:
+    except EvaluatorMismatch:
         # NOTE: hotspot proves its plan on the simulator and refuses one its fast evaluator
         # priced otherwise; seen on split graphs whose backward slices a forward view (BERT's
         # attention mask, dropped per use): that candidate is passed over, never run unproven
-        if "fast evaluator" not in str(e):
-            raise
         return None
 
 

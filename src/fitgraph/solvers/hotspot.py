@@ -68,7 +68,7 @@ from ..plan.remat import remat_plan, remat_tables
 from ..plan.reorder import STRATEGIES, memory_aware_order
 from ..sim.remat_eval import RematEvaluator
 from ..sim.simulate import simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution, dominated_by, register
 from .greedy import Run, Search, local_evals, lookahead
 from .moves import build_moves
 
@@ -204,7 +204,7 @@ def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
     plan = remat_plan(g, r.drop, best.ev.order, tables=tables)
     sim = simulate(g, plan, cm)
     if (sim.peak_bytes, sim.latency_s) != (r.peak_bytes, r.latency_s):
-        raise RuntimeError(f"hotspot: the fast evaluator says peak {r.peak_bytes} latency "
+        raise EvaluatorMismatch(f"hotspot: the fast evaluator says peak {r.peak_bytes} latency "
                            f"{r.latency_s} but the simulator {sim.peak_bytes} {sim.latency_s}; "
                            "this is a bug in fitgraph.sim.remat_eval, please report it")
     if problem.budget_bytes is not None and sim.peak_bytes > problem.budget_bytes:
