@@ -165,6 +165,14 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
                         "in every block alike")
                 ranked.append((-held, i, what, _alike_maker(graph, start, share)))
         what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {PARTS} parts"
+        alike = _alike_starts(graph, v.id)
+        # NOTE: not from a part of an earlier split (its alikes are every block's parts)
+        if (len(alike) > 1 and ".part" not in v.name
+                and all(graph.nodes[n].phase is Phase.BACKWARD for n in r.nodes)):
+            # NOTE: each block's backward peaks alike: splitting one per round only moves the
+            # peak to the next block's (BERT's MLP backward, four rounds for four blocks)
+            ranked.append((-held, i - 0.5, what + ", in every block alike",
+                           _alike_split_maker(graph, r.start, share)))
         ranked.append((-held, i, what, lambda r=r: split_region(graph, r, PARTS, verify=True)))
     ranked.sort(key=lambda c: c[:2])
     return [(what, make) for *_, what, make in ranked]
@@ -214,14 +222,39 @@ def _alike_maker(graph: Graph, start: tuple[int, int], share: float):
     return make
 
 
+def _alike_split_maker(graph: Graph, start: tuple[int, int], share: float):
+    """Splits the region grown from ``start`` (trimmed to ``share``) and so the region of every
+    alike start; an alike start whose region cannot be split is left whole."""
+    vid, dim = start
+    names = [graph.values[v].name for v in _alike_starts(graph, vid)]
+    own = graph.values[vid].name
+
+    def make() -> Graph:
+        g = graph
+        for name in names:
+            try:
+                v = next(x.id for x in g.values if x.name == name)
+                r = grow_region(g, v, dim)
+                r = trimmed(g, r, share) if share else r
+                if r.length < PARTS:
+                    raise FissionError(f"{name}: {r.length} units")
+                g = split_region(g, r, PARTS, verify=True)
+            except (FissionError, GraphError, StopIteration):
+                if name == own:
+                    raise
+        return g
+    return make
+
+
 def _alike_starts(graph: Graph, vid: int) -> list[int]:
-    """Forward values made by the same op, of the same shape, at the same output index."""
+    """Values made by the same op in the same phase, of the same shape, at the same output
+    index."""
     v = graph.values[vid]
     n = graph.nodes[v.producer]
     at = n.outputs.index(vid)
     out = []
     for m in graph.nodes:
-        if (m.phase is Phase.FORWARD and m.target == n.target and len(m.outputs) > at
+        if (m.phase is n.phase and m.target == n.target and len(m.outputs) > at
                 and m.outputs[at] is not None and graph.values[m.outputs[at]].shape == v.shape):
             out.append(m.outputs[at])
     return out
