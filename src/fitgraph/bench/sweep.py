@@ -48,7 +48,7 @@ COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes",
            "overhead_110", "smallest_peak", "smallest_s", "smallest_measured",
            "smallest_result", "ckpt_kind", "ckpt_peak",
            "ckpt_overhead", "peak_at_ckpt", "at_ckpt_overhead", "at_ckpt_vs_ckpt", "wall_s",
-           "stage_s")
+           "stage_s", "latency_check")
 
 
 def _save_atomic(path: str, row: dict) -> None:
@@ -263,7 +263,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 TEXT_COLUMNS = ("model", "family", "status", "stage", "error", "error_type", "notes", "winner",
-                "result", "result_detail", "ckpt_kind", "exact", "stage_s", "smallest_result")
+                "result", "result_detail", "ckpt_kind", "exact", "stage_s", "smallest_result",
+                "latency_check")
 
 
 def read_csv(paths: list[str]) -> list[dict]:

@@ -195,6 +195,26 @@ def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float) -> 
         row["notes"] += f"the smallest plan's results differ: {detail}; "
 
 
+def latency_tries(notes: dict) -> str:
+    """The latency check's tries as ``simulated/measured±spread@peak`` (the one kept starred),
+    so a measured miss can be read off the row: "1.100/1.212±0.45@35.8MB*; ...".
+
+    Example:
+        >>> latency_tries({"latency_check": {"plan": "try 2", "tries": [
+        ...     {"simulated": 1.1, "measured": 1.21, "spread": 0.4, "peak_bytes": 35_800_000},
+        ...     {"simulated": 1.0, "measured": 1.03, "spread": 0.3, "peak_bytes": 64_000_000}]}})
+        '1.100/1.210±0.40@35.8MB; 1.000/1.030±0.30@64.0MB*'
+    """
+    check = notes.get("latency_check") or {}
+    kept = check.get("plan", "")
+    out = []
+    for i, t in enumerate(check.get("tries", ())):
+        star = "*" if kept == f"try {i + 1}" else ""
+        out.append(f"{t['simulated']:.3f}/{t['measured']:.3f}±{t['spread']:.2f}"
+                   f"@{t['peak_bytes'] / 1e6:.1f}MB{star}")
+    return "; ".join(out) or str(kept)
+
+
 class _NotSearched(Exception):
     """The smallest peak is not searched for a step planned by regions."""
 
@@ -261,6 +281,8 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         row["plan_s"], row["solve_s"] = fg.prepare_s, fg.solve_s
         row["winner"] = ("regions" if regions else
                          step.plan_for(batch).solution.notes.get("winner", ""))
+        if not regions:
+            row["latency_check"] = latency_tries(step.plan_for(batch).solution.notes)
         stage("compare")
         torch.manual_seed(SEED)
         loss_e = compute_loss(twin_m, batch, loss_fn)
