@@ -9,9 +9,10 @@ CPU the draw goes straight into a bool tensor (``empty_like(x, dtype=bool) → b
 the same draw, the generator left in the same state, ``draws_alike``), elsewhere the float mask
 is read once, right after it is made, into ``bits = mask != 0``. The bits are packed eight to a
 byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and ``packs_alike`` its
-device) and unpacked again (``unpacked``). Every reader gets ``full``: the bits converted to
-the mask's dtype (0 or 1, as the draw left them) and put through the chain's own in-place
-scalings (``div_(p)``), so equal to the mask bit for bit. ``full`` and ``unpacked`` are cheap,
+device; in rows of the last dim where that is a multiple of 8, ``own_ops.packed_shape``, so a
+part of a split region unpacks its own rows) and unpacked again (``unpacked``). Every reader
+gets ``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
+through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit. ``full`` and ``unpacked`` are cheap,
 deterministic recomputes of the packed bytes, so a planner drops them and re-makes them just
 before the backward (and the dropout's output from them) where memory is short — the bytes kept
 drop from 4 to 1/8 per element for float32 at the cost of an unpacking, a conversion and a
