@@ -12,11 +12,12 @@ byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and ``pa
 device; in rows of the last dim where that is a multiple of 8, ``own_ops.packed_shape``, so a
 part of a split region unpacks its own rows) and unpacked again (``unpacked``). Every reader
 gets ``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
-through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit. ``full`` and ``unpacked`` are cheap,
-deterministic recomputes of the packed bytes, so a planner drops them and re-makes them just
-before the backward (and the dropout's output from them) where memory is short — the bytes kept
-drop from 4 to 1/8 per element for float32 at the cost of an unpacking, a conversion and a
-scaling per make (0.12, 0.36 and 0.1 ms for 1.2M elements on this CPU). (The first version
+through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit.
+``full`` and ``unpacked`` are cheap, deterministic recomputes of the packed bytes, so a planner
+drops them and re-makes them just before the backward (and the dropout's output from them)
+where memory is short — the bytes kept drop from 4 to 1/8 per element for float32 at the cost
+of an unpacking, a conversion and a scaling per make (0.12, 0.36 and 0.1 ms for 1.2M elements
+on this CPU). (The first version
 re-made it as ``where(bits, 1/p, 0)``: over random bits a ``where`` mispredicts its branches,
 2.1 ms against 0.82 for the conversion and scaling on GPT-2's 2M-element attention masks.
 Packing took BERT small within 1.10x of eager's step from 0.404x to 0.394x of its peak,
