@@ -86,6 +86,25 @@ def test_compare_reads_a_zero_gradient_as_rounding_noise():
     assert compare(loss, loss.clone(), a, b)[0] == "MISMATCH"
 
 
+def test_compare_lets_a_noise_gradient_move_its_parameter_by_a_step():
+    """AdamW moves a parameter by about lr whatever its gradient's size: where the gradient is
+    rounding noise, so is the update; a real gradient's parameter must still agree."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 4)).sum().backward()
+        m.bias.grad = torch.full((4,), 1e-9)
+    loss = torch.tensor(1.0)
+    with torch.no_grad():
+        b.bias += 2e-4        # NOTE: two steps of lr 1e-4, the other way
+    assert compare(loss, loss.clone(), a, b)[0] == "allclose"
+    with torch.no_grad():
+        b.weight += 2e-4      # NOTE: a real gradient's parameter
+    verdict, detail = compare(loss, loss.clone(), a, b)
+    assert verdict == "MISMATCH" and "param weight" in detail
+
+
 def test_checks_name_each_failed_criterion():
     row = {"model": "gpt2", "family": "decoder", "status": "ok", "overhead_110": 0.05,
            "lower_bound": 100, "smallest_peak": 200, "ckpt_peak": 150, "at_ckpt_vs_ckpt": 0.9}
