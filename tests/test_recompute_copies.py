@@ -178,3 +178,62 @@ def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
     # NOTE: block 0's product, what it leads to and what leads to them; block 1's nodes only
     # hang off the shared node
     assert own == {"logical_not_0", "bitwise_not_1", "mul_2", "exp_3"}
+
+
+def test_a_backward_view_of_a_copied_tensor_reads_the_copy():
+    """A backward view (AOT's ``detach`` of a saved softmax) made from a copied forward view
+    returns the copy's storage, not the original's: left in the original's, it kept the
+    forward's tensor alive into the backward."""
+    from fitgraph.graph.ir import GraphBuilder, Role
+
+    b = GraphBuilder()
+    x = b.add_input("x", (4, 8), "float32", Role.PARAMETER)
+    e = b.add_node("aten.exp.default", [x], [((4, 8), "float32")])[0]
+    d = b.add_node("aten.detach.default", [e], [((4, 8), "float32")], alias_of={0: e})[0]
+    s = b.add_node("aten.sum.default", [e], [((), "float32")], phase=Phase.LOSS)[0]
+    d2 = b.add_node("aten.detach.default", [d], [((4, 8), "float32")], alias_of={0: d},
+                    phase=Phase.BACKWARD)[0]
+    gx = b.add_node("aten.mul.Tensor", [s, d2], [((4, 8), "float32")], phase=Phase.BACKWARD)[0]
+    g = b.finish({"loss": s, "grad:x": gx})
+    g2 = recompute_copies(g, [g.values[e].producer, g.values[d].producer])
+    by_name = {v.name: v for v in g2.values}
+    original = by_name[g.values[e].name].storage
+    assert by_name[g.values[d2].name].storage == by_name[g.values[e].name + COPY_SUFFIX].storage
+    assert not any(g2.values[v].storage == original for n in g2.nodes
+                   if n.phase is Phase.BACKWARD for v in n.inputs)
+
+
+class MhaBlock(nn.Module):
+    """Pre-norm ``nn.MultiheadAttention`` block: its backward is row-wise along the tokens
+    from block to block (no reshape of the batch and tokens stops a region)."""
+
+    def __init__(self, width=32, heads=2):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts():
+    """Grown from a copy, a region stays in its own block's backward: grown into the later
+    blocks' (which run before it), its convexity cut took away its own backward, and only the
+    last block's attention ran in parts."""
+    from fitgraph.solvers.fission_backward import _alike_maker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MhaBlock(), MhaBlock(), MhaBlock())
+    g = compact_masks(fitgraph.capture(model, BATCH, _loss))
+    soft = next(n for n in g.nodes if n.phase is Phase.FORWARD and "softmax" in n.target)
+    s = _alike_maker(g, (soft.outputs[0], 2), 0.0)()
+    grads = [n for n in s.nodes if n.target == "aten._softmax_backward_data.default"]
+    assert len(grads) == 3 * 8 and all(".part" in n.name for n in grads)
+    la, ga = _run(g, fitgraph.eager_plan(g), model)
+    lb, gb = _run(s, fitgraph.eager_plan(s), model)
+    torch.testing.assert_close(lb, la)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)

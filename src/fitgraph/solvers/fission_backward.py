@@ -48,7 +48,13 @@ from ..transform.compact_masks import compact_masks
 from ..transform.fission import FissionError, split_region
 from ..transform.fission_loss import count_targets_apart
 from ..transform.fission_shift import unshift_losses
-from ..transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
+from ..transform.recompute_copies import (
+    COPY_SUFFIX,
+    CopyError,
+    copy_set,
+    first_reader,
+    recompute_copies,
+)
 from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from .fission_regions import candidate_regions, peak_starts, trimmed
@@ -302,8 +308,14 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     name = graph.values[vid].name + COPY_SUFFIX
     g = recompute_copies(graph, nodes)
     copy = next(v.id for v in g.values if v.name == name)
-    not_backward = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
-    region = grow_region(g, copy, dim, exclude=not_backward)
+    # NOTE: the copies go in right before their first reader; the backward nodes before them
+    # are later blocks' (nn.MultiheadAttention's backward is row-wise along the tokens from
+    # block to block: grown through them, the region's convexity cut took this block's own)
+    first = first_reader(graph, nodes)
+    outside = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
+    outside.update({n.id: "runs before the copies (a later block's backward)"
+                    for n in g.nodes[:first] if n.phase is Phase.BACKWARD})
+    region = grow_region(g, copy, dim, exclude=outside)
     out = split_region(g, region, PARTS, verify=True)
     _check_views(out)
     return _forward_in_parts(out, graph.values[vid].name, dim)

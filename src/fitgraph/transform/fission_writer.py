@@ -176,14 +176,22 @@ class GraphWriter:
             args, kwargs = node.args, dict(node.kwargs)
         else:
             args, kwargs = self.remapped(node.args, node.kwargs)
+        # NOTE: a view (or an in-place write) returns its input's storage: where that input
+        # now reads another tensor (a copy re-made in the backward), so does the view (the
+        # backward's detach of a saved softmax, left in the forward's storage, kept it alive)
+        aliased = {} if inputs == node.inputs else {
+            self.old.values[v].storage: self.values[n].storage
+            for v, n in zip(node.inputs, inputs)}
         outs = []
         for o in node.outputs:
             if o is None:
                 outs.append(None)
                 continue
             v = self.old.values[o]
+            st = aliased.get(v.storage)
             new = self._value(v.name, Meta(v.shape, v.stride, v.storage_offset), v.dtype,
-                              self.mapped_storage(v.storage), v.role, v.phase, v.module, nid)
+                              self.mapped_storage(v.storage) if st is None else st, v.role,
+                              v.phase, v.module, nid)
             whole[o] = new
             outs.append(new)
         self.nodes.append(Node(nid, node.name, node.target, args, kwargs, inputs, tuple(outs),

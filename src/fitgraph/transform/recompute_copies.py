@@ -39,7 +39,7 @@ from ..graph.ir import Graph, Node, Phase, Role
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["COPY_SUFFIX", "CopyError", "copy_set", "copyable", "recompute_copies"]
+__all__ = ["COPY_SUFFIX", "CopyError", "copy_set", "copyable", "first_reader", "recompute_copies"]
 
 COPY_SUFFIX = ".re"
 
@@ -126,9 +126,7 @@ def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
         why = copyable(graph, nid, inside, fresh)
         if why:
             raise CopyError(why)
-    made = {o for nid in inside for o in graph.nodes[nid].outputs if o is not None}
-    first = next((n.id for n in graph.nodes if n.phase is not Phase.FORWARD
-                  and any(v in made for v in n.inputs)), None)
+    first = first_reader(graph, inside)
     if first is None:
         raise CopyError("no backward node reads what the nodes make: nothing to re-make")
     if max(inside) > first:
@@ -142,6 +140,15 @@ def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
+
+
+def first_reader(graph: Graph, nodes: Iterable[int]) -> int | None:
+    """The first node outside the forward that reads what ``nodes`` make (None: none does):
+    ``recompute_copies`` puts the copies right before it, so the nodes before it keep their
+    ids in the graph it returns."""
+    made = {o for nid in nodes for o in graph.nodes[nid].outputs if o is not None}
+    return next((n.id for n in graph.nodes if n.phase is not Phase.FORWARD
+                 and any(v in made for v in n.inputs)), None)
 
 
 def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]]) -> None:
