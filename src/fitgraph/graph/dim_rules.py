@@ -61,6 +61,7 @@ RULES.update({
     "aten.mm.default": la.mm,
     "aten.addmm.default": la.addmm,
     "aten.bmm.default": la.bmm,
+    "aten.baddbmm.default": la.baddbmm,
     "aten.matmul.default": la.matmul,
     "aten.linear.default": la.linear,
     "aten.embedding.default": la.embedding,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .dim_types import Along, Reduced, Split, arg_of, per_arg
 
-__all__ = ["addmm", "bmm", "embedding", "embedding_dense_backward", "linear", "matmul", "mm",
+__all__ = ["addmm", "baddbmm", "bmm", "embedding", "embedding_dense_backward", "linear", "matmul", "mm",
            "sdpa_flash", "sdpa_flash_backward"]
 
 _K_NOTE = "split along the contracted dim: the parts' products are partial sums"
@@ -69,6 +69,38 @@ def bmm(node, ins, outs) -> list[Split]:
         splits.append(Split((None, Along(2)), (Along(2),)))
     if k >= 2:
         splits.append(Split((Along(2), Along(1)), (Reduced(),), note=_K_NOTE))
+    return splits
+
+
+def baddbmm(node, ins, outs) -> list[Split]:
+    """baddbmm(self, a [B, M, K], b [B, K, N], beta, alpha): ``self`` broadcasts to [B, M, N]
+    (Bloom's attention scores: an ALiBi bias [B, 1, N] plus the scaled product).
+
+    NOTE: the K split is offered only with beta=0: otherwise every part would add ``self``.
+
+    Example:
+        >>> from fitgraph.graph.ir import Node, Phase, ValueRef
+        >>> n = Node(0, "b", "aten.baddbmm.default", (ValueRef(0), ValueRef(1), ValueRef(2)),
+        ...          {}, (0, 1, 2), (3,), (), Phase.FORWARD, "")
+        >>> [s.operands for s in baddbmm(n, [(4, 1, 6), (4, 5, 3), (4, 3, 6)], [(4, 5, 6)])]
+        [(Along(0), Along(0), Along(0)), (None, Along(1), None), (Along(2), None, Along(2))]
+    """
+    bias, (bb, m, k), (_, _, n) = ins
+    out = (bb, m, n)
+
+    def along(d: int) -> Along | None:   # NOTE: ``self`` aligns right, size-1 dims broadcast
+        at = d - (len(out) - len(bias))
+        return Along(at) if at >= 0 and bias[at] == out[d] else None
+
+    splits = []
+    if bb >= 2:
+        splits.append(Split((along(0), Along(0), Along(0)), (Along(0),)))
+    if m >= 2:
+        splits.append(Split((along(1), Along(1), None), (Along(1),)))
+    if n >= 2:
+        splits.append(Split((along(2), None, Along(2)), (Along(2),)))
+    if k >= 2 and arg_of(node, 3, "beta", 1) == 0:
+        splits.append(Split((None, Along(2), Along(1)), (Reduced(),), note=_K_NOTE))
     return splits
 
 

@@ -14,10 +14,11 @@ remat plan's peak (hotspot, least peak), grows regions from what is live there, 
 - a plain split of a region the peak holds (a chunked loss: its logits and their gradient).
 
 Candidates are ranked by the bytes live at the peak that the region holds along its split
-dim; the first ``TRIES`` are planned by hotspot (least peak), and the first that lowers the
-peak is kept; rounds go on while one does and time is left. The graph it returns has its
-dropout masks as bits (``compact_masks``: a copy must not draw again). Results are allclose
-to eager's, as fission's (parts), so ``exact`` problems never get here.
+dim, less a part's share of them; the first ``TRIES`` are planned by hotspot (least peak),
+and the first that lowers the peak is kept; rounds go on while one does and time is left.
+The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
+again). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
+get here.
 
 Example:
     >>> import torch, fitgraph
@@ -143,6 +144,12 @@ def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Soluti
         return None
 
 
+def _parts(region: Region) -> int:
+    """``PARTS``, or fewer where the split axis has fewer units: a linear layer's rows are
+    its batch and tokens merged, cut only along the batch (two units at batch 2)."""
+    return min(PARTS, region.length)
+
+
 def _held(graph: Graph, region: Region, sim: SimResult) -> int:
     """Bytes live at the peak in storages the region holds along its split dim."""
     live = sim.peak_live
@@ -157,8 +164,11 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
     seen: set = set()
     for i, r in enumerate(candidate_regions(graph, starts, SHARES)):
         held = _held(graph, r, best.sim)
-        if not held or r.length < PARTS:
+        if not held or r.length < 2:
             continue
+        # NOTE: ranked by what the parts take off: split in halves along the batch, a region
+        # holding as much as one along the rows in eighths saves less (BEiT's attention)
+        held -= held // _parts(r)
         v = graph.values[r.start[0]]
         share = _share(graph, r)
         start = _forward_start(graph, r)
@@ -167,10 +177,10 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
             key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], share)
             if key not in seen:
                 seen.add(key)
-                what = (f"{u.name} dim {start[1]} re-made in the backward in {PARTS} parts, "
-                        "in every block alike")
+                what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
+                        "parts, in every block alike")
                 ranked.append((-held, i, what, _alike_maker(graph, start, share)))
-        what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {PARTS} parts"
+        what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
         alike = _alike_starts(graph, v.id)
         # NOTE: not from a part of an earlier split (its alikes are every block's parts)
         if (len(alike) > 1 and ".part" not in v.name
@@ -179,7 +189,8 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
             # peak to the next block's (BERT's MLP backward, four rounds for four blocks)
             ranked.append((-held, i - 0.5, what + ", in every block alike",
                            _alike_split_maker(graph, r.start, share)))
-        ranked.append((-held, i, what, lambda r=r: split_region(graph, r, PARTS, verify=True)))
+        ranked.append((-held, i, what,
+                       lambda r=r: split_region(graph, r, _parts(r), verify=True)))
     ranked.sort(key=lambda c: c[:2])
     return [(what, make) for *_, what, make in ranked]
 
@@ -242,9 +253,9 @@ def _alike_split_maker(graph: Graph, start: tuple[int, int], share: float):
                 v = next(x.id for x in g.values if x.name == name)
                 r = grow_region(g, v, dim)
                 r = trimmed(g, r, share) if share else r
-                if r.length < PARTS:
+                if r.length < 2:
                     raise FissionError(f"{name}: {r.length} units")
-                g = split_region(g, r, PARTS, verify=True)
+                g = split_region(g, r, _parts(r), verify=True)
             except (FissionError, GraphError, StopIteration):
                 if name == own:
                     raise
@@ -303,7 +314,7 @@ def _closure(seeds: set[int], edges: dict[int, set[int]]) -> set[int]:
 
 def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
-    backward and run there in ``PARTS`` parts with the backward ops that read it."""
+    backward and run there in up to ``PARTS`` parts with the backward ops that read it."""
     nodes = copy_set(graph, _forward_nodes(graph, vid, dim, share))
     name = graph.values[vid].name + COPY_SUFFIX
     g = recompute_copies(graph, nodes)
@@ -316,14 +327,14 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     outside.update({n.id: "runs before the copies (a later block's backward)"
                     for n in g.nodes[:first] if n.phase is Phase.BACKWARD})
     region = grow_region(g, copy, dim, exclude=outside)
-    out = split_region(g, region, PARTS, verify=True)
+    out = split_region(g, region, _parts(region), verify=True)
     _check_views(out)
     return _forward_in_parts(out, graph.values[vid].name, dim)
 
 
 def _forward_in_parts(graph: Graph, name: str, dim: int) -> Graph:
     """``graph`` with the forward region grown from value ``name`` along ``dim`` (forward
-    nodes only) run in ``PARTS`` parts too; ``graph`` itself where it cannot be.
+    nodes only) run in up to ``PARTS`` parts too; ``graph`` itself where it cannot be.
 
     Once the backward reads the copies, the forward region's own tensors are read by forward
     nodes alone: its parts die in the forward, so splitting it costs no saved tensor and cuts
@@ -346,10 +357,10 @@ def _forward_in_parts(graph: Graph, name: str, dim: int) -> Graph:
     if len(own) < len(region.nodes):
         others = {n: "another block's" for n in region.nodes if n not in own}
         region = grow_region(graph, vid, dim, exclude=out_of_forward | saved | others)
-    if region.length < PARTS:
+    if region.length < 2:
         return graph
     try:
-        out = split_region(graph, region, PARTS, verify=True)
+        out = split_region(graph, region, _parts(region), verify=True)
         _check_views(out)
     except (FissionError, CopyError, GraphError):
         return graph
