@@ -14,7 +14,7 @@ remat plan's peak (hotspot, least peak), grows regions from what is live there, 
 - a plain split of a region the peak holds (a chunked loss: its logits and their gradient).
 
 Candidates are ranked by the bytes live at the peak that the region holds along its split
-dim, less a part's share of them; the first ``TRIES`` are planned by hotspot (least peak),
+dim, less a part's share of them (regions whose axis has fewer than ``PARTS`` units last); the first ``TRIES`` are planned by hotspot (least peak),
 and the first that lowers the peak is kept; rounds go on while one does and time is left.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
 again). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
@@ -166,8 +166,10 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
         held = _held(graph, r, best.sim)
         if not held or r.length < 2:
             continue
-        # NOTE: ranked by what the parts take off: split in halves along the batch, a region
-        # holding as much as one along the rows in eighths saves less (BEiT's attention)
+        # NOTE: regions cut in PARTS first, then by what the parts take off: a region split in
+        # halves along the batch, tried first, took the tries from one along the rows in
+        # eighths (BEiT's and Gemma-2's attention, kept at a higher peak)
+        few = _parts(r) < PARTS
         held -= held // _parts(r)
         v = graph.values[r.start[0]]
         share = _share(graph, r)
@@ -179,7 +181,7 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
                 seen.add(key)
                 what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
                         "parts, in every block alike")
-                ranked.append((-held, i, what, _alike_maker(graph, start, share)))
+                ranked.append((few, -held, i, what, _alike_maker(graph, start, share)))
         what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
         alike = _alike_starts(graph, v.id)
         # NOTE: not from a part of an earlier split (its alikes are every block's parts)
@@ -187,11 +189,11 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
                 and all(graph.nodes[n].phase is Phase.BACKWARD for n in r.nodes)):
             # NOTE: each block's backward peaks alike: splitting one per round only moves the
             # peak to the next block's (BERT's MLP backward, four rounds for four blocks)
-            ranked.append((-held, i - 0.5, what + ", in every block alike",
+            ranked.append((few, -held, i - 0.5, what + ", in every block alike",
                            _alike_split_maker(graph, r.start, share)))
-        ranked.append((-held, i, what,
+        ranked.append((few, -held, i, what,
                        lambda r=r: split_region(graph, r, _parts(r), verify=True)))
-    ranked.sort(key=lambda c: c[:2])
+    ranked.sort(key=lambda c: c[:3])
     return [(what, make) for *_, what, make in ranked]
 
 
