@@ -76,8 +76,8 @@ def _length(split, ins, outs) -> int:
     pairs = [(shape, e) for shape, e in zip(ins + outs, split.operands + split.outputs)
              if isinstance(e, Along) and e.window is None and shape is not None]
     for shape, e in pairs:
-        assert shape[e.dim] % e.unit == 0, (shape, e)
-    sizes = {shape[e.dim] // e.unit for shape, e in pairs}
+        assert shape[e.dim] % (e.unit * e.outer) == 0, (shape, e)
+    sizes = {shape[e.dim] // (e.unit * e.outer) for shape, e in pairs}
     assert len(sizes) == 1, f"entries disagree on the split axis: {sizes}"
     return sizes.pop()
 
@@ -86,6 +86,9 @@ def _cut(t: torch.Tensor, e: Along | None, a: int, b: int):
     """The part [a, b) of the axis of tensor ``t``; (tensor, (start, stop, pad_lo, pad_hi))."""
     if e is None:
         return t.clone(), None
+    if e.window is None and e.outer > 1:   # NOTE: the inner dim of a merged dim, in every outer row
+        rows = t.unflatten(e.dim, (e.outer, -1)).narrow(e.dim + 1, a * e.unit, (b - a) * e.unit)
+        return rows.flatten(e.dim, e.dim + 1).clone(memory_format=torch.contiguous_format), None
     if e.window is None:
         return t.narrow(e.dim, a * e.unit, (b - a) * e.unit).clone(memory_format=torch.contiguous_format), None
     start, stop, lo, hi = e.window.input_range(a, b, t.shape[e.dim])
@@ -116,6 +119,9 @@ def _combine(e, full: torch.Tensor, parts: list, ranges: list, outs_parts: list,
             dim, t, part_shapes = window_t
             parts = [_rebase(p, ps, tuple(t.shape), dim, r[0] - r[2])
                      for p, ps, r in zip(parts, part_shapes, ranges)]
+        if e.outer > 1:
+            rows = [p.unflatten(e.dim, (e.outer, -1)) for p in parts]
+            return torch.cat(rows, e.dim + 1).flatten(e.dim, e.dim + 1)
         return torch.cat(parts, e.dim)
     if e is None:  # NOTE: whole in every part (batch norm's empty saved statistics)
         assert all(torch.equal(p, parts[0]) for p in parts)
@@ -207,7 +213,7 @@ def check_node(graph, node, env) -> int:
             ranges.append(cuts[windowed[0][0]][1] if windowed else None)
             part_in_shapes.append(tuple(tensors[windowed[0][0]].shape) if windowed else None)
             out_shapes = [None if s is None else tuple(
-                (b - a) * e.unit if isinstance(e, Along) and j == e.dim else n
+                (b - a) * e.unit * e.outer if isinstance(e, Along) and j == e.dim else n
                 for j, n in enumerate(s)) for s, e in zip(outs, split.outputs)]
             args, kwargs = part_args(node, split, [tuple(t.shape) for t in tensors], out_shapes)
             parts_out.append(_call(node, args, kwargs, tensors))
@@ -361,6 +367,8 @@ SYNTHETIC = {
     "softmax.int": ("aten.softmax.int", (_r(3, 4, 5), 1), {}),
     "reshape 6x4 to 4x6": ("aten.reshape.default", (_r(6, 4), [4, 6]), {}),
     "view with -1": ("aten.view.default", (_r(2, 3, 8), [2, -1, 4]), {}),
+    "view merging batch and tokens": ("aten.view.default", (_r(2, 6, 4), [12, 4]), {}),
+    "view unmerging batch and tokens": ("aten._unsafe_view.default", (_r(12, 4), [2, 6, 4]), {}),
     "expand -1": ("aten.expand.default", (_r(3, 1, 4), [2, -1, 5, 4]), {}),
     "squeeze.dims": ("aten.squeeze.dims", (_r(3, 1, 4, 1), [1, 3]), {}),
     "split_with_sizes": ("aten.split_with_sizes.default", (_r(4, 6), [2, 4], 1), {}),
@@ -493,7 +501,8 @@ def _assert_sound(graph, r, edges=None):
             assert r.dims[vid] == want, (graph.nodes[nid].name, vid, e, r.dims[vid])
     for vid, u in r.units.items():
         if r.length:
-            assert graph.values[vid].shape[r.dims[vid]] == r.length * u, (vid, u, r.length)
+            outer = r.outers.get(vid, 1)
+            assert graph.values[vid].shape[r.dims[vid]] == r.length * u * outer, (vid, u, r.length)
 
 
 def test_batch_region_of_gpt2_is_its_forward_and_loss(zoo_graphs):

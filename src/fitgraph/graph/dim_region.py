@@ -26,11 +26,12 @@ Example:
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from math import lcm
 
 from .dim_convex import convexity_cut, order_edges
+from .dim_rules import row_wise
 from .dim_types import Along, Entry, Reduced, Split
 from .dims import operands, splits_or_reason, value_entries
 from .ir import Graph, Role
@@ -48,7 +49,9 @@ class Region:
     result: combined where it leaves the region). ``units``: value id -> its elements along
     its dim per unit of the axis (absent behind a halo). ``splits``: node id -> the split it
     runs (op-level detail: units, windows, size arguments). ``boundary``: neighbouring nodes
-    left out -> why.
+    left out -> why. ``outers``: value id -> ``outer`` for a value whose split dim is two dims
+    merged, cut along the inner one (``Along.outer``; a linear layer's ``[B*T, F]`` rows cut
+    along T): a row-wise op's rule says ``Along(d)``, and the region says where its rows are.
     """
 
     start: tuple[int, int]
@@ -59,6 +62,7 @@ class Region:
     boundary: dict[int, str] = field(default_factory=dict)
     length: int = 0               # units of the split axis (0: the axis is halo-only)
     anchor: int = -1              # the first node that joined: convexity cuts keep its side
+    outers: dict[int, int] = field(default_factory=dict)
 
     @property
     def halo(self) -> bool:
@@ -147,7 +151,8 @@ def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
         dims = {v: (a.dim if isinstance(a, Along) else a) for v, a in table.items()}
         return Region((value_id, dim), (nid,), {nid: split}, dims,
                       {v: a.unit for v, a in plain}, {},
-                      graph.values[v0].shape[a0.dim] // a0.unit, nid)
+                      graph.values[v0].shape[a0.dim] // (a0.unit * a0.outer), nid,
+                      {v: a.outer for v, a in plain if a.outer > 1})
     notes = sorted({s.note for s in splits if s.note})
     reason = why or (f"no split of {node.target} along dim {dim} of "
                      f"{graph.values[value_id].name}" + (f" ({'; '.join(notes)})" if notes else ""))
@@ -229,9 +234,11 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
         return opts
     coarser = False
     for split, table, ops in opts:
-        ratio = _agree(table, dims, units, ops, batch_dep)
-        if ratio is _MISSING:
+        got = _agree(table, dims, units, ops, batch_dep,
+                     lambda s=split: _row_wise(graph, graph.nodes[nid], s))
+        if got is _MISSING:
             continue
+        ratio, extra = got
         if keep_length and ratio is not None and any(
                 isinstance(e, Along) and e.window is None and (ratio * e.unit).denominator > 1
                 for vid, e in table.items() if vid not in dims):
@@ -240,6 +247,8 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
         for vid, e in table.items():
             if vid in dims:
                 continue
+            if isinstance(e, Along) and extra > 1:
+                e = replace(e, outer=extra)
             dims[vid] = e
             if isinstance(e, Along):
                 units[vid] = None if ratio is None or e.window is not None else ratio * e.unit
@@ -258,11 +267,21 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
     return f"no split of {node.target} agrees with the region's dims {seen}{why}"
 
 
-def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[int] | None):
-    """The ratio region-units / op-units if ``table`` agrees with ``dims`` (None: no unit
-    fixed yet, through a halo), else _MISSING."""
+def _row_wise(graph: Graph, node, split: Split) -> bool:
+    ins = [graph.values[v].shape for v in operands(node)]
+    outs = [graph.values[v].shape if v is not None else None for v in node.outputs]
+    return row_wise(node, split, ins, outs)
+
+
+def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[int] | None,
+           row_wise=lambda: False):
+    """(the ratio region-units / op-units, the ``outer`` the region adds to the op's entries)
+    if ``table`` agrees with ``dims`` (ratio None: no unit fixed yet, through a halo), else
+    _MISSING. A row-wise op's plain entries (``row_wise()``, asked only then) agree with values
+    cut along the inner dim of a merged dim: it runs each row on its own, wherever they sit."""
     ratio: Fraction | None = None
     linked = False
+    extra: int | None = None
     for vid, e in table.items():
         have = dims.get(vid, _MISSING)
         if have is _MISSING:
@@ -274,6 +293,15 @@ def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[i
         if isinstance(have, Along):
             if not isinstance(e, Along) or e.dim != have.dim:
                 return _MISSING
+            if e.outer == have.outer:
+                add = 1
+            elif e.outer == 1 and row_wise():
+                add = have.outer
+            else:
+                return _MISSING
+            if extra is not None and add != extra:
+                return _MISSING   # NOTE: strided rows in one operand, contiguous in another
+            extra = add
             linked = True
             if units.get(vid) is not None and e.window is None:
                 r = units[vid] / e.unit
@@ -282,7 +310,7 @@ def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[i
                 ratio = r
         elif have != e:
             return _MISSING
-    return ratio if linked else _MISSING
+    return (ratio, extra) if linked else _MISSING
 
 
 def _finish(graph: Graph, start: int, dim: int, chosen: dict[int, Split], dims: dict,
@@ -292,11 +320,12 @@ def _finish(graph: Graph, start: int, dim: int, chosen: dict[int, Split], dims: 
     scale = lcm(*(u.denominator for u in fracs)) if fracs else 1
     int_units = {v: int(u * scale) for v, u in units.items() if u is not None}
     out_dims = {v: (e.dim if isinstance(e, Along) else e) for v, e in dims.items()}
+    outers = {v: e.outer for v, e in dims.items() if isinstance(e, Along) and e.outer > 1}
     size = graph.values[start].shape[dim]
     length = size // int_units[start] if start in int_units else 0
     return Region((start, dim), tuple(sorted(chosen)), dict(sorted(chosen.items())),
                   out_dims, int_units, dict(sorted(boundary.items())), length,
-                  -1 if anchor is None else anchor)
+                  -1 if anchor is None else anchor, outers)
 
 
 def _windowed(e: Entry) -> bool:

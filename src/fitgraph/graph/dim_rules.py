@@ -21,7 +21,8 @@ from . import dim_rules_views as vw
 from . import dim_rules_window as wn
 from .own_ops import UNPACK_BITS
 
-__all__ = ["BOUNDARY", "BOUNDARY_PREFIXES", "RANDOM_CHECKED", "RULES", "SHAPE_ONLY"]
+__all__ = ["BOUNDARY", "BOUNDARY_PREFIXES", "RANDOM_CHECKED", "ROW_WISE", "RULES", "SHAPE_ONLY",
+           "row_wise"]
 
 Rule = Callable  # rule(node, operand shapes, output shapes) -> list[Split]
 
@@ -114,6 +115,41 @@ RULES.update({
     "aten.index_put.default": ix.index_scatter,
     "aten.new_zeros.default": ix.new_zeros,
 })
+
+# NOTE: rules whose every split runs each row of its cut dims on its own, the rows' positions
+# unread (no window, no offset, no index into them): such an op runs on rows cut along the
+# inner dim of a merged dim (``Along.outer``) as on any rows
+ROW_WISE = frozenset({
+    pw.elementwise, pw.sum_dim, pw.mean_dim, pw.log_softmax_like, pw.softmax_backward, la.mm,
+    la.addmm, la.linear, la.embedding, la.embedding_dense_backward, nm.native_layer_norm,
+    nm.native_layer_norm_backward, nm.nll_loss, nm.nll_loss_backward, vw.permute, vw.transpose,
+    vw.t, vw.unsqueeze, vw.squeeze, vw.expand,
+})
+
+
+def row_wise(node, split, ins, outs) -> bool:
+    """Whether ``split`` of ``node`` (operand and output shapes ``ins``, ``outs``) may run on
+    rows cut along the inner dim of a merged dim: a ``ROW_WISE`` rule, or a reshape that keeps
+    the cut dim as it is (``[B*T, F] -> [B*T, H, F/H]``).
+
+    Example:
+        >>> from fitgraph.graph.ir import Node, Phase, ValueRef
+        >>> n = Node(0, "v", "aten.view.default", (ValueRef(0), [16, 2, 4]), {}, (0,), (1,), (),
+        ...          Phase.FORWARD, "")
+        >>> [row_wise(n, s, [(16, 8)], [(16, 2, 4)]) for s in RULES[n.target](n, [(16, 8)],
+        ...                                                                   [(16, 2, 4)])]
+        [True, False, False]
+
+        The rows (16) are kept; the features, unmerged into 2 x 4, are not.
+    """
+    rule = RULES.get(node.target)
+    if rule in ROW_WISE:
+        return True
+    if rule is not vw.view or split.note == "inner":
+        return False
+    a, b = split.operands[0], split.outputs[0]
+    return a.unit == b.unit == 1 and ins[0][a.dim] == outs[0][b.dim]
+
 
 _RANDOM = "random: a part would draw other numbers than the whole op (law 1)"
 _SOURCE = ("reads no tensor (a constant or a fresh buffer): nothing to split; it is computed "

@@ -1,8 +1,9 @@
 """Dimension rules of views and shape ops: which dim of the input each output dim comes from.
 
-A reshape groups dims whose products match (``[B, S, D] -> [B*S, D]``: {B, S} -> {B*S}); only the
+A reshape groups dims whose products match (``[B, S, D] -> [B*S, D]``: {B, S} -> {B*S}); the
 outermost dim of a group can be cut into contiguous blocks, and a block of the axis may be
-several elements on each side: here one unit is 1 row of B and S rows of B*S.
+several elements on each side: here one unit is 1 row of B and S rows of B*S. Where two dims
+merge into one, the inner dim (S) can be cut too: in B*S its part is strided (``outer``).
 
 Example:
     >>> from fitgraph.graph.ir import Node, Phase, ValueRef
@@ -10,7 +11,9 @@ Example:
     >>> n = Node(0, "view", "aten.view.default", (ValueRef(0), [16, 8]), {}, (0,), (1,), (),
     ...          Phase.FORWARD, "")
     >>> [(s.operands[0].unit, s.outputs[0].unit) for s in view(n, [(2, 8, 8)], [(16, 8)])]
-    [(1, 8), (1, 1)]
+    [(1, 8), (1, 1), (1, 1)]
+    >>> view(n, [(2, 8, 8)], [(16, 8)])[1].outputs      # the 8 rows of S in each row of B
+    (Along(0, outer=2),)
 """
 
 from __future__ import annotations
@@ -67,7 +70,22 @@ def view(node, ins, outs) -> list[Split]:
         size = SizeArg((1, gb[0]), ("out", 0), gb[0])
         splits.append(Split((Along(ga[0], block // ta),), (Along(gb[0], block // tb),),
                             sizes=(size,)))
+        splits += _inner(a, b, ga, gb)
     return splits
+
+
+def _inner(a: Shape, b: Shape, ga: list[int], gb: list[int]) -> list[Split]:
+    """Two dims merged into one (``[B, T, D] -> [B*T, D]``) or one unmerged into two: a cut
+    along the inner dim (T), in every row of the outer (B): the merged side is ``Along`` with
+    ``outer=B``. A linear layer's rows are its batch and tokens merged: at batch 2, cut along
+    the outer dim only, its tokens would go in two parts at most."""
+    if len(ga) == 2 and len(gb) == 1 and a[ga[1]] >= 2:
+        return [Split((Along(ga[1]),), (Along(gb[0], outer=a[ga[0]]),),
+                      sizes=(SizeArg((1, gb[0]), ("out", 0), gb[0]),), note="inner")]
+    if len(ga) == 1 and len(gb) == 2 and b[gb[1]] >= 2:
+        return [Split((Along(ga[0], outer=b[gb[0]]),), (Along(gb[1]),),
+                      sizes=(SizeArg((1, gb[1]), ("out", 0), gb[1]),), note="inner")]
+    return []
 
 
 def unpack_bits(node, ins, outs) -> list[Split]:

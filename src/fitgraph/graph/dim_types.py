@@ -2,7 +2,8 @@
 
 A ``Split`` is one way to run a node in parts. The parts partition one *split axis* of ``L``
 units; every tensor the node touches either follows the axis (``Along``: part ``[a, b)`` of the
-axis is elements ``[a*unit, b*unit)`` of that tensor's ``dim``), is needed whole by every part
+axis is elements ``[a*unit, b*unit)`` of that tensor's ``dim``, or of its inner dim in every
+outer row where ``dim`` is two dims merged: ``outer``), is needed whole by every part
 (``None``: weights, masks, a loss scale), or — for outputs — is a partial result the parts
 combine (``Reduced``). A windowed operand (convolution, pooling along a spatial dim) reads a
 halo: its range follows from the partition through its ``Window``, not from ``unit``. An
@@ -126,17 +127,20 @@ class Along:
     ``window``: the range is read with a halo (see Window). ``rebase``: the values are flat
     positions in the part's (haloed, padded) input plane — max pooling's indices: combining
     unravels them with the part's plane shape, shifts the split coordinate by the part's
-    ``start - pad_lo`` and ravels them with the whole plane's shape.
+    ``start - pad_lo`` and ravels them with the whole plane's shape. ``outer``: ``dim`` is two
+    dims merged, ``[outer, inner]`` (a linear layer's ``[B*T, F]`` rows), cut along the inner
+    one: part ``[a, b)`` is elements ``[a*unit, b*unit)`` of the inner dim in every outer row.
     """
 
     dim: int
     unit: int = 1
     window: Window | None = None
     rebase: bool = False
+    outer: int = 1
 
     def __repr__(self) -> str:  # NOTE: short: rules and regions print many of these
         extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in
-                        (("unit", 1), ("window", None), ("rebase", False))
+                        (("unit", 1), ("window", None), ("rebase", False), ("outer", 1))
                         if getattr(self, k) != default)
         return f"Along({self.dim}{extra})"
 

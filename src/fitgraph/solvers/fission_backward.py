@@ -71,7 +71,10 @@ ROUNDS = 6
 PLAN_SHARE = 0.25
 PLAN_MIN_S = 1.0
 MAX_STORAGES = 3
-SHARES = (0.0, 0.25)
+# NOTE: 1.0 keeps the nodes of the largest tensors and the paths between them: a block's MLP
+# interior (grown along the tokens, a region runs on through the residual into the next
+# block's projections, which copied with it were kept whole in the backward)
+SHARES = (0.0, 0.25, 1.0)
 # NOTE: a latency limit no plan reaches: hotspot then minimises the peak alone
 _UNBOUNDED = 1e9
 
@@ -94,17 +97,20 @@ def split_backward(problem: Problem) -> Solution | None:
         return None
     before, done, tried = best.sim.peak_bytes, [], []
     for _ in range(ROUNDS):
-        better, planned = None, {True: 0, False: 0}
-        for what, make in _candidates(graph, best):
+        better, planned, starts = None, {True: 0, False: 0}, set()
+        for what, start, make in _candidates(graph, best):
             if time.perf_counter() > deadline:
                 break
             # NOTE: each kind gets its tries: a plain split that runs forward and backward
             # nodes in parts (GPT-2's attention split whole: 42.9 MiB against 23.9 unsplit)
             # keeps its parts' forward tensors for the backward, which remat cannot drop, and
             # ranks high on the bytes it holds
-            kind = "re-made" in what
-            if planned[kind] >= TRIES:
+            kind = start is not None
+            # NOTE: one share of a start per round (the tightest first): its other shares took
+            # the tries from every other start
+            if planned[kind] >= TRIES or (kind and start in starts):
                 continue
+            starts.add(start)
             try:
                 g2 = make()
             except (FissionError, CopyError, GraphError, StopIteration) as e:
@@ -157,8 +163,9 @@ def _held(graph: Graph, region: Region, sim: SimResult) -> int:
     return sum(graph.storages[st].nbytes for st in sts & live)
 
 
-def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
-    """(what, make the split graph) for the regions at ``best``'s peak, best-ranked first."""
+def _candidates(graph: Graph, best: Solution) -> list[tuple[str, tuple | None, object]]:
+    """(what, the start a region re-made in the backward grows from (None: a plain split),
+    make the split graph) for the regions at ``best``'s peak, best-ranked first."""
     starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES)
     ranked = []
     seen: set = set()
@@ -180,8 +187,12 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
             if key not in seen:
                 seen.add(key)
                 what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
-                        "parts, in every block alike")
-                ranked.append((few, -held, i, what, _alike_maker(graph, start, share)))
+                        f"parts, in every block alike (share {share})")
+                # NOTE: ranked by what its largest tensors hold, the tightest region first:
+                # every share of one start holds them, and a larger region copies more
+                big = _held(graph, trimmed(graph, r, 1.0), best.sim)
+                ranked.append((few, -(big - big // _parts(r)), -share, i, what, start,
+                               _alike_maker(graph, start, share)))
         what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
         alike = _alike_starts(graph, v.id)
         # NOTE: not from a part of an earlier split (its alikes are every block's parts)
@@ -189,12 +200,12 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, object]]:
                 and all(graph.nodes[n].phase is Phase.BACKWARD for n in r.nodes)):
             # NOTE: each block's backward peaks alike: splitting one per round only moves the
             # peak to the next block's (BERT's MLP backward, four rounds for four blocks)
-            ranked.append((few, -held, i - 0.5, what + ", in every block alike",
+            ranked.append((few, -held, 0, i - 0.5, what + ", in every block alike", None,
                            _alike_split_maker(graph, r.start, share)))
-        ranked.append((few, -held, i, what,
+        ranked.append((few, -held, 0, i, what, None,
                        lambda r=r: split_region(graph, r, _parts(r), verify=True)))
-    ranked.sort(key=lambda c: c[:3])
-    return [(what, make) for *_, what, make in ranked]
+    ranked.sort(key=lambda c: c[:4])
+    return [(what, start, make) for *_, what, start, make in ranked]
 
 
 def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
@@ -222,43 +233,35 @@ def _share(graph: Graph, region: Region) -> float:
 def _alike_maker(graph: Graph, start: tuple[int, int], share: float):
     """Re-makes the forward region grown from ``start`` in the backward, in parts, and so for
     every alike start (each its own region: blocks differ in their edges, as BERT's first
-    layer reads the expanded attention mask the others share); an alike start whose region
-    cannot be re-made is left as it is."""
-    vid, dim = start
-    names = [graph.values[v].name for v in _alike_starts(graph, vid)]
-    own = graph.values[vid].name
-
-    def make() -> Graph:
-        g = graph
-        for name in names:
-            try:
-                g = _copied_in_parts(g, next(v.id for v in g.values if v.name == name), dim,
-                                     share)
-            except (FissionError, CopyError, GraphError, StopIteration):
-                if name == own:
-                    raise
-        return g
-    return make
+    layer reads the expanded attention mask the others share)."""
+    return _for_each_alike(graph, start, lambda g, v: _copied_in_parts(g, v, start[1], share))
 
 
 def _alike_split_maker(graph: Graph, start: tuple[int, int], share: float):
     """Splits the region grown from ``start`` (trimmed to ``share``) and so the region of every
-    alike start; an alike start whose region cannot be split is left whole."""
-    vid, dim = start
-    names = [graph.values[v].name for v in _alike_starts(graph, vid)]
-    own = graph.values[vid].name
+    alike start."""
+    def split(g: Graph, v: int) -> Graph:
+        r = grow_region(g, v, start[1])
+        r = trimmed(g, r, share) if share else r
+        if r.length < 2:
+            raise FissionError(f"{g.values[v].name}: {r.length} units")
+        return split_region(g, r, _parts(r), verify=True)
+    return _for_each_alike(graph, start, split)
+
+
+def _for_each_alike(graph: Graph, start: tuple[int, int], rewrite):
+    """Makes ``rewrite(g, value id)`` applied to ``start``'s value and, in turn, to each alike
+    start's (found by name in the graph the last rewrite returned); an alike start that cannot
+    be rewritten is left as it is, ``start``'s own error is raised."""
+    names = [graph.values[v].name for v in _alike_starts(graph, start[0])]
+    own = graph.values[start[0]].name
 
     def make() -> Graph:
         g = graph
         for name in names:
             try:
-                v = next(x.id for x in g.values if x.name == name)
-                r = grow_region(g, v, dim)
-                r = trimmed(g, r, share) if share else r
-                if r.length < 2:
-                    raise FissionError(f"{name}: {r.length} units")
-                g = split_region(g, r, _parts(r), verify=True)
-            except (FissionError, GraphError, StopIteration):
+                g = rewrite(g, next(v.id for v in g.values if v.name == name))
+            except (FissionError, CopyError, GraphError, StopIteration):
                 if name == own:
                     raise
         return g

@@ -64,7 +64,8 @@ def trimmed(graph: Graph, region: Region, share: float,
     return Region(region.start, nodes, {nid: region.splits[nid] for nid in nodes},
                   {v: d for v, d in region.dims.items() if v in values},
                   {v: u for v, u in region.units.items() if v in values}, {},
-                  region.length, nodes[0])
+                  region.length, nodes[0],
+                  {v: o for v, o in region.outers.items() if v in values})
 
 
 def _reach(starts: set[int], edges: dict, inside: set[int]) -> set[int]:

@@ -114,4 +114,4 @@ def _moved(region: Region, src: Graph, dst: Graph) -> Region:
     boundary = dict(sorted((move[n], why) for n, why in region.boundary.items() if n in move))
     return Region(region.start, tuple(sorted(move[n] for n in region.nodes)), splits,
                   region.dims, region.units, boundary, region.length,
-                  move.get(region.anchor, -1))
+                  move.get(region.anchor, -1), region.outers)

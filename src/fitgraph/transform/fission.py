@@ -76,6 +76,7 @@ from .fission_halo import HaloRows
 from .fission_halo_nodes import pad_rows, rows_view
 from .fission_meta import VIEW_TARGETS, Meta, dense_like, narrow, view_meta
 from .fission_order import FissionError, block_order, part_bounds, real_writes
+from .fission_outer import inner_part
 from .fission_rows import Rows, UnitRows
 from .fission_writer import GraphWriter, OutSpec, substitute_refs
 
@@ -116,6 +117,9 @@ class _Splitter(PartsCombiner):
                     raise FissionError(f"{graph.values[vid].name} has no unit along dim {d}")
         elif k < 2:
             part_bounds(0, k)  # NOTE: the same error as for any region
+        if region.halo and region.outers:
+            raise FissionError("a region split through windows and along the inner dim of a "
+                               "merged dim: not supported")
         self.inside = set(region.nodes)
         self.w = GraphWriter(graph)
         self.part: dict[tuple[int, int], int] = {}     # (old value, part) -> new value
@@ -219,6 +223,11 @@ class _Splitter(PartsCombiner):
             if (rows.start, rows.stop) != (c0, c1):
                 base = rows_view(w, base, d, rows.start - c0, rows.stop - c0,
                                  f"{v.name}.view{i}", phase, module)
+        elif self.r.outers.get(vid, 1) > 1:
+            if padded:
+                raise FissionError(f"{v.name}: a halo along the inner dim of a merged dim")
+            base = inner_part(w, w.whole[vid], d, self.r.outers[vid], rows.start, rows.stop,
+                              f"{v.name}.part{i}", phase, module)
         else:
             base = w.whole[vid]
             spec = OutSpec(f"{v.name}.part{i}",
@@ -270,7 +279,7 @@ class _Splitter(PartsCombiner):
             shape = list(g.values[o].shape)
             along = e.overlap if isinstance(e, Reduced) else e
             if isinstance(along, Along):
-                shape[along.dim] = self.rows.makes(nid, j, o, i).size
+                shape[along.dim] = self.rows.makes(nid, j, o, i).size * self.r.outers.get(o, 1)
             out_shapes.append(tuple(shape))
         args, kwargs = part_args(n, split, in_shapes, out_shapes)
         it = iter(ins)

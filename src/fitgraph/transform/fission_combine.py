@@ -38,6 +38,7 @@ from ..graph.ir import Phase, Role, ValueRef, contiguous_strides
 from .fission_halo_nodes import rebase_indices, rows_view
 from .fission_meta import Meta
 from .fission_order import FissionError
+from .fission_outer import inner_rows, unflattened
 from .fission_writer import OutSpec
 
 __all__ = ["ACCUMULATE", "PartsCombiner", "part_role"]
@@ -125,9 +126,12 @@ class PartsCombiner:
                    names: tuple[str, str], n, dev: str) -> None:
         """``buf[start:stop] <- src`` along ``d``: ``copy_`` or ``add_`` into a view (``names``:
         of the view and of the write)."""
+        dst = rows_view(self.w, buf, d, start, stop, names[0], n.phase, n.module)
+        self._write(dst, src, target, names[1], n, dev)
+
+    def _write(self, dst: int, src: int, target: str, name: str, n, dev: str) -> None:
+        """``dst <- src`` in place (``copy_`` or ``add_``)."""
         w = self.w
-        dst = rows_view(w, buf, d, start, stop, names[0], n.phase, n.module)
-        name = names[1]
         v = w.values[dst]
         spec = OutSpec(name, w.meta(dst), v.dtype, storage=v.storage, role=v.role)
         w.add_node(name, target, (_ref(dst), _ref(src)), {}, [spec], phase=n.phase,
@@ -147,6 +151,13 @@ class PartsCombiner:
             src = rows_view(w, src, d, o0 - c0, o1 - c0, f"{v.name}.own{i}", n.phase, n.module)
         if self._rebases(root):
             src = self._rebased(root, src, i, n)
+        outer = self.r.outers.get(root, 1)
+        if outer > 1:   # NOTE: strided rows (the inner dim of a merged dim): through [outer, ..]
+            src = unflattened(w, src, d, outer, f"{v.name}.rows{i}", n.phase, n.module)
+            dst = inner_rows(w, self.buffers[st], d, outer, o0, o1, f"{v.name}.slice{i}",
+                             n.phase, n.module)
+            self._write(dst, src, "aten.copy_.default", f"{v.name}.copy{i}", n, dev)
+            return
         self._into_rows(self.buffers[st], d, o0, o1, src, "aten.copy_.default",
                         (f"{v.name}.slice{i}", f"{v.name}.copy{i}"), n, dev)
 
