@@ -13,3 +13,20 @@ def _one_thread_and_private_cache(tmp_path_factory, monkeypatch):
     torch.set_num_threads(1)
     monkeypatch.setenv("FITGRAPH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def zoo_graphs():
+    """(case, captured graph) of each ``helpers.DIM_ZOO`` model: what dimension rules and
+    regions are checked on (tests/test_dims.py, tests/test_dim_regions.py)."""
+    from helpers import DIM_ZOO
+
+    import fitgraph
+    import fitgraph.zoo
+
+    out = {}
+    for name, over in DIM_ZOO.items():
+        torch.manual_seed(0)
+        case = fitgraph.zoo.build(name, "small", **over)
+        out[name] = (case, fitgraph.capture(case.model, case.batch, case.loss_fn))
+    return out

@@ -99,3 +99,31 @@ def assert_solver_plan_runs_and_measures_as_simulated(name, solver, frac, time_b
     measured = measure_plan(g, s.plan, b, case.batch, repeats=0)
     assert measured.peak_bytes == s.sim.peak_bytes <= budget
     return s
+
+
+def assert_split_like_eager(graph, split, model, batch, plan=None, seed=0):
+    """``split`` (a graph run in parts) under ``plan`` (default: its eager plan) gives
+    ``graph``'s loss and gradients, allclose (parts sum in another order); each runs on its
+    own copy of ``model`` from the same RNG state."""
+    def run(g, p):
+        m = copy.deepcopy(model)
+        torch.manual_seed(seed)
+        loss = execute(g, p, m, batch)
+        return loss, {n: q.grad for n, q in m.named_parameters()}
+
+    la, ga = run(graph, fitgraph.eager_plan(graph))
+    lb, gb = run(split, fitgraph.eager_plan(split) if plan is None else plan)
+    torch.testing.assert_close(lb, la)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)
+
+
+# NOTE: small shapes: dimension rules and regions do not depend on sizes, the run time does
+DIM_ZOO = {
+    "gpt2": dict(batch_size=2, seq_len=16),
+    "bert-base": dict(batch_size=2, seq_len=16),
+    "llama": dict(batch_size=2, seq_len=16),
+    "vit-b16": dict(batch_size=2, image_size=32),
+    "resnet50": dict(batch_size=2, image_size=32),
+    "unet": dict(batch_size=2, image_size=32),
+}

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_split_like_eager
 from torch import nn
 
 import fitgraph
@@ -112,11 +113,7 @@ def test_split_backward_lowers_the_least_peak_with_eager_results():
     assert s.graph is not None and s.notes["splits"]
     assert s.sim.peak_bytes < least.sim.peak_bytes
     assert any("re-made in the backward" in w for w in s.notes["splits"])
-    la, ga = _run(g, fitgraph.eager_plan(g), model)
-    lb, gb = _run(s.graph, s.plan, model)
-    torch.testing.assert_close(lb, la)
-    for k in ga:
-        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)
+    assert_split_like_eager(g, s.graph, model, BATCH, s.plan)
 
 
 @pytest.mark.slow
@@ -151,11 +148,7 @@ def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
     # NOTE: the mask's bits are packed in rows: each backward part unpacks its own rows
     unpacks = [n.name for n in s.nodes if n.phase is Phase.BACKWARD and ".unpacked" in n.name]
     assert unpacks and all(".part" in name for name in unpacks)
-    la, ga = _run(g, fitgraph.eager_plan(g), model)
-    lb, gb = _run(s, fitgraph.eager_plan(s), model)
-    torch.testing.assert_close(lb, la)
-    for k in ga:
-        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)
+    assert_split_like_eager(g, s, model, BATCH)
 
 
 def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
@@ -232,8 +225,4 @@ def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts():
     s = _alike_maker(g, (soft.outputs[0], 2), 0.0)()
     grads = [n for n in s.nodes if n.target == "aten._softmax_backward_data.default"]
     assert len(grads) == 3 * 8 and all(".part" in n.name for n in grads)
-    la, ga = _run(g, fitgraph.eager_plan(g), model)
-    lb, gb = _run(s, fitgraph.eager_plan(s), model)
-    torch.testing.assert_close(lb, la)
-    for k in ga:
-        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6)
+    assert_split_like_eager(g, s, model, BATCH)

@@ -55,13 +55,21 @@ def test_builds_are_deterministic():
     assert torch.equal(a.batch, b.batch)
 
 
-def test_compare_tells_bitwise_close_and_wrong_apart():
+def _twins(bias_grad=None):
+    """Two equal Linear layers after one backward (the bias gradient set to ``bias_grad``, a
+    rounding-noise value, where given) and a loss."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     b.load_state_dict(a.state_dict())
     for m in (a, b):
         m(torch.ones(2, 4)).sum().backward()
-    loss = torch.tensor(1.0)
+        if bias_grad is not None:
+            m.bias.grad = torch.full((4,), bias_grad)
+    return a, b, torch.tensor(1.0)
+
+
+def test_compare_tells_bitwise_close_and_wrong_apart():
+    a, b, loss = _twins()
     assert compare(loss, loss.clone(), a, b) == ("bitwise", "")
     b.weight.grad += 1e-6   # NOTE: a few ulps of 2.0
     assert compare(loss, loss.clone(), a, b)[0] == "allclose"
@@ -73,13 +81,7 @@ def test_compare_tells_bitwise_close_and_wrong_apart():
 def test_compare_reads_a_zero_gradient_as_rounding_noise():
     """A gradient that is zero in exact arithmetic (a key's bias under softmax) differs
     entirely when summed in another order, by nothing beside the model's gradients."""
-    torch.manual_seed(0)
-    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-    b.load_state_dict(a.state_dict())
-    for m in (a, b):
-        m(torch.ones(2, 4)).sum().backward()
-        m.bias.grad = torch.full((4,), 1e-9)
-    loss = torch.tensor(1.0)
+    a, b, loss = _twins(bias_grad=1e-9)
     b.bias.grad = -a.bias.grad
     assert compare(loss, loss.clone(), a, b)[0] == "allclose"
     b.bias.grad = torch.full((4,), 1e-3)   # NOTE: above the noise of a 2.0 gradient
@@ -89,13 +91,7 @@ def test_compare_reads_a_zero_gradient_as_rounding_noise():
 def test_compare_lets_a_noise_gradient_move_its_parameter_by_a_step():
     """AdamW moves a parameter by about lr whatever its gradient's size: where the gradient is
     rounding noise, so is the update; a real gradient's parameter must still agree."""
-    torch.manual_seed(0)
-    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-    b.load_state_dict(a.state_dict())
-    for m in (a, b):
-        m(torch.ones(2, 4)).sum().backward()
-        m.bias.grad = torch.full((4,), 1e-9)
-    loss = torch.tensor(1.0)
+    a, b, loss = _twins(bias_grad=1e-9)
     with torch.no_grad():
         b.bias += 2e-4        # NOTE: two steps of lr 1e-4, the other way
     assert compare(loss, loss.clone(), a, b)[0] == "allclose"

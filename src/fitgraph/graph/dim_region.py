@@ -33,7 +33,7 @@ from math import lcm
 from .dim_convex import convexity_cut, order_edges
 from .dim_rules import row_wise
 from .dim_types import Along, Entry, Reduced, Split
-from .dims import operands, splits_or_reason, value_entries
+from .dims import node_shapes, operands, splits_or_reason, value_entries
 from .ir import Graph, Role
 
 __all__ = ["Region", "RegionIndex", "grow_region", "node_region", "regions"]
@@ -268,16 +268,14 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
 
 
 def _row_wise(graph: Graph, node, split: Split) -> bool:
-    ins = [graph.values[v].shape for v in operands(node)]
-    outs = [graph.values[v].shape if v is not None else None for v in node.outputs]
-    return row_wise(node, split, ins, outs)
+    return row_wise(node, split, *node_shapes(graph, node))
 
 
 def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[int] | None,
-           row_wise=lambda: False):
+           is_row_wise=lambda: False):
     """(the ratio region-units / op-units, the ``outer`` the region adds to the op's entries)
     if ``table`` agrees with ``dims`` (ratio None: no unit fixed yet, through a halo), else
-    _MISSING. A row-wise op's plain entries (``row_wise()``, asked only then) agree with values
+    _MISSING. A row-wise op's plain entries (``is_row_wise()``, asked only then) agree with values
     cut along the inner dim of a merged dim: it runs each row on its own, wherever they sit."""
     ratio: Fraction | None = None
     linked = False
@@ -295,7 +293,7 @@ def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[i
                 return _MISSING
             if e.outer == have.outer:
                 add = 1
-            elif e.outer == 1 and row_wise():
+            elif e.outer == 1 and is_row_wise():
                 add = have.outer
             else:
                 return _MISSING

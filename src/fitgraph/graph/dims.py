@@ -34,7 +34,7 @@ from .ir import Graph, Node
 log = logging.getLogger(__name__)
 
 __all__ = ["Along", "DimRuleMissing", "Reduced", "SizeArg", "Split", "Window", "boundary_reason",
-           "has_rule", "node_splits", "operands", "part_args", "split_dims", "splits_or_reason",
+           "has_rule", "node_shapes", "node_splits", "operands", "part_args", "split_dims", "splits_or_reason",
            "value_entries"]
 
 
@@ -89,8 +89,7 @@ def splits_or_reason(graph: Graph, node: Node) -> list[Split] | str:
     why = boundary_reason(graph, node)
     if why is not None:
         return why
-    ins = [graph.values[v].shape for v in operands(node)]
-    outs = [graph.values[v].shape if v is not None else None for v in node.outputs]
+    ins, outs = node_shapes(graph, node)
     try:
         return RULES[node.target](node, ins, outs)
     except Exception as e:  # NOTE: any rule bug or unforeseen argument form: no split, said
@@ -98,6 +97,12 @@ def splits_or_reason(graph: Graph, node: Node) -> list[Split] | str:
                f"({type(e).__name__}: {e}): no split (report this op and its arguments)")
         _warn_once(node.target, type(e).__name__, why)
         return why
+
+
+def node_shapes(graph: Graph, node: Node) -> tuple[list[tuple[int, ...]], list]:
+    """(operand shapes, output shapes; None for an output not made) as rules read them."""
+    return ([graph.values[v].shape for v in operands(node)],
+            [graph.values[v].shape if v is not None else None for v in node.outputs])
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -14,8 +14,10 @@ remat plan's peak (hotspot, least peak), grows regions from what is live there, 
 - a plain split of a region the peak holds (a chunked loss: its logits and their gradient).
 
 Candidates are ranked by the bytes live at the peak that the region holds along its split
-dim, less a part's share of them (regions whose axis has fewer than ``PARTS`` units last); the first ``TRIES`` are planned by hotspot (least peak),
-and the first that lowers the peak is kept; rounds go on while one does and time is left.
+dim, less a part's share of them (regions whose axis has fewer than ``PARTS`` units last; a
+re-made region by its largest tensors' bytes, trimmed tightest first, one trim of a start per
+round); the first ``TRIES`` of each kind are planned by hotspot (least peak), and the first
+that lowers the peak is kept; rounds go on while one does and time is left.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
 again). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
 get here.

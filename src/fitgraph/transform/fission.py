@@ -223,9 +223,7 @@ class _Splitter(PartsCombiner):
             if (rows.start, rows.stop) != (c0, c1):
                 base = rows_view(w, base, d, rows.start - c0, rows.stop - c0,
                                  f"{v.name}.view{i}", phase, module)
-        elif self.r.outers.get(vid, 1) > 1:
-            if padded:
-                raise FissionError(f"{v.name}: a halo along the inner dim of a merged dim")
+        elif self.r.outers.get(vid, 1) > 1:   # NOTE: never padded: no halo with outers
             base = inner_part(w, w.whole[vid], d, self.r.outers[vid], rows.start, rows.stop,
                               f"{v.name}.part{i}", phase, module)
         else:
