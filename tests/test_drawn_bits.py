@@ -8,7 +8,8 @@ import torch
 
 import fitgraph
 from fitgraph.cost.drawn_bits import UNKNOWN_DENSITY, bit_densities
-from fitgraph.cost.profiler import _Runner, node_signature
+from fitgraph.cost.profiler import node_signature
+from fitgraph.cost.synthetic import SyntheticRunner
 from fitgraph.transform.compact_masks import compact_masks
 
 
@@ -35,17 +36,17 @@ def test_the_bits_of_a_dropout_mask_are_as_dense_as_its_keep_probability():
     assert readers and all(n.target == "aten._to_copy.default" for n in readers)
     unpack = next(n for n in g.nodes if n.target == UNPACK_BITS)
     packed = g.values[unpack.inputs[0]]
-    env = _Runner(g, torch.device("cpu"), dens).inputs(unpack)
+    env = SyntheticRunner(g, torch.device("cpu"), dens).inputs(unpack)
     bits = unpack_bits(env[packed.id], [packed.numel * 8])
     assert bits.float().mean().item() == pytest.approx(0.75, abs=0.02)
     for n in readers:
-        env = _Runner(g, torch.device("cpu"), dens).inputs(n)
+        env = SyntheticRunner(g, torch.device("cpu"), dens).inputs(n)
         bits = next(env[v] for v in n.inputs if g.values[v].storage == storage)
         assert bits.dtype == torch.bool and bits.float().mean().item() == pytest.approx(0.75,
                                                                                       abs=0.02)
         # NOTE: the measurement of random bits is not the one of ones: keyed apart
         assert node_signature(g, n, dens) != node_signature(g, n)
-        ones = _Runner(g, torch.device("cpu")).inputs(n)
+        ones = SyntheticRunner(g, torch.device("cpu")).inputs(n)
         assert next(ones[v] for v in n.inputs if g.values[v].storage == storage).all()
 
 

@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from .cli_case import build_case
+
 __all__ = ["build_parser", "main"]
 
 MIB = 2**20
@@ -55,17 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _optimizer(kind: str, model):
-    import torch
-
-    if kind == "none":
-        return None
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=1e-4)
-
-
 def _mib(b) -> str:
     return "-" if b is None else f"{b / MIB:,.1f} MiB"
 
@@ -98,18 +89,6 @@ def format_inspect(r) -> str:
         lines.append(f"  {_mib(t['nbytes']):>12s}  {t['role']:16s}{t['phase']:10s}"
                      f"{t['module'] or '<top>':30s}{t['name']}")
     return "\n".join(lines)
-
-
-def build_case(args):
-    """The zoo case and optimizer a command asks for (paper configs on the meta device)."""
-    import torch
-
-    from . import zoo
-
-    torch.set_num_threads(args.threads)
-    case = zoo.build(args.model, args.config, batch_size=args.batch,
-                     device="meta" if args.config == "paper" else "cpu")
-    return case, _optimizer(args.optimizer, case.model)
 
 
 def cmd_inspect(args) -> int:

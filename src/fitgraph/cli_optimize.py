@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+from .cli_case import build_case
+
 __all__ = ["add_parser", "cmd_optimize"]
 
 MIB = 2**20
@@ -51,7 +53,6 @@ def _budget(value: str | None):
 
 def cmd_optimize(args) -> int:
     from .api import optimize
-    from .cli import build_case
     from .measure import measure_eager, measure_plan
     from .transform.optimizer_in_backward import OptimizerInBackwardError
 

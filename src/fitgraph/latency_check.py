@@ -75,9 +75,9 @@ class Measured:
 
 
 def _runner(graph: Graph, cm):
-    from .cost.profiler import _Runner
+    from .cost.synthetic import SyntheticRunner
 
-    return _Runner(graph, cm.device, cm._graph_facts(graph)[1])
+    return SyntheticRunner(graph, cm.device, cm._graph_facts(graph)[1])
 
 
 def _timed(ex, runner, graph: Graph) -> float:

@@ -36,6 +36,7 @@ import torch
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from .cache import CacheEntry
+from .synthetic import SyntheticRunner
 
 __all__ = ["profile_in_situ", "time_in_situ"]
 
@@ -49,11 +50,10 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
     ``repeats`` runs after ``warmup``; RuntimeError naming the node where one fails on
     synthetic inputs. ``densities``: storage -> density of the random bits it holds."""
     from ..execute.executor import Executor
-    from .profiler import _Runner
 
     plan = eager_plan(graph)
     ex = Executor(graph, plan, model=None)
-    runner = _Runner(graph, device, densities)
+    runner = SyntheticRunner(graph, device, densities)
     per: list[list[float]] = [[] for _ in graph.nodes]
     steps = list(zip(ex.steps, plan))
     clock = time.perf_counter

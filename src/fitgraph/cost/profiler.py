@@ -50,7 +50,6 @@ the real op (see ``alias_mismatches``).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -60,19 +59,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execute.bit_packing import pack_bits
 from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
 from ..execute.meter import MemoryMeter
-from ..execute.ops import ArgBinder, resolve_target
-from ..execute.optimizer_ops import run_optimizer_node
 from ..graph.analysis import new_storages
-from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, ValueRef, storage_bytes
+from ..graph.ir import Graph, Node, ValueRef
 from .base import NodeCost
 from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 from .in_situ import profile_in_situ
 from .opaque import OpaqueInputs, opaque_inputs, producers
+from .synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -80,7 +77,6 @@ log = logging.getLogger(__name__)
 
 # NOTE: bump when what is measured or how changes, so old cache entries are not reused
 _KEY_VERSION = 1
-_OPTIMIZER_PREFIX = "fitgraph.optimizer."
 _OPTIMIZER_KWARGS = ("hyper", "state_keys", "have")  # not "group"/"param": they don't change cost
 # NOTE: copy bandwidth is fitted from two sizes: a small one (fixed latency dominates) and a
 # large one (bandwidth dominates; 64 MiB is far beyond any cache level)
@@ -154,7 +150,7 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
             ins[-1] += f"~p{densities[v.storage]:.3g}"
         if opaque and v.storage in opaque:  # NOTE: real bytes of its maker, not synthetic
             ins[-1] += f"~by:{graph.nodes[opaque[v.storage]].target}"
-    if node.target.startswith(_OPTIMIZER_PREFIX):
+    if node.target.startswith(OPTIMIZER_PREFIX):
         consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
     else:
         consts = _canon(node.args, pos) + _canon(node.kwargs, pos)
@@ -163,34 +159,6 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
         # output: keyed apart from entries cached before (made under no_grad, no buffer)
         consts += "|makes-opaque"
     return f"{node.target}|{';'.join(ins)}|{consts}"
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _fill(buf: torch.Tensor, dtype: torch.dtype, density: float | None = None) -> None:
-    """Fill a byte buffer with valid data for ``dtype`` (see module docstring); bools (and
-    bits packed into bytes) with random bits of ``density`` where given."""
-    if dtype == torch.bool:
-        if density is None:
-            buf.fill_(1)
-        else:
-            buf.copy_(torch.rand(buf.numel(), device=buf.device) < density)
-        return
-    if dtype == torch.uint8 and density is not None:  # NOTE: bits packed eight to a byte
-        buf.copy_(pack_bits(torch.rand(buf.numel() * 8, device=buf.device) < density))
-        return
-    if not (dtype.is_floating_point or dtype.is_complex):
-        buf.zero_()
-        return
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n = buf.numel() // itemsize
-    flat = buf[: n * itemsize].view(dtype)
-    if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        flat.uniform_()
-    else:  # NOTE: float8 / complex have no uniform_ kernel everywhere: go through float32
-        flat.copy_(torch.rand(n, device=buf.device))
 
 
 class ProfiledCostModel:
@@ -366,7 +334,7 @@ class ProfiledCostModel:
         """Measure the nodes of ``todo`` (key -> node) one by one, alone."""
         fresh = new_storages(graph)
         _, densities, opaque = self._graph_facts(graph)
-        runner = _Runner(graph, self.device, densities, opaque.chains)
+        runner = SyntheticRunner(graph, self.device, densities, opaque.chains)
         from tqdm import tqdm
 
         bar = tqdm(todo.items(), desc=f"profiling on {self.label}", unit="op",
@@ -398,7 +366,7 @@ class ProfiledCostModel:
                      "IR's alias model predicts: %s (see ProfiledCostModel.alias_mismatches)",
                      len(mismatched), sorted({n.target for n in mismatched}))
 
-    def _measure_after_producers(self, graph: Graph, runner: _Runner, key: str, node: Node,
+    def _measure_after_producers(self, graph: Graph, runner: SyntheticRunner, key: str, node: Node,
                                  error: RuntimeError) -> tuple[float, int, int]:
         """``_measure`` again with every producer of ``node`` run first (its inputs real);
         recorded (and cached) as how the node was measured. Raises naming both failures."""
@@ -491,7 +459,7 @@ class ProfiledCostModel:
         del out
         return t1 - t0
 
-    def _measure(self, runner: _Runner, node: Node) -> tuple[float, int, int]:
+    def _measure(self, runner: SyntheticRunner, node: Node) -> tuple[float, int, int]:
         """(median seconds, meter peak bytes, meter end bytes) of one node."""
         run = runner.callable(node)
         mutating = bool(node.mutates)
@@ -573,110 +541,6 @@ class ProfiledCostModel:
 
     def __repr__(self) -> str:
         return f"ProfiledCostModel({str(self.device)!r}, cache={self.cache.path})"
-
-
-class _Runner:
-    """Makes synthetic inputs for a graph's nodes and the callables that run them."""
-
-    def __init__(self, graph: Graph, device: torch.device,
-                 densities: dict[int, float] | None = None,
-                 chains: dict[int, tuple[int, ...]] | None = None) -> None:
-        self.graph, self.device = graph, device
-        self.densities = densities or {}
-        # NOTE: node -> nodes to run first (its opaque inputs' makers; all its producers
-        # where it failed alone): a copy, as the profiler adds to it
-        self.chains = dict(chains or {})
-        first = graph.storages[graph.values[graph.inputs[0]].storage] if graph.inputs else None
-        self.graph_device = first.device if first is not None else "cpu"
-        self.remap = torch.device(self.graph_device) != device
-
-    def _device_for(self, st: Storage) -> torch.device:
-        # NOTE: host-side scalars of a GPU graph (Adam's step) stay on the host; everything
-        # else runs on the profiling device
-        if st.device == "cpu" and self.graph_device != "cpu":
-            return torch.device("cpu")
-        return self.device
-
-    def inputs(self, node: Node) -> list:
-        """An env (indexed by value id) holding fresh tensors for ``node.inputs``: synthetic,
-        except what the nodes making its opaque inputs output (run here first, on synthetic
-        inputs of their own)."""
-        chain = self.chains.get(node.id)
-        if not chain:
-            return self.values(node.inputs)
-        g = self.graph
-        made = {v for p in chain for v in g.nodes[p].outputs if v is not None}
-        need = dict.fromkeys(v for nid in (*chain, node.id) for v in g.nodes[nid].inputs
-                             if v not in made)
-        env = self.values(need)
-        for p in chain:
-            maker = g.nodes[p]
-            result = self.callable(maker)(env)
-            if maker.out_is_tuple:
-                for vid, r in zip(maker.outputs, result):
-                    if vid is not None:
-                        env[vid] = r
-            elif maker.outputs and maker.outputs[0] is not None:
-                env[maker.outputs[0]] = result
-            del result
-        keep = set(node.inputs)
-        return [t if i in keep else None for i, t in enumerate(env)]
-
-    def values(self, vids) -> list:
-        """An env (indexed by value id) holding fresh synthetic tensors for ``vids``; values
-        that share a storage in the graph share one here."""
-        g = self.graph
-        env: list = [None] * len(g.values)
-        need: dict[int, int] = {}
-        for vid in vids:
-            v = g.values[vid]
-            extent = storage_bytes(v.shape, v.stride, v.storage_offset, DTYPE_BYTES[v.dtype])
-            need[v.storage] = max(need.get(v.storage, g.storages[v.storage].nbytes), extent)
-        bufs: dict[int, torch.Tensor] = {}
-        for vid in vids:
-            v = g.values[vid]
-            dtype = _torch_dtype(v.dtype)
-            buf = bufs.get(v.storage)
-            if buf is None:
-                buf = torch.empty(need[v.storage], dtype=torch.uint8,
-                                  device=self._device_for(g.storages[v.storage]))
-                _fill(buf, dtype, self.densities.get(v.storage))
-                bufs[v.storage] = buf
-            t = torch.empty(0, dtype=dtype, device=buf.device)
-            t.set_(buf.untyped_storage(), v.storage_offset, v.shape, v.stride)
-            env[vid] = t
-        return env
-
-    def callable(self, node: Node):
-        """``run(env) -> result`` for ``node``, arguments bound from ``env``."""
-        if self.remap:
-            node = dataclasses.replace(node, args=self._remap(node.args),
-                                       kwargs=self._remap(node.kwargs))
-        binder = ArgBinder(node)
-        if node.target.startswith(_OPTIMIZER_PREFIX):
-
-            def run_optimizer(env: list):
-                args, _ = binder(env)
-                return run_optimizer_node(node, args[0], args[1], list(args[2]), None)
-
-            return run_optimizer
-        fn = resolve_target(node.target)
-
-        def run(env: list):
-            args, kwargs = binder(env)
-            return fn(*args, **kwargs)
-
-        return run
-
-    def _remap(self, obj):
-        """Constant ``torch.device`` arguments of the graph's device -> the profiling device."""
-        if isinstance(obj, torch.device):
-            return self.device if obj == torch.device(self.graph_device) else obj
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._remap(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self._remap(v) for k, v in obj.items()}
-        return obj
 
 
 def _after_key(key: str) -> str:
