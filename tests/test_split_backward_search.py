@@ -1,0 +1,75 @@
+"""split_backward's rounds: which planned candidate a round keeps (the search, not the splits:
+candidates and their plans are stubbed, each candidate's graph planned to a given peak)."""
+
+import dataclasses
+
+import pytest
+
+from fitgraph.solvers import fission_backward as fb
+from fitgraph.solvers.base import Problem, Solution
+
+
+@dataclasses.dataclass
+class _Sim:
+    peak_bytes: int
+
+
+def _sol(peak: int) -> Solution:
+    return Solution(plan=[], sim=_Sim(peak), solver="hotspot", solve_s=0.0)
+
+
+@pytest.fixture
+def rounds(monkeypatch):
+    """Runs split_backward on rounds of candidates: ``rounds[i]`` the (name, kind, peak) tried
+    in round i (kind: "copies" or "plain"); returns the splits kept."""
+    def run(per_round: list[list[tuple[str, str, int]]], start_peak: int = 1000):
+        peaks = {name: peak for cands in per_round for name, _, peak in cands}
+        calls = iter(per_round)
+
+        def candidates(graph, best):
+            cands = next(calls, [])
+            return [(name, (name, 0) if kind == "copies" else None, lambda name=name: name)
+                    for name, kind, _ in cands]
+
+        def least(graph, cm, deadline, t0, total):
+            return _sol(start_peak if graph == "start" else peaks[graph])
+
+        monkeypatch.setattr(fb, "_candidates", candidates)
+        monkeypatch.setattr(fb, "_least", least)
+        monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
+        for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains"):
+            monkeypatch.setattr(fb, f, lambda g: g)
+        s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60))
+        return s.notes["splits"], s.sim.peak_bytes
+    return run
+
+
+def test_a_small_gain_does_not_end_the_round(rounds):
+    # NOTE: Swin: the first candidate that lowered the peak (by 1.4%) was kept and the
+    # attention copies, 8.5% lower, never planned
+    splits, peak = rounds([[("mlp", "plain", 990), ("attention", "copies", 915)]])
+    assert splits == ["attention"] and peak == 915
+
+
+def test_a_large_gain_ends_the_round(rounds):
+    splits, peak = rounds([[("attention", "copies", 900), ("never", "plain", 100)],
+                           [("loss", "plain", 850)]])
+    assert splits == ["attention", "loss"] and peak == 850
+
+
+def test_the_rounds_best_small_gain_is_kept(rounds):
+    splits, peak = rounds([[("a", "plain", 995), ("b", "plain", 985), ("c", "copies", 1100)]])
+    assert splits == ["b"] and peak == 985
+
+
+def test_no_gain_ends_the_search(rounds):
+    splits, peak = rounds([[("a", "plain", 1000), ("b", "copies", 1200)],
+                           [("later", "plain", 10)]])
+    assert splits == [] and peak == 1000
+
+
+def test_each_kind_gets_its_tries(rounds):
+    # NOTE: TRIES plain candidates planned, the next plain one passed over, copies still tried
+    plain = [(f"p{i}", "plain", 999 - i) for i in range(fb.TRIES + 1)]
+    splits, peak = rounds([plain + [("c", "copies", 990)]])
+    assert splits == ["c"] and peak == 990
