@@ -14,6 +14,15 @@ class _Sim:
     peak_bytes: int
 
 
+def _maker(name: str):
+    """Makes the candidate's graph (its name); "bad" in the name: the split fails."""
+    def make():
+        if "bad" in name:
+            raise fb.FissionError(f"{name}: cannot split")
+        return name
+    return make
+
+
 def _sol(peak: int) -> Solution:
     return Solution(plan=[], sim=_Sim(peak), solver="hotspot", solve_s=0.0)
 
@@ -21,14 +30,15 @@ def _sol(peak: int) -> Solution:
 @pytest.fixture
 def rounds(monkeypatch):
     """Runs split_backward on rounds of candidates: ``rounds[i]`` the (name, kind, peak) tried
-    in round i (kind: "copies" or "plain"); returns the splits kept."""
+    in round i (kind: "copies" or "plain"; a region's start is the name up to a ":"); returns
+    the splits kept and the peak reached."""
     def run(per_round: list[list[tuple[str, str, int]]], start_peak: int = 1000):
         peaks = {name: peak for cands in per_round for name, _, peak in cands}
         calls = iter(per_round)
 
         def candidates(graph, best):
             cands = next(calls, [])
-            return [(name, (name, 0) if kind == "copies" else None, lambda name=name: name)
+            return [(name, kind, (name.split(":")[0], 0), _maker(name))
                     for name, kind, _ in cands]
 
         def least(graph, cm, deadline, t0, total):
@@ -73,3 +83,16 @@ def test_each_kind_gets_its_tries(rounds):
     plain = [(f"p{i}", "plain", 999 - i) for i in range(fb.TRIES + 1)]
     splits, peak = rounds([plain + [("c", "copies", 990)]])
     assert splits == ["c"] and peak == 990
+
+
+def test_one_share_of_a_start_per_round(rounds):
+    # NOTE: HuBERT: two shares of the convolution backward along the channels took the plain
+    # tries from the split along the time, which runs the peak's workspace in parts
+    splits, peak = rounds([[("channels:8 nodes", "plain", 1100), ("channels:4 nodes", "plain", 1010),
+                            ("time:2 nodes", "plain", 900)]])
+    assert splits == ["time:2 nodes"] and peak == 900
+
+
+def test_a_start_whose_split_fails_keeps_its_other_shares(rounds):
+    splits, peak = rounds([[("mlp:bad", "plain", 0), ("mlp:tight", "plain", 950)]])
+    assert splits == ["mlp:tight"] and peak == 950
