@@ -16,7 +16,7 @@ class _Sim:
 
 def _maker(name: str):
     """Makes the candidate's graph (its name); "bad" in the name: the split fails."""
-    def make():
+    def make(deadline):
         if "bad" in name:
             raise fb.FissionError(f"{name}: cannot split")
         return name
@@ -96,3 +96,21 @@ def test_one_share_of_a_start_per_round(rounds):
 def test_a_start_whose_split_fails_keeps_its_other_shares(rounds):
     splits, peak = rounds([[("mlp:bad", "plain", 0), ("mlp:tight", "plain", 950)]])
     assert splits == ["mlp:tight"] and peak == 950
+
+
+def test_every_block_alike_stops_at_the_deadline():
+    import torch
+
+    import fitgraph
+    from fitgraph.graph.ir import Phase
+
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),  # noqa: E731
+                                      torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(*(mlp() for _ in range(3)))
+    g = fitgraph.capture(model, torch.randn(32, 8), lambda m, x: m(x).square().mean())
+    grad = next(n.outputs[0] for n in g.nodes
+                if n.phase is Phase.BACKWARD and n.target == "aten.gelu_backward.default")
+    make = fb._alike_split_maker(g, (grad, 0), 0.0)
+    assert make(float("inf")) is not g
+    with pytest.raises(fb.FissionError, match="out of time after 0 of 3"):
+        make(0.0)

@@ -61,7 +61,7 @@ from ..transform.recompute_copies import (
 )
 from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
-from .fission_regions import candidate_regions, peak_starts, trimmed
+from .fission_regions import peak_starts, shared_regions, trimmed
 from .hotspot import solve_hotspot
 
 __all__ = ["split_backward"]
@@ -119,7 +119,7 @@ def split_backward(problem: Problem) -> Solution | None:
             if planned[kind] >= TRIES or (kind, start) in starts:
                 continue
             try:
-                g2 = make()
+                g2 = make(deadline)
             except (FissionError, CopyError, GraphError, StopIteration) as e:
                 tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
                 continue
@@ -186,14 +186,14 @@ def _held(graph: Graph, region: Region, sim: SimResult, peak_node: int | None = 
 
 def _candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, int], object]]:
     """(what, kind (``COPIES`` or ``PLAIN``), the (value, dim) its region grows from (a
-    re-made region: the forward one), make the split graph) for the regions at ``best``'s
-    peak, best-ranked first."""
+    re-made region: the forward one), make(deadline) the split graph) for the regions at
+    ``best``'s peak, best-ranked first."""
     starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES)
     pc = best.sim.peak_instruction
     peak_node = getattr(best.plan[pc], "node", None) if pc >= 0 else None
     ranked = []
     seen: set = set()
-    for i, r in enumerate(candidate_regions(graph, starts, SHARES)):
+    for i, (r, share) in enumerate(shared_regions(graph, starts, SHARES)):
         held = _held(graph, r, best.sim, peak_node)
         if not held or r.length < 2:
             continue
@@ -203,7 +203,6 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int,
         few = _parts(r) < PARTS
         held -= held // _parts(r)
         v = graph.values[r.start[0]]
-        share = _share(graph, r)
         start = _forward_start(graph, r)
         if start is not None:
             u = graph.values[start[0]]
@@ -227,7 +226,7 @@ def _candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int,
             ranked.append((few, -held, 0, i - 0.5, what + ", in every block alike", PLAIN,
                            r.start, _alike_split_maker(graph, r.start, share)))
         ranked.append((few, -held, 0, i, what, PLAIN, r.start,
-                       lambda r=r: split_region(graph, r, _parts(r), verify=True)))
+                       lambda deadline, r=r: split_region(graph, r, _parts(r), verify=True)))
     ranked.sort(key=lambda c: c[:4])
     return [c[4:] for c in ranked]
 
@@ -241,17 +240,6 @@ def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
         return None
     _, v, d = max(found)
     return -v, d
-
-
-def _share(graph: Graph, region: Region) -> float:
-    """The trim share ``region`` was made with (candidate_regions does not say): the smallest
-    that gives its nodes."""
-    whole = grow_region(graph, *region.start)
-    for share in SHARES:
-        t = trimmed(graph, whole, share) if share else whole
-        if t.nodes == region.nodes:
-            return share
-    return 0.0
 
 
 def _alike_maker(graph: Graph, start: tuple[int, int], share: float):
@@ -276,13 +264,18 @@ def _alike_split_maker(graph: Graph, start: tuple[int, int], share: float):
 def _for_each_alike(graph: Graph, start: tuple[int, int], rewrite):
     """Makes ``rewrite(g, value id)`` applied to ``start``'s value and, in turn, to each alike
     start's (found by name in the graph the last rewrite returned); an alike start that cannot
-    be rewritten is left as it is, ``start``'s own error is raised."""
+    be rewritten is left as it is, ``start``'s own error is raised, and FissionError past the
+    deadline."""
     names = [graph.values[v].name for v in _alike_starts(graph, start[0])]
     own = graph.values[start[0]].name
 
-    def make() -> Graph:
+    def make(deadline: float) -> Graph:
         g = graph
-        for name in names:
+        for k, name in enumerate(names):
+            # NOTE: each rewrite walks the whole graph: an unrolled GRU's 256 steps are alike
+            # (23,615 nodes: hours for one candidate)
+            if time.perf_counter() > deadline:
+                raise FissionError(f"out of time after {k} of {len(names)} alike starts")
             try:
                 g = rewrite(g, next(v.id for v in g.values if v.name == name))
             except (FissionError, CopyError, GraphError, StopIteration):

@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..graph.analysis import new_storages
 from ..graph.dim_convex import order_edges
 from ..graph.dim_region import Region, RegionIndex, grow_region
@@ -32,7 +34,7 @@ from ..graph.ir import Graph
 from ..plan.instructions import Plan
 from ..sim.simulate import SimResult
 
-__all__ = ["candidate_regions", "peak_starts", "trimmed"]
+__all__ = ["candidate_regions", "peak_starts", "shared_regions", "trimmed"]
 
 
 def _node_bytes(graph: Graph, region: Region, nid: int) -> int:
@@ -105,13 +107,20 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
                       exclude: dict[int, str] | None = None) -> list[Region]:
     """Regions grown from ``starts`` (deduplicated by their nodes), each whole and trimmed at
     each share; regions of one node or of views only are left out (parts would gain nothing)."""
+    return [r for r, _ in shared_regions(graph, starts, shares, exclude)]
+
+
+def shared_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple[float, ...],
+                   exclude: dict[int, str] | None = None) -> Iterator[tuple[Region, float]]:
+    """``candidate_regions``' regions, each with the smallest share that trims to it (0: the
+    whole region), made one at a time (a caller that needs one stops early: a start's region
+    on an unrolled GRU of 23,000 nodes takes a second to grow)."""
     index = RegionIndex(graph)
     edges = (index.succ, index.pred)
     fresh = new_storages(graph)
     # NOTE: keyed by nodes and axis length: trimmed, the maximal region (tokens tied to the
     # batch, length B) can hold the same nodes as the one that keeps every token (length B*T)
     seen: set[tuple[tuple[int, ...], int]] = set()
-    out: list[Region] = []
     for vid, dim in starts:
         r = grow_region(graph, vid, dim, exclude=exclude, index=index)
         grown = [r]
@@ -129,5 +138,4 @@ def candidate_regions(graph: Graph, starts: list[tuple[int, int]], shares: tuple
                 key = (t.nodes, t.length)
                 if len(t.nodes) >= 2 and key not in seen and any(fresh[n] for n in t.nodes):
                     seen.add(key)
-                    out.append(t)
-    return out
+                    yield t, share

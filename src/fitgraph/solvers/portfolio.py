@@ -54,7 +54,7 @@ from ..transform.compact_masks import compact_masks, dropout_masks
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission import FissionConfig, solve_fission
 from .fission_backward import split_backward
-from .fission_regions import candidate_regions, peak_starts
+from .fission_regions import peak_starts, shared_regions
 from .hotspot import solve_hotspot
 from .joint import solve_joint
 
@@ -75,12 +75,12 @@ _SEARCH_OFFLOAD = FissionConfig(offload=True)
 
 
 def splittable_regions(problem: Problem, eager: SimResult,
-                       config: FissionConfig = _SEARCH) -> int:
-    """How many fission regions grow from what is live at the eager plan's peak (the first
-    round of the fission search; 0: fission has nothing to split)."""
+                       config: FissionConfig = _SEARCH) -> bool:
+    """Whether a fission region grows from what is live at the eager plan's peak (the first
+    round of the fission search; False: fission has nothing to split). Stops at the first."""
     g = problem.graph
     starts = peak_starts(g, eager_plan(g), eager, config.max_storages)
-    return len(candidate_regions(g, starts, config.shares))
+    return next(shared_regions(g, starts, config.shares), None) is not None
 
 
 def _key(sol: Solution, budget: int | None) -> tuple:
