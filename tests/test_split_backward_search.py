@@ -47,7 +47,8 @@ def rounds(monkeypatch):
         monkeypatch.setattr(fb, "_candidates", candidates)
         monkeypatch.setattr(fb, "_least", least)
         monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
-        for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains"):
+        for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
+                  "stack_scatter_sums"):
             monkeypatch.setattr(fb, f, lambda g: g)
         s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60))
         return s.notes["splits"], s.sim.peak_bytes

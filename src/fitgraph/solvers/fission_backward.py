@@ -59,6 +59,7 @@ from ..transform.recompute_copies import (
     first_reader,
     recompute_copies,
 )
+from ..transform.scatter_sums import stack_scatter_sums
 from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from .fission_regions import peak_starts, shared_regions, trimmed
@@ -98,8 +99,8 @@ def split_backward(problem: Problem) -> Solution | None:
     # NOTE: as fission reads the graph: a loss counts its targets apart and reads every
     # position of a shifted loss, and reshape round trips are read through, so a chunked loss
     # (logits, loss and gradient in one region) is a candidate
-    graph = collapse_view_chains(count_targets_apart(unshift_losses(
-        compact_masks(problem.graph))))
+    graph = stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
+        compact_masks(problem.graph)))))
     best = _least(graph, cm, deadline, t0, problem.time_budget_s)
     if best is None:
         return None
