@@ -16,9 +16,11 @@ remat plan's peak (hotspot, least peak), grows regions from what is live there, 
 Candidates are ranked by the bytes live at the peak that the region holds along its split
 dim, less a part's share of them, and the peak node's workspace where the region runs that
 node (regions whose axis has fewer than ``PARTS`` units last; a re-made region by its largest
-tensors' bytes, trimmed tightest first); one trim of a start per round; the first ``TRIES`` of each kind are planned by hotspot (least peak) until one takes
-``SETTLE`` off the peak, and the one that lowers it most is kept; rounds go on while one does
-and time is left.
+tensors' bytes, trimmed tightest first); the first ``SCREEN`` of a round (half of each kind,
+one trim of a start) are made and screened — the split graph priced with the current plan's
+drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
+peak) until one takes ``SETTLE`` off the peak; the one that lowers it most is kept, and rounds
+go on while one does and time is left.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
 again). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
 get here.
@@ -42,11 +44,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 from ..graph.analysis import GraphError, new_storages
 from ..graph.dim_region import Region, grow_region
 from ..graph.ir import Graph, Phase
+from ..sim.remat_eval import RematError, RematEvaluator
 from ..sim.simulate import SimResult
 from ..transform.compact_masks import compact_masks
 from ..transform.fission import FissionError, split_region
@@ -69,7 +73,9 @@ __all__ = ["split_backward"]
 
 # NOTE: parts per split: 4 cuts a block's attention to a quarter; a later round may split again
 PARTS = 8
-# NOTE: candidates of each kind planned per round (each a hotspot solve: seconds), best first
+# NOTE: candidates made and screened per round (half of each kind), and the best-screened
+# planned (each a hotspot solve: seconds)
+SCREEN = 4
 TRIES = 2
 ROUNDS = 6
 # NOTE: a candidate that takes this share off the peak ends its round; smaller gains are kept
@@ -82,8 +88,10 @@ MAX_STORAGES = 3
 # interior (grown along the tokens, a region runs on through the residual into the next
 # block's projections, which copied with it were kept whole in the backward)
 SHARES = (0.0, 0.25, 1.0)
-# NOTE: the kinds of candidate, each with its own tries per round
+# NOTE: the kinds of candidate, each with half the screens of a round
 COPIES, PLAIN = "copies", "plain"
+# NOTE: what a part adds to its whole's name
+_PARTS = re.compile(r"(\.part\d+)+$")
 # NOTE: a latency limit no plan reaches: hotspot then minimises the peak alone
 _UNBOUNDED = 1e9
 
@@ -106,35 +114,21 @@ def split_backward(problem: Problem) -> Solution | None:
         return None
     before, done, tried = best.sim.peak_bytes, [], []
     for _ in range(ROUNDS):
-        better, planned, starts = None, {COPIES: 0, PLAIN: 0}, set()
-        for what, kind, start, make in _candidates(graph, best):
+        screened = _screened(graph, best, cm, deadline, tried)
+        better = None
+        # NOTE: planned in the order of their screened peaks, the best TRIES
+        for peak, _, what, g2 in screened[:TRIES]:
             if time.perf_counter() > deadline:
                 break
-            # NOTE: each kind gets its tries: a plain split that runs forward and backward
-            # nodes in parts (GPT-2's attention split whole: 42.9 MiB against 23.9 unsplit)
-            # keeps its parts' forward tensors for the backward, which remat cannot drop, and
-            # ranks high on the bytes it holds
-            # NOTE: one share of a start per round: its other shares took the tries from every
-            # other start (HuBERT's convolution backward along the channels, twice, before the
-            # one along the time that runs its 6.2 MiB workspace in parts)
-            if planned[kind] >= TRIES or (kind, start) in starts:
-                continue
-            try:
-                g2 = make(deadline)
-            except (FissionError, CopyError, GraphError, StopIteration) as e:
-                tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
-                continue
-            starts.add((kind, start))
             sol = _least(g2, cm, deadline, t0, problem.time_budget_s)
-            planned[kind] += 1
-            tried.append(f"{what}: " + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
+            tried.append(f"{what}: screened {peak:,} B, planned "
+                         + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
             bar = (better[1] if better else best).sim.peak_bytes
             if sol is not None and sol.sim.peak_bytes < bar:
                 better = (g2, sol, what)
                 # NOTE: a small gain does not end the round: on Swin the first (1.4%: the MLP
                 # backward along the tokens) was kept and no later round went below it (1.61x
-                # against 1.50x from its attention re-made in parts); planning every try of
-                # every round instead left BERT's loss split no time (each plan takes seconds)
+                # against 1.50x from its attention re-made in parts)
                 if sol.sim.peak_bytes <= best.sim.peak_bytes * (1 - SETTLE):
                     break
         if better is None:
@@ -163,6 +157,66 @@ def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Soluti
         # priced otherwise; seen on split graphs whose backward slices a forward view (BERT's
         # attention mask, dropped per use): that candidate is passed over, never run unproven
         return None
+
+
+def _screened(graph: Graph, best: Solution, cm, deadline: float,
+              tried: list[str]) -> list[tuple[int, int, str, Graph]]:
+    """(screened peak, rank, what, split graph) of the round's first ``SCREEN`` candidates
+    that can be made, lowest screened peak first.
+
+    A screen is the split graph's peak with ``best``'s drops carried over (by name: a part
+    drops where its whole did), priced by the evaluator without a search: a tenth of a
+    second where planning one takes ten, and on Bloom's first round it ranks eight candidates
+    as their plans do (each about 0.6 MB above its plan). Planning in the order of the
+    heuristic ranks alone spent the round's tries on splits whose parts keep forward tensors
+    for the backward (Bloom's attention split whole: 40 MB against 17 unsplit)."""
+    dropped = _dropped_names(graph, best)
+    out: list[tuple[int, int, str, Graph]] = []
+    made, starts = {COPIES: 0, PLAIN: 0}, set()
+    for rank, (what, kind, start, make) in enumerate(_candidates(graph, best)):
+        if time.perf_counter() > deadline or sum(made.values()) >= SCREEN:
+            break
+        # NOTE: one share of a start per round: its other shares took the tries from every
+        # other start (HuBERT's convolution backward along the channels, twice, before the
+        # one along the time that runs its 6.2 MiB workspace in parts); each kind half the
+        # screens (a re-made region costs seconds to make: every block's copies)
+        if made[kind] >= SCREEN // 2 or (kind, start) in starts:
+            continue
+        try:
+            g2 = make(deadline)
+        except (FissionError, CopyError, GraphError, StopIteration) as e:
+            tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
+            continue
+        starts.add((kind, start))
+        made[kind] += 1
+        out.append((_screen(g2, cm, dropped), rank, what, g2))
+    out.sort(key=lambda c: c[:2])
+    return out
+
+
+def _dropped_names(graph: Graph, sol: Solution) -> set[str]:
+    """The names of the nodes ``sol``'s plan computes more than once (recomputes)."""
+    seen: set[int] = set()
+    again: set[int] = set()
+    for ins in sol.plan:
+        nid = getattr(ins, "node", None)
+        if nid is not None:
+            (again if nid in seen else seen).add(nid)
+    return {graph.nodes[n].name for n in again}
+
+
+def _screen(graph: Graph, cm, dropped: set[str]) -> int:
+    """``graph``'s peak with the nodes named in ``dropped`` (or whose whole was: ``.part<i>``
+    suffixes taken off) dropped; a peak above every other where that drop set cannot be
+    planned."""
+    if hasattr(cm, "profile"):
+        cm.profile(graph)  # NOTE: measured costs: the parts' workspaces, once each shape
+    drop = {n.id for n in graph.nodes
+            if n.name in dropped or _PARTS.sub("", n.name) in dropped}
+    try:
+        return RematEvaluator(graph, cm).evaluate(drop).peak_bytes
+    except RematError:
+        return 1 << 62
 
 
 def _parts(region: Region) -> int:
