@@ -44,12 +44,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 
+from ..cost.scaled import original_name
 from ..graph.analysis import GraphError, new_storages
 from ..graph.dim_region import Region, grow_region
 from ..graph.ir import Graph, Phase
+from ..plan.instructions import Recompute
 from ..sim.remat_eval import RematError, RematEvaluator
 from ..sim.simulate import SimResult
 from ..transform.compact_masks import compact_masks
@@ -90,8 +91,6 @@ MAX_STORAGES = 3
 SHARES = (0.0, 0.25, 1.0)
 # NOTE: the kinds of candidate, each with half the screens of a round
 COPIES, PLAIN = "copies", "plain"
-# NOTE: what a part adds to its whole's name
-_PARTS = re.compile(r"(\.part\d+)+$")
 # NOTE: a latency limit no plan reaches: hotspot then minimises the peak alone
 _UNBOUNDED = 1e9
 
@@ -195,14 +194,8 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float,
 
 
 def _dropped_names(graph: Graph, sol: Solution) -> set[str]:
-    """The names of the nodes ``sol``'s plan computes more than once (recomputes)."""
-    seen: set[int] = set()
-    again: set[int] = set()
-    for ins in sol.plan:
-        nid = getattr(ins, "node", None)
-        if nid is not None:
-            (again if nid in seen else seen).add(nid)
-    return {graph.nodes[n].name for n in again}
+    """The names of the nodes ``sol``'s plan recomputes."""
+    return {graph.nodes[ins.node].name for ins in sol.plan if isinstance(ins, Recompute)}
 
 
 def _screen(graph: Graph, cm, dropped: set[str]) -> int:
@@ -211,8 +204,7 @@ def _screen(graph: Graph, cm, dropped: set[str]) -> int:
     planned."""
     if hasattr(cm, "profile"):
         cm.profile(graph)  # NOTE: measured costs: the parts' workspaces, once each shape
-    drop = {n.id for n in graph.nodes
-            if n.name in dropped or _PARTS.sub("", n.name) in dropped}
+    drop = {n.id for n in graph.nodes if original_name(n.name) in dropped}
     try:
         return RematEvaluator(graph, cm).evaluate(drop).peak_bytes
     except RematError:

@@ -81,14 +81,12 @@ def stack_scatter_sums(graph: Graph) -> Graph:
         root_out = graph.values[n.outputs[0]]
         if root_out.stride != contiguous_strides(root_out.shape) or root_out.storage_offset:
             continue
+        # NOTE: trees do not nest: an inner add that covered the dim would leave the outer
+        # tree covering it twice
         sums[n.id] = pieces
         gone |= inner
-    # NOTE: a tree found from an inner add is replaced by the root's: keep the largest
-    for nid in [r for r in sums if r in gone]:
-        del sums[nid]
     if not sums:
         return graph
-    gone = {m for r, ps in sums.items() for m in _inner_nodes(graph, graph.nodes[r])}
     w = GraphWriter(graph)
     for n in graph.nodes:
         if n.id in gone:
@@ -169,19 +167,6 @@ def _piece(graph: Graph, node: Node) -> _Piece | None:
     if not isinstance(grad, ValueRef):
         return None
     return _Piece(grad.id, tuple(shape), dim, start, end, select)
-
-
-def _inner_nodes(graph: Graph, root: Node) -> set[int]:
-    """The adds and scatters under ``root`` (not ``root`` itself)."""
-    out: set[int] = set()
-    todo = list(root.inputs)
-    while todo:
-        p = graph.values[todo.pop()].producer
-        node = graph.nodes[p]
-        out.add(p)
-        if node.target == _ADD:
-            todo.extend(node.inputs)
-    return out
 
 
 def _write_stack(w: GraphWriter, graph: Graph, root: Node, pieces: list[_Piece]) -> None:
