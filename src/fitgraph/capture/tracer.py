@@ -107,13 +107,17 @@ def _module_hooks(model: torch.nn.Module, tracker: PhaseTracker):
 
 def _hook_backward(loss: torch.Tensor, tracker: PhaseTracker) -> None:
     """Pre-hooks on every autograd node so backward ops are attributed to their module."""
-    seen: set[int] = set()
+    # NOTE: keyed by id() with the node held: torch (2.11) may hand out a fresh Python wrapper
+    # for a grad_fn on each access and free it after, so a bare id() set mistakes a new node
+    # for a seen one (the freed wrapper's id is reused) and stops the walk early, leaving the
+    # rest of the backward with no module
+    seen: dict[int, object] = {}
     stack = [loss.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         mod = tracker.module_of_seq(fn._sequence_nr())
         fn.register_prehook(lambda grads, _m=mod: tracker.mark(Phase.BACKWARD, _m))
         stack.extend(nf for nf, _ in fn.next_functions)
