@@ -266,3 +266,32 @@ def test_latency_mode_reaches_below_the_descent_where_budget_mode_does():
     s = solve_hotspot(Problem(g, cm, latency_limit=1.10, time_budget_s=60))
     assert s.sim.peak_bytes < 0.97 * descent.sim.peak_bytes, s.notes
     assert s.sim.latency_s <= 1.10 * s.notes["eager_latency_s"]
+
+
+def test_latency_mode_prune_undrops_a_drop_that_holds_more_than_it_frees():
+    """Dropping ``c = sum(a)`` keeps its 4 KiB input ``a`` alive through the backward's peak to
+    remake a scalar: in latency mode (no budget), prune takes it back: the peak falls."""
+    b = GraphBuilder()
+    x = b.add_input("x", (1024,), "float32", Role.PARAMETER)
+    a = b.add_node("aten.exp.default", [x], [((1024,), "float32")])[0]
+    c = b.add_node("aten.sum.default", [a], [((), "float32")])[0]
+    f = b.add_node("aten.neg.default", [x], [((1024,), "float32")], phase=Phase.BACKWARD)[0]
+    h = b.add_node("aten.mul.Tensor", [f, x], [((1024,), "float32")], phase=Phase.BACKWARD)[0]
+    e = b.add_node("aten.mul.Tensor", [h, c], [((1024,), "float32")], phase=Phase.BACKWARD)[0]
+    g = b.finish({"loss": e})
+    c_node = g.values[c].producer
+    tables = remat_tables(g)
+    ev = RematEvaluator(g, Ms(), tables=tables)
+    moves = build_moves(g, Ms(), tables)
+    dropped = ev.evaluate({c_node})
+    kept = ev.evaluate(())
+    assert kept.peak_bytes < dropped.peak_bytes   # NOTE: the premise: the drop hurts
+    search = Search(None, float("inf"), time.perf_counter() + 60)
+    run = search.prune(Run(dropped, ev, "t"), [frozenset({c_node})], moves)
+    assert not run.result.drop and run.result.peak_bytes == kept.peak_bytes
+    # NOTE: within a latency limit the drop's undrop is taken too (it only saves time) ...
+    limited = Search(None, 10.0, time.perf_counter() + 60)
+    assert not limited.prune(Run(dropped, ev, "t"), [frozenset({c_node})], moves).result.drop
+    # ... but not where the plan is over the limit already (nothing to keep)
+    over = Search(None, 0.0, time.perf_counter() + 60)
+    assert over.prune(Run(dropped, ev, "t"), [frozenset({c_node})], moves).result.drop

@@ -236,12 +236,19 @@ class Search:
 
     def prune(self, run: Run, units: list[frozenset[int]], moves: Moves,
               keep: frozenset[int] = frozenset()) -> Run:
-        """Undrop units (most recompute seconds first) while the budget holds; units that
-        touch ``keep`` stay dropped. Many units that tie (the same block in each layer) are
-        undropped together: the longest prefix that keeps the budget (bisection), none if the
-        first alone does not."""
+        """Undrop units (most recompute seconds first) while the budget holds (latency mode:
+        while the peak does not rise); units that touch ``keep`` stay dropped. Many units that
+        tie (the same block in each layer) are undropped together: the longest prefix that
+        keeps the budget (bisection), none if the first alone does not."""
         cur = run.result
-        if self.budget_bytes is None or not self.fits_peak(cur.peak_bytes):
+        if self.budget_bytes is None:
+            # NOTE: latency mode: a move the descent took while the peak was elsewhere can hold
+            # more than it frees later (OPT: a dropped fc2 output kept its 1 MiB input, written
+            # in place in parts and so not droppable, alive to the backward; undropped, the
+            # least peak fell 1.4%)
+            if cur.latency_s > self.limit_s:
+                return run
+        elif not self.fits_peak(cur.peak_bytes):
             return run
         # NOTE: then each dropped node alone: a move dropped a chain (attention's output
         # projection with its dropout and residual) of which only part may still be needed
@@ -380,9 +387,11 @@ class Search:
 
     def _without(self, ev: RematEvaluator, cur: RematEval, units: list[frozenset[int]]
                  ) -> RematEval | None:
-        """``cur`` with ``units`` undropped, if the budget still holds and it is no slower."""
+        """``cur`` with ``units`` undropped, if the budget still holds (latency mode: the peak
+        does not rise) and it is no slower."""
         r = self.evaluate(ev, cur.drop.difference(*units), cur)
-        if r is not None and self.fits_peak(r.peak_bytes) and r.latency_s <= cur.latency_s:
+        cap = cur.peak_bytes if self.budget_bytes is None else self.budget_bytes
+        if r is not None and r.peak_bytes <= cap and r.latency_s <= cur.latency_s:
             return r
         return None
 
