@@ -22,7 +22,10 @@ class ItemScaled(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        return self.b(h / (1 + h.abs().mean().item()))   # NOTE: reads data into Python
+        # NOTE: reads data into Python. The + 1 on the tensor, not on the float: torch 2.11
+        # specializes a float that Python arithmetic uses (`1 + x.item()`) and recompiles at
+        # every call (test_a_step_that_compiles_at_every_call_says_so)
+        return self.b(h / (h.abs().mean() + 1).item())
 
 
 def ctc_loss(m, b):
@@ -94,7 +97,7 @@ def test_the_report_says_what_the_eager_code_between_regions_saves():
     class EagerHead(ItemScaled):
         def forward(self, x):
             h = self.a(x)
-            return eager_head(self.b, h / (1 + h.abs().mean().item()))
+            return eager_head(self.b, h / (h.abs().mean() + 1).item())
 
     model = EagerHead()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -108,3 +111,26 @@ def test_the_report_says_what_the_eager_code_between_regions_saves():
     assert r.regions_saved_bytes is not None and r.regions_saved_bytes > 0
     assert r.eager_saved_bytes >= 256 * 128 * 4
     assert "by the code between them" in str(r)
+
+
+def test_a_step_that_compiles_at_every_call_says_so():
+    """A guard that fails at every call (here a Python string that changes; on torch 2.11 also
+    a float read with .item() that Python arithmetic uses, as in `1 + x.item()`) compiles the
+    step again at each call: the step warns once and is not measured; the report says why."""
+    m = ItemScaled()
+    tags = iter(f"t{i}" for i in range(100))
+    tag = {"now": "t"}
+
+    def loss(m, b):
+        return ctc_loss(m, b) * (1 if tag["now"] else 0)   # NOTE: guards on the string
+
+    batch = ctc_batch()
+    with pytest.warns(UserWarning, match="cannot be captured as one graph"):
+        step = fitgraph.optimize(m, batch, loss, latency_limit=1.2, time_budget=5)
+    with pytest.warns(UserWarning, match="compiled again at call 3") as w:
+        for _ in range(4):
+            tag["now"] = next(tags)
+            step(batch)
+    assert sum("compiled again" in str(x.message) for x in w) == 1
+    r = step.report()
+    assert r.measured_peak_bytes is None and "not measured yet" in str(r), str(r)

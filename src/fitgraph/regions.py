@@ -96,6 +96,8 @@ class RegionsReport:
             lines.append(f"  saved for the backward: {format_bytes(self.regions_saved_bytes)} by "
                          f"the planned regions, {format_bytes(self.eager_saved_bytes)} by the "
                          "code between them (eager, not planned)")
+        if "not_measured" in self.notes:
+            lines.append(f"  step: not measured yet ({self.notes['not_measured']})")
         lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
                      + ("" if self.budget_bytes is None else
                         f" (budget {format_bytes(self.budget_bytes)})")
@@ -191,7 +193,7 @@ class RegionsStep:
         # a graph input at the second compile instead of a recompile per value
         self._loss = torch.compile(self._compute_loss, backend=self.backend)
         self._breaks: Counter[str] = Counter()
-        self._settled, self._calls = False, 0
+        self._settled, self._calls, self._warned_recompiling = False, 0, False
         self.measured_peak_bytes: int | None = None
         self.regions_saved_bytes: int | None = None
         self.eager_saved_bytes: int | None = None
@@ -226,8 +228,12 @@ class RegionsStep:
             with _dynamo_quiet():
                 loss = self._run(batch)
             self._breaks += Counter(counters["graph_break"]) - seen
-            self._settled = counters["stats"]["unique_graphs"] == graphs and self._calls > 0
+            compiled = counters["stats"]["unique_graphs"] - graphs
+            self._settled = compiled == 0 and self._calls > 0
             self._calls += 1
+            if compiled and self._calls > 2 and not self._warned_recompiling:
+                self._warned_recompiling = True
+                self._warn_recompiling()
             return loss
         if self.measured_peak_bytes is None:
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
@@ -247,6 +253,21 @@ class RegionsStep:
         return loss
 
     step = __call__
+
+    def _warn_recompiling(self) -> None:
+        # NOTE: a guard that fails at every call makes Dynamo compile (and fitgraph.backend
+        # plan) again at every step, and the step is never measured. Seen on torch 2.11: its
+        # tensorify_python_scalars specializes a float read with .item() that Python arithmetic
+        # uses (`1 + x.item()`: `1.0 + s` is not one of the ops it turns into tensor ops), so
+        # each new value is a recompile; torch 2.13 keeps it an input. Said, not worked around
+        warnings.warn(f"the step by regions compiled again at call {self._calls}: a guard of a "
+                      "region fails at every call (a Python float read with .item() that torch "
+                      "specializes to its value, as some versions do for `1 + x.item()`: "
+                      "computing on the tensor before .item() avoids it). Each call compiles "
+                      "and plans that region again until torch.compile's recompile_limit, "
+                      "after which torch runs it eagerly, unplanned; the step is measured at "
+                      "the first call that compiles nothing (TORCH_LOGS=recompiles says which "
+                      "guard fails)", stacklevel=3)
 
     def _budget_bytes(self) -> int | None:
         """The budget where it is bytes (checked against the measured step); None for a
@@ -272,7 +293,10 @@ class RegionsStep:
             budget_bytes=self._budget_bytes(), measured_peak_bytes=self.measured_peak_bytes,
             regions_saved_bytes=self.regions_saved_bytes,
             eager_saved_bytes=self.eager_saved_bytes,
-            measured_step_s=statistics.median(self.step_times) if self.step_times else None)
+            measured_step_s=statistics.median(self.step_times) if self.step_times else None,
+            notes={} if self._settled else {
+                "not_measured": f"each of the {self._calls} call(s) so far compiled: the step "
+                                "is measured at the first call that compiles nothing"})
 
     def save(self, path: str) -> None:
         raise NotImplementedError("a step planned by regions cannot be saved: its regions are "
