@@ -226,3 +226,27 @@ def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts():
     grads = [n for n in s.nodes if n.target == "aten._softmax_backward_data.default"]
     assert len(grads) == 3 * 8 and all(".part" in n.name for n in grads)
     assert_split_like_eager(g, s, model, BATCH)
+
+
+def test_the_gradient_of_a_copied_mlp_hidden_runs_in_parts_with_it():
+    """The MLP hidden's gradient (``dY @ W2``) runs in the backward just before the first
+    reader of the hidden's copy: it joins the region and runs in parts, never whole."""
+    from fitgraph.solvers.fission_backward import _copied_in_parts
+
+    model = _encoder(dropout=0.0)
+    g = fitgraph.capture(model, BATCH, _loss)
+    gelu = next(n for n in g.nodes if n.phase is Phase.FORWARD and "gelu" in n.target)
+    hidden = g.values[gelu.outputs[0]]
+    s = _copied_in_parts(g, hidden.id, 2, 0.0)
+    # NOTE: the block's mm in the backward that makes a tensor of the hidden's size
+    rows = hidden.shape[0] * hidden.shape[1]
+    block = gelu.module.split(".")[0] + "."
+    whole = [n.name for n in s.nodes if n.phase is Phase.BACKWARD and n.module.startswith(block)
+             and n.target == "aten.mm.default"
+             and tuple(s.values[n.outputs[0]].shape) == (rows, hidden.shape[2])]
+    assert not whole, whole
+    parts = [n for n in s.nodes if n.phase is Phase.BACKWARD and n.target == "aten.mm.default"
+             and ".part" in n.name and s.values[n.outputs[0]].shape[-1] < hidden.shape[2]
+             and s.values[n.outputs[0]].shape[0] == rows]
+    assert parts
+    assert_split_like_eager(g, s, model, BATCH)

@@ -393,12 +393,41 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float) -> Graph:
     # block to block: grown through them, the region's convexity cut took this block's own)
     first = first_reader(graph, nodes)
     outside = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
-    outside.update({n.id: "runs before the copies (a later block's backward)"
-                    for n in g.nodes[:first] if n.phase is Phase.BACKWARD})
-    region = grow_region(g, copy, dim, exclude=outside)
+    region = _backward_region(g, copy, dim, outside, first)
     out = split_region(g, region, _parts(region), verify=True)
     _check_views(out)
     return _forward_in_parts(out, graph.values[vid].name, dim)
+
+
+def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
+                     first: int) -> Region:
+    """The region grown from the copies' value ``copy`` along ``dim`` in the backward.
+
+    Backward nodes that run before the copies (before node ``first``) stay out: the backward
+    of nn.MultiheadAttention is row-wise along the tokens from block to block, and grown
+    through a later block's, the region's convexity cut took this block's own. Except a node
+    that only feeds the region along the split dim: the gradient of a block's MLP hidden
+    (``dY @ W2``, 1 MiB on nn.TransformerEncoder) runs just before the first reader of the
+    hidden's copy, and left out it stayed whole at the peak."""
+    before = {n.id: "runs before the copies (a later block's backward)"
+              for n in graph.nodes[:first] if n.phase is Phase.BACKWARD}
+    region = grow_region(graph, copy, dim, exclude=outside | before)
+    inside = set(region.nodes)
+    fed = {graph.values[v].producer for v, d in region.dims.items() if isinstance(d, int)}
+    fed &= before.keys()
+    if not fed:
+        return region
+    readers: dict[int, set[int]] = {}
+    for n in graph.nodes:
+        for u in n.inputs:
+            readers.setdefault(graph.values[u].storage, set()).add(n.id)
+    feed = {p for p in fed if all(readers.get(graph.values[o].storage, set()) <= inside
+                                  for o in graph.nodes[p].outputs if o is not None)}
+    if not feed:
+        return region
+    wider = grow_region(graph, copy, dim, exclude=outside | {
+        n: why for n, why in before.items() if n not in feed})
+    return wider if inside < set(wider.nodes) else region
 
 
 def _forward_in_parts(graph: Graph, name: str, dim: int) -> Graph:
