@@ -50,7 +50,7 @@ def rounds(monkeypatch):
         monkeypatch.setattr(fb, "_screen", lambda graph, cm, dropped: screens[graph])
         monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
         for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
-                  "stack_scatter_sums"):
+                  "stack_scatter_sums", "copy_saved_views"):
             monkeypatch.setattr(fb, f, lambda g: g)
         s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60))
         planned = [t.split(": screened")[0] for t in s.notes["tried"] if ": screened" in t]

@@ -64,6 +64,7 @@ from ..transform.recompute_copies import (
     first_reader,
     recompute_copies,
 )
+from ..transform.saved_views import copy_saved_views
 from ..transform.scatter_sums import stack_scatter_sums
 from ..transform.view_chains import collapse_view_chains
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
@@ -106,8 +107,10 @@ def split_backward(problem: Problem) -> Solution | None:
     # NOTE: as fission reads the graph: a loss counts its targets apart and reads every
     # position of a shifted loss, and reshape round trips are read through, so a chunked loss
     # (logits, loss and gradient in one region) is a candidate
+    # NOTE: and a view saved for the backward (nn.MultiheadAttention's values) is copied out of
+    # the packed projection it views, which then dies in the forward
     graph = stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
-        compact_masks(problem.graph)))))
+        compact_masks(copy_saved_views(problem.graph))))))
     best = _least(graph, cm, deadline, t0, problem.time_budget_s)
     if best is None:
         return None
