@@ -32,6 +32,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Phase, Value, ValueRef
 from .fission_meta import Meta
@@ -51,11 +53,19 @@ def copy_saved_views(graph: Graph) -> Graph:
     if not chosen:
         return graph
     w = GraphWriter(graph)
+    base: dict[int, int] = {}   # NOTE: a clone's storage -> the offset its view had
     for n in graph.nodes:
         w.copy_node(n)
         for o in n.outputs:
             if o in chosen:
-                _write_clone(w, graph, graph.values[o])
+                clone = _write_clone(w, graph, graph.values[o])
+                base[w.values[clone].storage] = graph.values[o].storage_offset
+    # NOTE: views of a clone were copied with their offsets in the tensor it was cut from; the
+    # clone starts at 0 (the transpose of nn.MultiheadAttention's values sat 2/3 in)
+    for i, v in enumerate(w.values):
+        shift = base.get(v.storage, 0)
+        if shift and v.producer is not None and not w.nodes[v.producer].name.endswith(SUFFIX):
+            w.values[i] = dataclasses.replace(v, storage_offset=v.storage_offset - shift)
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
@@ -65,6 +75,9 @@ def _saved_views(graph: Graph) -> set[int]:
     """The forward values to clone: per qualifying storage, its views the backward reads."""
     forward = {n.id for n in graph.nodes if n.phase in (Phase.FORWARD, Phase.LOSS)}
     written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
+    # NOTE: as_strided names its offset in the storage: a clone would move it
+    strided = {graph.values[v].storage for n in graph.nodes if n.target.startswith("aten.as_strided")
+               for v in n.inputs}
     made_by = {}   # NOTE: storage -> the forward node that allocates it
     for n in graph.nodes:
         if n.id in forward:
@@ -83,7 +96,7 @@ def _saved_views(graph: Graph) -> set[int]:
     chosen: set[int] = set()
     for st, views in later.items():
         maker = made_by.get(st)
-        if maker is None or st in written:
+        if maker is None or st in written or st in strided:
             continue
         # NOTE: only views: the tensor the storage's maker returns is read whole otherwise
         if any(graph.values[v].producer == maker for v in views):
@@ -107,12 +120,13 @@ def _dense(v: Value) -> bool:
     return True
 
 
-def _write_clone(w: GraphWriter, graph: Graph, v: Value) -> None:
-    """``aten.clone(v)`` right after ``v`` is made, read from then on in its place."""
+def _write_clone(w: GraphWriter, graph: Graph, v: Value) -> int:
+    """``aten.clone(v)`` right after ``v`` is made, read from then on in its place; its id."""
     src = w.whole[v.id]
     spec = OutSpec(v.name + SUFFIX, Meta(v.shape, v.stride, 0), v.dtype, role=v.role)
     maker = graph.nodes[v.producer]
     w.whole[v.id] = w.add_node(v.name + SUFFIX, "aten.clone.default", (ValueRef(src),), {}, [spec],
                                phase=maker.phase, module=maker.module,
                                device=w.device_of(src))[0]
+    return w.whole[v.id]
 
