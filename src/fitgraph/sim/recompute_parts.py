@@ -26,7 +26,7 @@ import numpy as np
 
 from ..plan.remat import not_recomputable
 
-__all__ = ["Packed", "Part", "event_key", "walk_parts"]
+__all__ = ["Packed", "Part", "WalkTables", "event_key", "walk_parts"]
 
 _Q_SHIFT, _J_SHIFT = 42, 24   # NOTE: positions < 2**21, inputs per node < 2**18, walks < 2**24
 
@@ -56,7 +56,10 @@ class Packed:
     or writes (the recompute's key, storage); per dropped storage allocated before the
     backward (storage, key of the recompute that re-creates it for good, or -1); per short
     lifetime of a per-use storage (``remat_plan``: re-created only to feed other recomputes,
-    freed after their backward node) (storage, key that makes it, key of its last use)."""
+    freed after their backward node) (storage, key that makes it, key of its last use).
+
+    Every ``*pid`` column is sorted: a part's rows are one slice of each kind. (New parts get
+    larger pids than every earlier one, and ``_split`` sorts its rows by pid.)"""
 
     pid: np.ndarray
     nodes: np.ndarray
@@ -79,19 +82,92 @@ class Packed:
 
     def replace(self, old: list[int], new: Packed) -> Packed:
         """Without the rows of parts ``old`` (pids), with the rows ``new``."""
-        keep_e = keep_t = keep_d = keep_c = slice(None)
-        if old:
-            gone = np.array(old, dtype=np.int64)
-            keep_e = ~np.isin(self.pid, gone)
-            keep_t = ~np.isin(self.t_pid, gone)
-            keep_d = ~np.isin(self.d_pid, gone)
-            keep_c = ~np.isin(self.c_pid, gone)
-        keep = {"pid": keep_e, "nodes": keep_e, "q": keep_e, "key": keep_e, "t_pid": keep_t,
-                "t_key": keep_t, "t_st": keep_t, "d_pid": keep_d, "d_st": keep_d,
-                "d_key": keep_d, "c_pid": keep_c, "c_st": keep_c, "c_start": keep_c,
-                "c_end": keep_c}
-        return Packed(**{f: np.concatenate([getattr(self, f)[k], getattr(new, f)])
-                         for f, k in keep.items()})
+        cols, add = astuple_shallow(self), astuple_shallow(new)
+        out: list[np.ndarray] = []
+        for a, b in _KINDS:   # NOTE: one kind of row: its pid column, then its other columns
+            keep = _keep(cols[a], old) if old else slice(None)
+            out += [np.concatenate([x[keep], y]) for x, y in zip(cols[a:b], add[a:b])]
+        return Packed(*out)
+
+
+# NOTE: the column ranges of Packed's four kinds of row, each led by its pid column
+_KINDS = ((0, 4), (4, 7), (7, 10), (10, 14))
+
+
+def astuple_shallow(p: Packed) -> tuple[np.ndarray, ...]:
+    """Packed's columns in field order (``dataclasses.astuple`` would copy the arrays)."""
+    return (p.pid, p.nodes, p.q, p.key, p.t_pid, p.t_key, p.t_st, p.d_pid, p.d_st, p.d_key,
+            p.c_pid, p.c_st, p.c_start, p.c_end)
+
+
+def _keep(pids: np.ndarray, old: list[int]) -> np.ndarray:
+    """Mask of the rows of a sorted pid column whose pid is not in ``old``.
+
+    NOTE: each gone part is one slice of the sorted column (two binary searches), cheaper than
+    ``np.isin``'s sort of the whole column.
+
+    Example:
+        >>> _keep(np.array([1, 1, 2, 4, 4, 4]), [4, 1, 3]).tolist()
+        [False, False, True, False, False, False]
+    """
+    gone = np.array(old, dtype=np.int64)
+    n = len(pids)
+    lo = np.searchsorted(pids, gone, side="left")
+    hi = np.searchsorted(pids, gone, side="right")
+    marks = np.bincount(lo, minlength=n + 1) - np.bincount(hi, minlength=n + 1)
+    return np.cumsum(marks[:n]) == 0
+
+
+@dataclass(frozen=True, eq=False)
+class WalkTables:
+    """Per-evaluator tables for ``walk_parts``, from the graph and the order alone: per value
+    the position its storage is released at, and per node its storages flattened (one array
+    and offsets: node ``r``'s are ``flat[off[r]:off[r + 1]]``) so that a walk's rows are
+    gathered with numpy, not built per recompute."""
+
+    vbound: list[int]           # value -> release position of its storage (``drop_points``)
+    first_owner: np.ndarray     # node -> owner of its first output that has one, else n
+    out_owners: list[tuple]     # node -> owners of its outputs (None where none), in order
+    touch: tuple[np.ndarray, np.ndarray]    # storages of the node's inputs, then outputs
+    fresh: tuple[np.ndarray, np.ndarray]    # storages the node allocates
+    dropped: tuple[np.ndarray, np.ndarray]  # ``RematEvaluator.dropped_storages``
+
+
+def walk_tables(ev) -> WalkTables:
+    """``WalkTables`` of evaluator ``ev`` (its ``bound``, ``owner``, ``dropped_storages``)."""
+    G, n = ev.G, len(ev.order)
+    vbound = [ev.bound[s] for s in G.storage_of]
+    out_owners = [tuple(ev.owner[v] for v in G.outputs[r]) for r in range(n)]
+    first_owner = np.array([next((o for o in oo if o is not None), n) for oo in out_owners],
+                           dtype=np.int64)
+    touch = _flat([[G.storage_of[v] for v in (*G.inputs[r], *G.outputs[r])] for r in range(n)])
+    fresh = _flat([G.t.fresh[r] for r in range(n)])
+    dropped = _flat([ev.dropped_storages[r] for r in range(n)])
+    return WalkTables(vbound, first_owner, out_owners, touch, fresh, dropped)
+
+
+def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(rows) + 1, dtype=np.int64)
+    off[1:] = np.cumsum([len(r) for r in rows])
+    return np.array([x for r in rows for x in r], dtype=np.int64), off
+
+
+def _gather(table: tuple[np.ndarray, np.ndarray], idx: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of nodes ``idx`` of a flattened table, concatenated, and how many per node.
+
+    Example:
+        >>> t = _flat([[5], [], [6, 7]])
+        >>> [a.tolist() for a in _gather(t, np.array([2, 0, 2]))]
+        [[6, 7, 5, 6, 7], [2, 1, 2]]
+    """
+    flat, off = table
+    starts = off[idx]
+    lens = off[idx + 1] - starts
+    ends = np.cumsum(lens)
+    # NOTE: row i of node k sits at flat[starts[k] + i]: shift each node's run of aranges
+    at = np.arange(ends[-1] if len(ends) else 0) + np.repeat(starts - (ends - lens), lens)
+    return flat[at], lens
 
 
 def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] = frozenset()
@@ -99,117 +175,137 @@ def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] 
     """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
     evaluator ``ev``'s order (``once``: the nodes dropped per use); split them into parts, with
     their rows. RematError as ``remat_plan``."""
-    G, t = ev.G, ev.G.t
+    G, t, W = ev.G, ev.G.t, ev.walk
     unavail: set[int] = set()
     for d in region:
         unavail.update(ev.unavail_of[d])
     once = region & once
-    positions = sorted({p for v in unavail for p in ev.back_readers.get(v, ())})
+    back_readers = ev.back_readers
+    positions = sorted({p for v in unavail for p in back_readers.get(v, ())})
     nodes: list[int] = []
-    qs: list[int] = []
-    keys: list[int] = []
+    walks: list[tuple[int, int, int]] = []   # NOTE: per walk: (first recompute, q, j)
     cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
+    inputs, outputs, producer_of, view_ok = G.inputs, G.outputs, G.producer, t.view_ok
+    vbound, order, storage_of = W.vbound, ev.order, G.storage_of
 
     def producer(vid: int) -> int:
-        p = G.producer[vid]
-        if p is None or p not in drop and not t.view_ok[p]:
+        p = producer_of[vid]
+        if p is None or p not in drop and not view_ok[p]:
             raise not_recomputable(ev.graph, vid)
         return p
 
-    bound, storage_of = ev.bound, G.storage_of
     for q in positions:
         made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
         last: dict[int, int] = {}
-        for j, u in enumerate(G.inputs[ev.order[q]]):
+        for j, u in enumerate(inputs[order[q]]):
             # NOTE: a dropped storage is gone only from its release on (``drop_points``)
-            if u not in unavail or q < bound[storage_of[u]]:
+            if u not in unavail or q < vbound[u]:
                 continue
-            stack = [[producer(u), 0]]  # NOTE: remat_plan's depth-first walk, in input order
+            walks.append((len(nodes), q, j))
+            base = event_key(q, j, 0)
+            p = producer(u)
+            # NOTE: remat_plan's depth-first walk, in input order; each frame holds an
+            # iterator over its node's inputs (where the walk resumes after a child)
+            stack = [(p, iter(inputs[p]))]
             while stack:
-                frame = stack[-1]
-                ins = G.inputs[frame[0]]
-                if frame[1] < len(ins):
-                    v = ins[frame[1]]
-                    frame[1] += 1
-                    if v in unavail and q >= bound[storage_of[v]]:
-                        stack.append([producer(v), 0])
-                    continue
-                stack.pop()
-                key = event_key(q, j, len(nodes))
-                keys.append(key)
-                nodes.append(frame[0])
-                qs.append(q)
-                unavail.difference_update(G.outputs[frame[0]])
-                if once:
-                    for v in (*G.inputs[frame[0]], *G.outputs[frame[0]]):
-                        last[G.storage_of[v]] = key
-                    if frame[0] in once:
-                        made[frame[0]] = key
+                r, it = stack[-1]
+                for v in it:
+                    if v in unavail and q >= vbound[v]:
+                        p = producer(v)
+                        stack.append((p, iter(inputs[p])))
+                        break
+                else:
+                    stack.pop()
+                    if once:
+                        key = base | len(nodes)
+                        for v in (*inputs[r], *outputs[r]):
+                            last[storage_of[v]] = key
+                        if r in once:
+                            made[r] = key
+                    nodes.append(r)
+                    unavail.difference_update(outputs[r])
         if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
-            read = {G.storage_of[v] for v in G.inputs[ev.order[q]]}
+            read = {storage_of[v] for v in inputs[order[q]]}
             for m, key in made.items():
                 if read.isdisjoint(t.fresh[m]):
                     for st in t.fresh[m]:
                         cycles[st, key] = last[st]
                         unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
-    return _split(ev, region, nodes, qs, keys, cycles)
+    return _split(ev, region, nodes, walks, cycles)
 
 
-def _split(ev, region: set[int], nodes: list[int], qs: list[int], keys: list[int],
-           cycles: dict[tuple[int, int], int]) -> tuple[list[Part], Packed]:
-    """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``, union-find)."""
-    G, t = ev.G, ev.G.t
-    parent = {d: d for d in region}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for d in region:
-        for o in ev.neighbours.get(d, ()):
-            if o in parent:
-                a, b = find(d), find(o)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-    groups: dict[int, list[int]] = {}
+def _components(ev, region: set[int]) -> list[list[int]]:
+    """The connected groups of ``region`` under ``ev.neighbours``, each sorted, in the order of
+    their smallest members."""
+    neighbours = ev.neighbours
+    left = set(region)
+    groups = []
     for d in sorted(region):
-        groups.setdefault(find(d), []).append(d)
-    pid_of = {root: next(_PIDS) for root in groups}
-    e_pid = [pid_of[find(next(ev.owner[v] for v in G.outputs[r] if ev.owner[v] in parent))]
-             for r in nodes]
-    made: dict[int, int] = {}
-    t_pid, t_key, t_st = [], [], []
-    c_pid, c_st, c_start, c_end = [], [], [], []
-    for r, pid, key in zip(nodes, e_pid, keys):
-        for st in t.fresh[r]:
-            end = cycles.get((st, key))
-            if end is None:
-                made[st] = key
-            else:
-                c_pid.append(pid)
-                c_st.append(st)
-                c_start.append(key)
-                c_end.append(end)
-        for v in (*G.inputs[r], *G.outputs[r]):
-            t_pid.append(pid)
-            t_key.append(key)
-            t_st.append(G.storage_of[v])
-    d_pid, d_st = [], []
-    for root, members in groups.items():
-        for d in members:
-            for st in ev.dropped_storages[d]:
-                d_pid.append(pid_of[root])
-                d_st.append(st)
-    rows = Packed(_arr(e_pid), _arr(nodes), _arr(qs), _arr(keys), _arr(t_pid), _arr(t_key),
-                  _arr(t_st), _arr(d_pid), _arr(d_st), _arr([made.get(st, -1) for st in d_st]),
-                  _arr(c_pid), _arr(c_st), _arr(c_start), _arr(c_end))
-    return [Part(pid_of[root], frozenset(members)) for root, members in groups.items()], rows
+        if d not in left:
+            continue
+        left.discard(d)
+        group, todo = [d], [d]
+        while todo:
+            near = neighbours.get(todo.pop())
+            if near:
+                hit = left.intersection(near)
+                if hit:
+                    left -= hit
+                    group += hit
+                    todo += hit
+        group.sort()
+        groups.append(group)
+    return groups
+
+
+def _split(ev, region: set[int], nodes: list[int], walks: list[tuple[int, int, int]],
+           cycles: dict[tuple[int, int], int]) -> tuple[list[Part], Packed]:
+    """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``); their rows,
+    sorted by part."""
+    W, n = ev.walk, len(ev.order)
+    groups = _components(ev, region)
+    pids = [next(_PIDS) for _ in groups]
+    parts = [Part(pid, frozenset(g)) for pid, g in zip(pids, groups)]
+    members = np.array([d for g in groups for d in g], dtype=np.int64)
+    m_pid = np.repeat(np.array(pids, dtype=np.int64), [len(g) for g in groups])
+    pid_of = np.full(n + 1, -1, dtype=np.int64)   # NOTE: n: the "no owner" sentinel
+    pid_of[members] = m_pid
+    rec = np.array(nodes, dtype=np.int64)
+    # NOTE: a recompute belongs to the part of its first output's owner that is dropped here
+    e_pid = pid_of[W.first_owner[rec]]
+    for i in np.flatnonzero(e_pid < 0).tolist():
+        e_pid[i] = pid_of[next(o for o in W.out_owners[nodes[i]] if o is not None and
+                               pid_of[o] >= 0)]
+    lens = np.diff([w[0] for w in walks] + [len(nodes)])
+    key = (np.repeat([event_key(q, j, 0) for _, q, j in walks], lens)
+           | np.arange(len(nodes), dtype=np.int64)) if walks else _EMPTY
+    qs = np.repeat([q for _, q, _ in walks], lens) if walks else _EMPTY
+    t_st, k = _gather(W.touch, rec)
+    t_key, t_pid = np.repeat(key, k), np.repeat(e_pid, k)
+    f_st, k = _gather(W.fresh, rec)
+    f_key, f_pid = np.repeat(key, k), np.repeat(e_pid, k)
+    if cycles:
+        cyc = np.array([(s, k) in cycles for s, k in zip(f_st.tolist(), f_key.tolist())],
+                       dtype=bool)
+        c_pid, c_st, c_start = f_pid[cyc], f_st[cyc], f_key[cyc]
+        c_end = np.array([cycles[s, k] for s, k in zip(c_st.tolist(), c_start.tolist())],
+                         dtype=np.int64)
+        f_st, f_key = f_st[~cyc], f_key[~cyc]
+    else:
+        c_pid = c_st = c_start = c_end = _EMPTY
+    d_st, k = _gather(W.dropped, members)
+    d_pid = np.repeat(m_pid, k)
+    # NOTE: a storage is re-created for good by its last recompute in the walk (keys grow
+    # along the walk: the largest)
+    made = np.full(len(ev.G.nbytes), -1, dtype=np.int64)
+    np.maximum.at(made, f_st, f_key)
+    d_key = made[d_st]
+    e = np.argsort(e_pid, kind="stable")
+    t = np.argsort(t_pid, kind="stable")
+    c = np.argsort(c_pid, kind="stable")
+    rows = Packed(e_pid[e], rec[e], qs[e], key[e], t_pid[t], t_key[t], t_st[t], d_pid, d_st,
+                  d_key, c_pid[c], c_st[c], c_start[c], c_end[c])
+    return parts, rows
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _arr(xs: list[int]) -> np.ndarray:
-    return np.array(xs, dtype=np.int64) if xs else _EMPTY

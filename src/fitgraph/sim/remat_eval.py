@@ -51,7 +51,7 @@ from ..plan.remat import (
     remat_tables,
     split_drop,
 )
-from .recompute_parts import Packed, Part, walk_parts
+from .recompute_parts import Packed, Part, walk_parts, walk_tables
 
 __all__ = ["RematEval", "RematEvaluator"]
 
@@ -184,6 +184,7 @@ class RematEvaluator:
         self.last_arr = np.array(last, dtype=np.int64)
         self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
         self.bound_arr = np.array(bound, dtype=np.int64)
+        self.walk = walk_tables(self)
 
     def reordered(self, order: list[int]) -> RematEvaluator:
         """An evaluator for the same graph and costs under another node order."""
