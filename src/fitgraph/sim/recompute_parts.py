@@ -121,13 +121,16 @@ def _keep(pids: np.ndarray, old: list[int]) -> np.ndarray:
 @dataclass(frozen=True, eq=False)
 class WalkTables:
     """Per-evaluator tables for ``walk_parts``, from the graph and the order alone: per value
-    the position its storage is released at, and per node its storages flattened (one array
-    and offsets: node ``r``'s are ``flat[off[r]:off[r + 1]]``) so that a walk's rows are
-    gathered with numpy, not built per recompute."""
+    the position its storage is released at, per node the inputs a walk may find missing, and
+    per node its storages flattened (one array and offsets: node ``r``'s are
+    ``flat[off[r]:off[r + 1]]``) so that a walk's rows are gathered with numpy, not built per
+    recompute."""
 
     vbound: list[int]           # value -> release position of its storage (``drop_points``)
-    first_owner: np.ndarray     # node -> owner of its first output that has one, else n
-    out_owners: list[tuple]     # node -> owners of its outputs (None where none), in order
+    # NOTE: only values with an owner are ever missing (``RematEvaluator.owner``): the walk
+    # skips the others (weights, inputs, values made in the backward) without a lookup
+    ins: list[tuple[int, ...]]              # node -> its inputs that have an owner, in order
+    ins_at: list[tuple[tuple[int, int], ...]]  # node -> (input index, input) of those
     touch: tuple[np.ndarray, np.ndarray]    # storages of the node's inputs, then outputs
     fresh: tuple[np.ndarray, np.ndarray]    # storages the node allocates
     dropped: tuple[np.ndarray, np.ndarray]  # ``RematEvaluator.dropped_storages``
@@ -135,15 +138,15 @@ class WalkTables:
 
 def walk_tables(ev) -> WalkTables:
     """``WalkTables`` of evaluator ``ev`` (its ``bound``, ``owner``, ``dropped_storages``)."""
-    G, n = ev.G, len(ev.order)
+    G, n, owner = ev.G, len(ev.order), ev.owner
     vbound = [ev.bound[s] for s in G.storage_of]
-    out_owners = [tuple(ev.owner[v] for v in G.outputs[r]) for r in range(n)]
-    first_owner = np.array([next((o for o in oo if o is not None), n) for oo in out_owners],
-                           dtype=np.int64)
+    ins_at = [tuple((j, u) for j, u in enumerate(G.inputs[r]) if owner[u] is not None)
+              for r in range(n)]
+    ins = [tuple(u for _, u in a) for a in ins_at]
     touch = _flat([[G.storage_of[v] for v in (*G.inputs[r], *G.outputs[r])] for r in range(n)])
     fresh = _flat([G.t.fresh[r] for r in range(n)])
     dropped = _flat([ev.dropped_storages[r] for r in range(n)])
-    return WalkTables(vbound, first_owner, out_owners, touch, fresh, dropped)
+    return WalkTables(vbound, ins, ins_at, touch, fresh, dropped)
 
 
 def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -170,68 +173,45 @@ def _gather(table: tuple[np.ndarray, np.ndarray], idx: np.ndarray
     return flat[at], lens
 
 
+# NOTE: walked parts kept per evaluator, latest used first. A part's walk is a function of its
+# dropped nodes and those of them dropped per use (``drop`` only decides whether it raises):
+# a hotspot round tries many moves from one drop set and, after taking one, tries them again;
+# the parts a move re-walks are mostly the ones it re-walked last round (OPT: 63% of walks)
+PART_CACHE = 2048
+
+
+@dataclass(frozen=True, eq=False)
+class _Walked:
+    """One part's walk: its rows, less the pid columns, in Packed's field order; ``needs``, the
+    recomputed nodes that are not views (the walk raises unless they are all dropped)."""
+
+    needs: frozenset[int]
+    cols: tuple[np.ndarray, ...]
+
+
 def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] = frozenset()
                ) -> tuple[list[Part], Packed]:
     """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
-    evaluator ``ev``'s order (``once``: the nodes dropped per use); split them into parts, with
-    their rows. RematError as ``remat_plan``."""
-    G, t, W = ev.G, ev.G.t, ev.walk
-    unavail: set[int] = set()
-    for d in region:
-        unavail.update(ev.unavail_of[d])
-    once = region & once
-    back_readers = ev.back_readers
-    positions = sorted({p for v in unavail for p in back_readers.get(v, ())})
-    nodes: list[int] = []
-    walks: list[tuple[int, int, int]] = []   # NOTE: per walk: (first recompute, q, j)
-    cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
-    inputs, outputs, producer_of, view_ok = G.inputs, G.outputs, G.producer, t.view_ok
-    vbound, order, storage_of = W.vbound, ev.order, G.storage_of
-
-    def producer(vid: int) -> int:
-        p = producer_of[vid]
-        if p is None or p not in drop and not view_ok[p]:
-            raise not_recomputable(ev.graph, vid)
-        return p
-
-    for q in positions:
-        made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
-        last: dict[int, int] = {}
-        for j, u in enumerate(inputs[order[q]]):
-            # NOTE: a dropped storage is gone only from its release on (``drop_points``)
-            if u not in unavail or q < vbound[u]:
-                continue
-            walks.append((len(nodes), q, j))
-            base = event_key(q, j, 0)
-            p = producer(u)
-            # NOTE: remat_plan's depth-first walk, in input order; each frame holds an
-            # iterator over its node's inputs (where the walk resumes after a child)
-            stack = [(p, iter(inputs[p]))]
-            while stack:
-                r, it = stack[-1]
-                for v in it:
-                    if v in unavail and q >= vbound[v]:
-                        p = producer(v)
-                        stack.append((p, iter(inputs[p])))
-                        break
-                else:
-                    stack.pop()
-                    if once:
-                        key = base | len(nodes)
-                        for v in (*inputs[r], *outputs[r]):
-                            last[storage_of[v]] = key
-                        if r in once:
-                            made[r] = key
-                    nodes.append(r)
-                    unavail.difference_update(outputs[r])
-        if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
-            read = {storage_of[v] for v in inputs[order[q]]}
-            for m, key in made.items():
-                if read.isdisjoint(t.fresh[m]):
-                    for st in t.fresh[m]:
-                        cycles[st, key] = last[st]
-                        unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
-    return _split(ev, region, nodes, walks, cycles)
+    evaluator ``ev``'s order (``once``: the nodes dropped per use): split them into parts, with
+    their rows. RematError as ``remat_plan``. Each part is walked on its own, or taken from
+    ``ev.part_cache``."""
+    cache = ev.part_cache
+    parts: list[Part] = []
+    walked: list[_Walked] = []
+    for group in _components(ev, region):
+        dropped = frozenset(group)
+        key = (dropped, once & dropped)
+        hit = cache.get(key)
+        if hit is not None and hit.needs <= drop:
+            cache.move_to_end(key)
+        else:
+            hit = _walk(ev, group, drop, key[1])
+            cache[key] = hit
+            if len(cache) > PART_CACHE:
+                cache.popitem(last=False)
+        parts.append(Part(next(_PIDS), dropped))
+        walked.append(hit)
+    return parts, _pack([p.pid for p in parts], walked)
 
 
 def _components(ev, region: set[int]) -> list[list[int]]:
@@ -258,54 +238,110 @@ def _components(ev, region: set[int]) -> list[list[int]]:
     return groups
 
 
-def _split(ev, region: set[int], nodes: list[int], walks: list[tuple[int, int, int]],
-           cycles: dict[tuple[int, int], int]) -> tuple[list[Part], Packed]:
-    """Group the walk's recomputes by connected dropped nodes (``ev.neighbours``); their rows,
-    sorted by part."""
-    W, n = ev.walk, len(ev.order)
-    groups = _components(ev, region)
-    pids = [next(_PIDS) for _ in groups]
-    parts = [Part(pid, frozenset(g)) for pid, g in zip(pids, groups)]
-    members = np.array([d for g in groups for d in g], dtype=np.int64)
-    m_pid = np.repeat(np.array(pids, dtype=np.int64), [len(g) for g in groups])
-    pid_of = np.full(n + 1, -1, dtype=np.int64)   # NOTE: n: the "no owner" sentinel
-    pid_of[members] = m_pid
+def _walk(ev, group: list[int], drop: frozenset[int], once: frozenset[int]) -> _Walked:
+    """The recomputes that re-create part ``group``'s dropped values (``remat_plan``'s walk,
+    restricted to the part), as rows."""
+    G, t, W = ev.G, ev.G.t, ev.walk
+    unavail: set[int] = set()
+    for d in group:
+        unavail.update(ev.unavail_of[d])
+    back_readers = ev.back_readers
+    positions = sorted({p for v in unavail for p in back_readers.get(v, ())})
+    nodes: list[int] = []
+    walks: list[tuple[int, int, int]] = []   # NOTE: per walk: (first recompute, q, j)
+    cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
+    ins, outputs, producer_of, view_ok = W.ins, G.outputs, G.producer, t.view_ok
+    vbound, order, storage_of = W.vbound, ev.order, G.storage_of
+
+    def producer(vid: int) -> int:
+        p = producer_of[vid]
+        if p is None or p not in drop and not view_ok[p]:
+            raise not_recomputable(ev.graph, vid)
+        return p
+
+    for q in positions:
+        made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
+        last: dict[int, int] = {}
+        for j, u in W.ins_at[order[q]]:
+            # NOTE: a dropped storage is gone only from its release on (``drop_points``)
+            if u not in unavail or q < vbound[u]:
+                continue
+            walks.append((len(nodes), q, j))
+            base = event_key(q, j, 0)
+            p = producer(u)
+            # NOTE: remat_plan's depth-first walk, in input order; each frame holds an
+            # iterator over its node's inputs (where the walk resumes after a child)
+            stack = [(p, iter(ins[p]))]
+            while stack:
+                r, it = stack[-1]
+                for v in it:
+                    if v in unavail and q >= vbound[v]:
+                        p = producer(v)
+                        stack.append((p, iter(ins[p])))
+                        break
+                else:
+                    stack.pop()
+                    if once:
+                        key = base | len(nodes)
+                        for v in (*G.inputs[r], *outputs[r]):
+                            last[storage_of[v]] = key
+                        if r in once:
+                            made[r] = key
+                    nodes.append(r)
+                    unavail.difference_update(outputs[r])
+        if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
+            read = {storage_of[v] for v in G.inputs[order[q]]}
+            for m, key in made.items():
+                if read.isdisjoint(t.fresh[m]):
+                    for st in t.fresh[m]:
+                        cycles[st, key] = last[st]
+                        unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
+    needs = frozenset(r for r in nodes if not view_ok[r])
+    return _Walked(needs, _rows(ev, group, nodes, walks, cycles))
+
+
+def _rows(ev, group: list[int], nodes: list[int], walks: list[tuple[int, int, int]],
+          cycles: dict[tuple[int, int], int]) -> tuple[np.ndarray, ...]:
+    """One part's rows (Packed's columns less the pids) from its walk."""
+    W = ev.walk
     rec = np.array(nodes, dtype=np.int64)
-    # NOTE: a recompute belongs to the part of its first output's owner that is dropped here
-    e_pid = pid_of[W.first_owner[rec]]
-    for i in np.flatnonzero(e_pid < 0).tolist():
-        e_pid[i] = pid_of[next(o for o in W.out_owners[nodes[i]] if o is not None and
-                               pid_of[o] >= 0)]
     lens = np.diff([w[0] for w in walks] + [len(nodes)])
     key = (np.repeat([event_key(q, j, 0) for _, q, j in walks], lens)
            | np.arange(len(nodes), dtype=np.int64)) if walks else _EMPTY
     qs = np.repeat([q for _, q, _ in walks], lens) if walks else _EMPTY
     t_st, k = _gather(W.touch, rec)
-    t_key, t_pid = np.repeat(key, k), np.repeat(e_pid, k)
+    t_key = np.repeat(key, k)
     f_st, k = _gather(W.fresh, rec)
-    f_key, f_pid = np.repeat(key, k), np.repeat(e_pid, k)
+    f_key = np.repeat(key, k)
     if cycles:
         cyc = np.array([(s, k) in cycles for s, k in zip(f_st.tolist(), f_key.tolist())],
                        dtype=bool)
-        c_pid, c_st, c_start = f_pid[cyc], f_st[cyc], f_key[cyc]
+        c_st, c_start = f_st[cyc], f_key[cyc]
         c_end = np.array([cycles[s, k] for s, k in zip(c_st.tolist(), c_start.tolist())],
                          dtype=np.int64)
         f_st, f_key = f_st[~cyc], f_key[~cyc]
     else:
-        c_pid = c_st = c_start = c_end = _EMPTY
-    d_st, k = _gather(W.dropped, members)
-    d_pid = np.repeat(m_pid, k)
+        c_st = c_start = c_end = _EMPTY
+    d_st, _ = _gather(W.dropped, np.array(group, dtype=np.int64))
     # NOTE: a storage is re-created for good by its last recompute in the walk (keys grow
     # along the walk: the largest)
     made = np.full(len(ev.G.nbytes), -1, dtype=np.int64)
     np.maximum.at(made, f_st, f_key)
-    d_key = made[d_st]
-    e = np.argsort(e_pid, kind="stable")
-    t = np.argsort(t_pid, kind="stable")
-    c = np.argsort(c_pid, kind="stable")
-    rows = Packed(e_pid[e], rec[e], qs[e], key[e], t_pid[t], t_key[t], t_st[t], d_pid, d_st,
-                  d_key, c_pid[c], c_st[c], c_start[c], c_end[c])
-    return parts, rows
+    return rec, qs, key, t_key, t_st, d_st, made[d_st], c_st, c_start, c_end
+
+
+def _pack(pids: list[int], walked: list[_Walked]) -> Packed:
+    """The parts' rows in one Packed, each part's pid filled in."""
+    if not walked:
+        return Packed.empty()
+    cols = [np.concatenate(c) if len(walked) > 1 else c[0]
+            for c in zip(*(w.cols for w in walked))]
+    pid = np.array(pids, dtype=np.int64)
+    e_pid, t_pid, d_pid, c_pid = (np.repeat(pid, [len(w.cols[i]) for w in walked])
+                                  for i in (0, 3, 5, 7))
+    rec, qs, key, t_key, t_st, d_st, d_key, c_st, c_start, c_end = cols
+    return Packed(e_pid, rec, qs, key, t_pid, t_key, t_st, d_pid, d_st, d_key, c_pid, c_st,
+                  c_start, c_end)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

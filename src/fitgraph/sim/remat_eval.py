@@ -185,6 +185,7 @@ class RematEvaluator:
         self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
         self.bound_arr = np.array(bound, dtype=np.int64)
         self.walk = walk_tables(self)
+        self.part_cache: OrderedDict = OrderedDict()   # NOTE: see recompute_parts.PART_CACHE
 
     def reordered(self, order: list[int]) -> RematEvaluator:
         """An evaluator for the same graph and costs under another node order."""
