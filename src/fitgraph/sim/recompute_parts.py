@@ -19,14 +19,13 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..plan.remat import not_recomputable
 
-__all__ = ["Packed", "Part", "WalkTables", "event_key", "walk_parts"]
+__all__ = ["Packed", "Part", "WalkTables", "event_key", "walk_parts", "walk_tables"]
 
 _Q_SHIFT, _J_SHIFT = 42, 24   # NOTE: positions < 2**21, inputs per node < 2**18, walks < 2**24
 
@@ -35,87 +34,58 @@ def event_key(q: int, j: int, seq: int) -> int:
     return (q << _Q_SHIFT) | (j << _J_SHIFT) | seq
 
 
-_PIDS = itertools.count()
-
-
-@dataclass(frozen=True, eq=False)
-class Part:
-    """Dropped nodes whose recomputes depend on each other only; ``pid`` names its rows in a
-    Packed."""
-
-    pid: int
-    dropped: frozenset[int]
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class Packed:
-    """Every part's rows in flat arrays (``pid`` columns say whose), so that a drop set next to
-    an evaluated one costs a mask and a concatenation, not a loop over its parts.
+    """Rows of parts in flat arrays, so that a drop set costs one concatenation over its parts,
+    not a loop over them.
 
     Rows: per recompute (node, position it precedes, event_key); per storage a recompute reads
     or writes (the recompute's key, storage); per dropped storage allocated before the
     backward (storage, key of the recompute that re-creates it for good, or -1); per short
     lifetime of a per-use storage (``remat_plan``: re-created only to feed other recomputes,
-    freed after their backward node) (storage, key that makes it, key of its last use).
+    freed after their backward node) (storage, key that makes it, key of its last use). The
+    order of rows means nothing (``RematEvaluator`` sorts recomputes by key)."""
 
-    Every ``*pid`` column is sorted: a part's rows are one slice of each kind. (New parts get
-    larger pids than every earlier one, and ``_split`` sorts its rows by pid.)"""
-
-    pid: np.ndarray
     nodes: np.ndarray
     q: np.ndarray
     key: np.ndarray
-    t_pid: np.ndarray
     t_key: np.ndarray
     t_st: np.ndarray
-    d_pid: np.ndarray
     d_st: np.ndarray
     d_key: np.ndarray
-    c_pid: np.ndarray
     c_st: np.ndarray
     c_start: np.ndarray
     c_end: np.ndarray
 
     @staticmethod
     def empty() -> Packed:
-        return Packed(*([_EMPTY] * 14))
+        return Packed(*([_EMPTY] * 10))
 
-    def replace(self, old: list[int], new: Packed) -> Packed:
-        """Without the rows of parts ``old`` (pids), with the rows ``new``."""
-        cols, add = astuple_shallow(self), astuple_shallow(new)
-        out: list[np.ndarray] = []
-        for a, b in _KINDS:   # NOTE: one kind of row: its pid column, then its other columns
-            keep = _keep(cols[a], old) if old else slice(None)
-            out += [np.concatenate([x[keep], y]) for x, y in zip(cols[a:b], add[a:b])]
-        return Packed(*out)
+    @staticmethod
+    def of(parts: list[Part]) -> Packed:
+        """Every part's rows, part after part."""
+        if len(parts) < 2:
+            return parts[0].rows if parts else Packed.empty()
+        return Packed(*(np.concatenate(c) for c in zip(*(_columns(p.rows) for p in parts))))
 
 
-# NOTE: the column ranges of Packed's four kinds of row, each led by its pid column
-_KINDS = ((0, 4), (4, 7), (7, 10), (10, 14))
-
-
-def astuple_shallow(p: Packed) -> tuple[np.ndarray, ...]:
+def _columns(p: Packed) -> tuple[np.ndarray, ...]:
     """Packed's columns in field order (``dataclasses.astuple`` would copy the arrays)."""
-    return (p.pid, p.nodes, p.q, p.key, p.t_pid, p.t_key, p.t_st, p.d_pid, p.d_st, p.d_key,
-            p.c_pid, p.c_st, p.c_start, p.c_end)
+    return (p.nodes, p.q, p.key, p.t_key, p.t_st, p.d_st, p.d_key, p.c_st, p.c_start, p.c_end)
 
 
-def _keep(pids: np.ndarray, old: list[int]) -> np.ndarray:
-    """Mask of the rows of a sorted pid column whose pid is not in ``old``.
+@dataclass(frozen=True, eq=False)
+class Part:
+    """Dropped nodes whose recomputes depend on each other only, with their rows; ``needs``:
+    the recomputed nodes that are not views (its walk raises unless they are all dropped).
+    Equal by identity: an evaluation keeps the parts of its base that it does not re-walk."""
 
-    NOTE: each gone part is one slice of the sorted column (two binary searches), cheaper than
-    ``np.isin``'s sort of the whole column.
-
-    Example:
-        >>> _keep(np.array([1, 1, 2, 4, 4, 4]), [4, 1, 3]).tolist()
-        [False, False, True, False, False, False]
-    """
-    gone = np.array(old, dtype=np.int64)
-    n = len(pids)
-    lo = np.searchsorted(pids, gone, side="left")
-    hi = np.searchsorted(pids, gone, side="right")
-    marks = np.bincount(lo, minlength=n + 1) - np.bincount(hi, minlength=n + 1)
-    return np.cumsum(marks[:n]) == 0
+    dropped: frozenset[int]
+    needs: frozenset[int]
+    rows: Packed
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,38 +150,27 @@ def _gather(table: tuple[np.ndarray, np.ndarray], idx: np.ndarray
 PART_CACHE = 2048
 
 
-@dataclass(frozen=True, eq=False)
-class _Walked:
-    """One part's walk: its rows, less the pid columns, in Packed's field order; ``needs``, the
-    recomputed nodes that are not views (the walk raises unless they are all dropped)."""
-
-    needs: frozenset[int]
-    cols: tuple[np.ndarray, ...]
-
-
 def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] = frozenset()
-               ) -> tuple[list[Part], Packed]:
-    """Walk the recomputes of the dropped nodes ``region`` (a union of parts of ``drop``) under
-    evaluator ``ev``'s order (``once``: the nodes dropped per use): split them into parts, with
-    their rows. RematError as ``remat_plan``. Each part is walked on its own, or taken from
+               ) -> list[Part]:
+    """The parts of the dropped nodes ``region`` (a union of parts of ``drop``) under evaluator
+    ``ev``'s order (``once``: the nodes dropped per use), with their recomputes' rows.
+    RematError as ``remat_plan``. Each part is walked on its own, or taken from
     ``ev.part_cache``."""
     cache = ev.part_cache
     parts: list[Part] = []
-    walked: list[_Walked] = []
     for group in _components(ev, region):
         dropped = frozenset(group)
         key = (dropped, once & dropped)
-        hit = cache.get(key)
-        if hit is not None and hit.needs <= drop:
+        part = cache.get(key)
+        if part is not None and part.needs <= drop:
             cache.move_to_end(key)
         else:
-            hit = _walk(ev, group, drop, key[1])
-            cache[key] = hit
+            part = _walk(ev, group, dropped, drop, key[1])
+            cache[key] = part
             if len(cache) > PART_CACHE:
                 cache.popitem(last=False)
-        parts.append(Part(next(_PIDS), dropped))
-        walked.append(hit)
-    return parts, _pack([p.pid for p in parts], walked)
+        parts.append(part)
+    return parts
 
 
 def _components(ev, region: set[int]) -> list[list[int]]:
@@ -238,7 +197,8 @@ def _components(ev, region: set[int]) -> list[list[int]]:
     return groups
 
 
-def _walk(ev, group: list[int], drop: frozenset[int], once: frozenset[int]) -> _Walked:
+def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
+          once: frozenset[int]) -> Part:
     """The recomputes that re-create part ``group``'s dropped values (``remat_plan``'s walk,
     restricted to the part), as rows."""
     G, t, W = ev.G, ev.G.t, ev.walk
@@ -297,12 +257,12 @@ def _walk(ev, group: list[int], drop: frozenset[int], once: frozenset[int]) -> _
                         cycles[st, key] = last[st]
                         unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
     needs = frozenset(r for r in nodes if not view_ok[r])
-    return _Walked(needs, _rows(ev, group, nodes, walks, cycles))
+    return Part(dropped, needs, _rows(ev, group, nodes, walks, cycles))
 
 
 def _rows(ev, group: list[int], nodes: list[int], walks: list[tuple[int, int, int]],
-          cycles: dict[tuple[int, int], int]) -> tuple[np.ndarray, ...]:
-    """One part's rows (Packed's columns less the pids) from its walk."""
+          cycles: dict[tuple[int, int], int]) -> Packed:
+    """One part's rows from its walk."""
     W = ev.walk
     rec = np.array(nodes, dtype=np.int64)
     lens = np.diff([w[0] for w in walks] + [len(nodes)])
@@ -327,21 +287,4 @@ def _rows(ev, group: list[int], nodes: list[int], walks: list[tuple[int, int, in
     # along the walk: the largest)
     made = np.full(len(ev.G.nbytes), -1, dtype=np.int64)
     np.maximum.at(made, f_st, f_key)
-    return rec, qs, key, t_key, t_st, d_st, made[d_st], c_st, c_start, c_end
-
-
-def _pack(pids: list[int], walked: list[_Walked]) -> Packed:
-    """The parts' rows in one Packed, each part's pid filled in."""
-    if not walked:
-        return Packed.empty()
-    cols = [np.concatenate(c) if len(walked) > 1 else c[0]
-            for c in zip(*(w.cols for w in walked))]
-    pid = np.array(pids, dtype=np.int64)
-    e_pid, t_pid, d_pid, c_pid = (np.repeat(pid, [len(w.cols[i]) for w in walked])
-                                  for i in (0, 3, 5, 7))
-    rec, qs, key, t_key, t_st, d_st, d_key, c_st, c_start, c_end = cols
-    return Packed(e_pid, rec, qs, key, t_pid, t_key, t_st, d_pid, d_st, d_key, c_pid, c_st,
-                  c_start, c_end)
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
+    return Packed(rec, qs, key, t_key, t_st, d_st, made[d_st], c_st, c_start, c_end)

@@ -72,7 +72,7 @@ class RematEval:
     recomputes: int           # Recompute instructions in the plan
     inputs_st: tuple[int, ...]
     parts: dict[int, Part]    # dropped node -> the part that re-creates its storages
-    packed: Packed            # every part's rows
+    part_list: tuple[Part, ...]  # every part, once
     evaluator: RematEvaluator
     nodes: frozenset[int]     # the nodes dropped
     once: frozenset[int]      # the nodes dropped per use (``remat_plan``)
@@ -223,22 +223,23 @@ class RematEvaluator:
         if base is None:
             drop = frozenset(complete_drop(self.graph, nodes, self.G.t))
             parts: dict[int, Part] = {}
-            changed, packed = set(drop), Packed.empty()
+            changed, kept = set(drop), ()
         else:
             if base.evaluator is not self:
                 raise ValueError("base comes from another evaluator")
             drop, changed = self._complete_from(frozenset(nodes), base)
             changed |= once ^ base.once
-            parts, packed = dict(base.parts), base.packed
+            parts, kept = dict(base.parts), base.part_list
         stale = self._stale(changed, parts)
-        gone = sorted({parts[d].pid for d in stale if d in parts})
+        gone = {parts[d] for d in stale if d in parts}
         for d in stale:
             parts.pop(d, None)
-        new, rows = walk_parts(self, stale & drop, drop, once)
+        new = walk_parts(self, stale & drop, drop, once)
         for part in new:
             for d in part.dropped:
                 parts[d] = part
-        return self._assemble(drop, once, parts, packed.replace(gone, rows))
+        part_list = (*(p for p in kept if p not in gone), *new)
+        return self._assemble(drop, once, parts, part_list)
 
     def _complete_from(self, drop: frozenset[int], base: RematEval) -> tuple[frozenset, set]:
         """``complete_drop`` of ``drop`` knowing that of ``base.drop``, and the nodes that
@@ -274,7 +275,8 @@ class RematEvaluator:
         return stale
 
     def _assemble(self, drop: frozenset[int], once: frozenset[int], parts: dict[int, Part],
-                  pk: Packed) -> RematEval:
+                  part_list: tuple[Part, ...]) -> RematEval:
+        pk = Packed.of(part_list)
         G, n, R = self.G, len(self.order), len(pk.nodes)
         E = n + R
         perm = np.argsort(pk.key, kind="stable")
@@ -332,7 +334,8 @@ class RematEvaluator:
             peak = G.resident
         made = np.flatnonzero(live)
         coded = drop | {per_use(self.graph, nid) for nid in once}
-        return RematEval(coded, peak, latency, made, R, G.inputs_st, parts, pk, self, drop, once)
+        return RematEval(coded, peak, latency, made, R, G.inputs_st, parts, part_list, self, drop,
+                         once)
 
 
 def _live_bytes(prod: np.ndarray, end: np.ndarray, nbytes: np.ndarray, n_events: int,
