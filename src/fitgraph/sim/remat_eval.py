@@ -178,12 +178,14 @@ class RematEvaluator:
         self.row_of = np.full(S, -1, dtype=np.int64)
         self.row_of[self.produced] = np.arange(len(produced))
         self.base_prod = np.array([prod[s] for s in produced], dtype=np.int64)
-        self.base_last = np.array([last[s] for s in produced], dtype=np.int64)
-        self.base_keep = np.array([s in G.t.keep for s in produced], dtype=bool)
+        self.base_end = np.array([n - 1 if s in G.t.keep else last[s] for s in produced],
+                                 dtype=np.int64)
+        self.positions = np.arange(n, dtype=np.int64)
         self._memo: OrderedDict[frozenset[int], RematEval | RematError] = OrderedDict()
         self.last_arr = np.array(last, dtype=np.int64)
         self.last_fwd_arr = np.array(last_fwd, dtype=np.int64)
         self.bound_arr = np.array(bound, dtype=np.int64)
+        self.max_bound = int(self.bound_arr.max(initial=0))
         self.walk = walk_tables(self)
         self.part_cache: OrderedDict = OrderedDict()   # NOTE: see recompute_parts.PART_CACHE
 
@@ -279,33 +281,38 @@ class RematEvaluator:
         pk = Packed.of(part_list)
         G, n, R = self.G, len(self.order), len(pk.nodes)
         E = n + R
-        perm = np.argsort(pk.key, kind="stable")
+        perm = pk.key.argsort(kind="stable")
         keys, q_sorted, rec_sorted = pk.key[perm], pk.q[perm], pk.nodes[perm]
         ridx = q_sorted + np.arange(R)  # NOTE: event index = position + recomputes before it
-        touch_g = ridx[np.searchsorted(keys, pk.t_key)]
+        touch_g = ridx[keys.searchsorted(pk.t_key)]
         drop_st = pk.d_st
+        again = pk.d_key >= 0
         drop_g = np.full(len(drop_st), -1, dtype=np.int64)
         if R:
-            again = pk.d_key >= 0
-            drop_g[again] = ridx[np.searchsorted(keys, pk.d_key[again])]
-        cidx = np.arange(n, dtype=np.int64) + np.cumsum(np.bincount(q_sorted, minlength=n))
+            drop_g[again] = ridx[keys.searchsorted(pk.d_key[again])]
+        cidx = self.positions + np.bincount(q_sorted, minlength=n).cumsum()
         prod_e = cidx[self.base_prod]
-        end_e = np.where(self.base_keep, E - 1, cidx[self.base_last])
+        # NOTE: a kept storage lives to the last event, the last position's (no recompute
+        # follows it): base_end holds n - 1 for those
+        end_e = cidx[self.base_end]
         # NOTE: a dropped storage's first lifetime ends at its last use in the forward
         end_e[self.row_of[drop_st]] = cidx[self.last_fwd_arr[drop_st]]
         is_dropped = np.zeros(len(G.nbytes), dtype=bool)
         is_dropped[drop_st] = True
         t_rows = self.row_of[pk.t_st]
-        plain = ~is_dropped[pk.t_st] & (t_rows >= 0)
+        made_here = t_rows >= 0
+        t_dropped = is_dropped[pk.t_st]
+        plain = ~t_dropped & made_here
         np.maximum.at(end_e, t_rows[plain], touch_g[plain])
         # NOTE: a recompute before a dropped storage's release (``drop_points``: parts released
         # apart) reads it in its first lifetime; the release is an event index: its position
-        # plus the recomputes placed before it
-        bound_t = self.bound_arr[pk.t_st]
-        early = is_dropped[pk.t_st] & (t_rows >= 0) & (
-            touch_g < bound_t + np.searchsorted(q_sorted, bound_t, side="left"))
-        np.maximum.at(end_e, t_rows[early], touch_g[early])
-        again = drop_g >= 0
+        # plus the recomputes placed before it. None can where every recompute comes after
+        # every release (a captured step): its event index is at least its position
+        if R and q_sorted[0] < self.max_bound:
+            bound_t = self.bound_arr[pk.t_st]
+            early = t_dropped & made_here & (
+                touch_g < bound_t + q_sorted.searchsorted(bound_t, side="left"))
+            np.maximum.at(end_e, t_rows[early], touch_g[early])
         st2, prod2 = drop_st[again], drop_g[again]
         last2 = self.last_arr[st2]
         end2 = np.maximum(prod2, np.where(last2 >= self.bound_arr[st2], cidx[last2], -1))
@@ -320,7 +327,9 @@ class RematEvaluator:
         prod_all = np.concatenate([prod_e, prod2, c_prod])
         end_all = np.concatenate([end_e, end2, c_end])
         level = _live_bytes(prod_all, end_all, G.nbytes[st], E, G.float_sums)
-        events = np.insert(self.order_arr, q_sorted, rec_sorted)
+        events = np.empty(E, dtype=np.int64)
+        events[cidx] = self.order_arr
+        events[ridx] = rec_sorted
         ws = G.workspace[events]
         ws[ridx] = G.re_workspace[rec_sorted]
         high = level + ws
