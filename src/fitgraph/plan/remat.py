@@ -201,10 +201,12 @@ def split_drop(graph: Graph, drop: Iterable[int]) -> tuple[set[int], set[int]]:
     """(nodes dropped, nodes dropped per use) of a drop set whose entries are node ids or
     ``per_use`` entries (which drop their node too)."""
     n = len(graph.nodes)
-    if isinstance(drop, (set, frozenset)) and (not drop or 0 <= min(drop) and max(drop) < n):
-        # NOTE: no per-use entries, the common case: one pass in C, not one in Python per entry
-        # (a remat search splits thousands of drop sets)
-        return set(drop), set()
+    if isinstance(drop, (set, frozenset)) and (not drop or 0 <= min(drop) and max(drop) < 2 * n):
+        # NOTE: every entry valid: comprehensions, not a loop with a check per entry (a remat
+        # search splits thousands of drop sets)
+        if not drop or max(drop) < n:
+            return set(drop), set()
+        return {x % n for x in drop}, {x - n for x in drop if x >= n}
     nodes, once = set(), set()
     for x in drop:
         if not 0 <= x < 2 * n:

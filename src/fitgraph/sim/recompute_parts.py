@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +38,7 @@ def event_key(q: int, j: int, seq: int) -> int:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
-class Packed:
+class Packed(NamedTuple):
     """Rows of parts in flat arrays, so that a drop set costs one concatenation over its parts,
     not a loop over them.
 
@@ -47,7 +47,9 @@ class Packed:
     backward (storage, key of the recompute that re-creates it for good, or -1); per short
     lifetime of a per-use storage (``remat_plan``: re-created only to feed other recomputes,
     freed after their backward node) (storage, key that makes it, key of its last use). The
-    order of rows means nothing (``RematEvaluator`` sorts recomputes by key)."""
+    order of rows means nothing (``RematEvaluator`` sorts recomputes by key).
+
+    NOTE: a NamedTuple, so that ``zip(*rows)`` gives the columns without a call per part."""
 
     nodes: np.ndarray
     q: np.ndarray
@@ -65,16 +67,11 @@ class Packed:
         return Packed(*([_EMPTY] * 10))
 
     @staticmethod
-    def of(parts: list[Part]) -> Packed:
+    def of(parts: tuple[Part, ...]) -> Packed:
         """Every part's rows, part after part."""
         if len(parts) < 2:
             return parts[0].rows if parts else Packed.empty()
-        return Packed(*(np.concatenate(c) for c in zip(*(_columns(p.rows) for p in parts))))
-
-
-def _columns(p: Packed) -> tuple[np.ndarray, ...]:
-    """Packed's columns in field order (``dataclasses.astuple`` would copy the arrays)."""
-    return (p.nodes, p.q, p.key, p.t_key, p.t_st, p.d_st, p.d_key, p.c_st, p.c_start, p.c_end)
+        return Packed._make([np.concatenate(c) for c in zip(*[p.rows for p in parts])])
 
 
 @dataclass(frozen=True, eq=False)
