@@ -114,3 +114,40 @@ def test_evaluator_on_transformer_like_graphs(rnd, reorder):
         if i % 2:  # NOTE: and some dropped per use, or back
             drop ^= {per_use(g, n) for n in rnd.sample(candidates, 3)}
         base = assert_same(g, cost, ev, drop, order, base) or base
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from([1, 2048]))
+def test_kept_parts_answer_as_a_cold_evaluator(rnd, cache_size):
+    """Parts taken from the evaluator's part cache (``recompute_parts.PART_CACHE``, here also
+    one part, evicted all the time) give the answers a fresh evaluator computes."""
+    from synthetic_graphs import transformer_like
+
+    import fitgraph.sim.recompute_parts as parts
+    from fitgraph.cost.devices import get_device
+    from fitgraph.cost.roofline import RooflineCostModel
+
+    g = transformer_like(3, seq=16, d=32)
+    cost = RooflineCostModel(get_device("rtx3090"))
+    ok = recomputable(g)
+    candidates = [n.id for n in g.nodes if not ok[n.id]]
+    ev = RematEvaluator(g, cost)
+    old, parts.PART_CACHE = parts.PART_CACHE, cache_size
+    try:
+        cur = ev.evaluate({n for n in candidates if rnd.random() < 0.5})
+        for i in range(12):  # NOTE: moves from cur, some taken: parts come back from the cache
+            drop = set(cur.drop) ^ set(rnd.sample(candidates, 2))
+            if i % 3 == 2:
+                drop ^= {per_use(g, n) for n in rnd.sample(candidates, 2)}
+            try:
+                r = ev.evaluate(drop, cur)
+            except RematError:
+                continue
+            cold = RematEvaluator(g, cost).evaluate(drop)
+            assert (r.peak_bytes, r.latency_s, r.peak_live, r.recomputes, r.drop) == (
+                cold.peak_bytes, cold.latency_s, cold.peak_live, cold.recomputes, cold.drop)
+            if rnd.random() < 0.5:
+                cur = r
+    finally:
+        parts.PART_CACHE = old
+        assert len(ev.part_cache) <= cache_size

@@ -5,10 +5,11 @@ peak and how long is the step? Building the Plan and walking it is O(n) Python p
 Here what does not depend on the drop set (each storage's lifetime in ``order``, node costs,
 who reads what in the backward) is computed once; per question only the recomputes are placed
 (the same depth-first walk as ``remat_plan``, cached per independent part of the drop set, so
-that evaluating a drop set next to an evaluated one re-walks only the parts that changed: see
-``sim.recompute_parts``) and the memory curve is a numpy cumulative sum over storage lifetimes. The answer is the
-simulator's: the same peak bytes, the same latency (the same float additions in the same order)
-and the same storages live at the peak — ``tests/test_remat_eval.py`` holds it to that.
+that evaluating a drop set next to an evaluated one re-walks only the parts that changed, and
+a part walked before is not walked again: see ``sim.recompute_parts``) and the memory curve is
+a numpy cumulative sum over storage lifetimes. The answer is the simulator's: the same peak
+bytes, the same latency (the same float additions in the same order) and the same storages live
+at the peak — ``tests/test_remat_eval.py`` holds it to that.
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
