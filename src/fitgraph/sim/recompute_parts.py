@@ -102,6 +102,7 @@ class WalkTables:
     ins: list[tuple[int, ...]]              # node -> its inputs that have an owner, in order
     ins_at: list[tuple[tuple[int, int], ...]]  # node -> (input index, input) of those
     touch: tuple[np.ndarray, np.ndarray]    # storages of the node's inputs, then outputs
+    touch_set: list[frozenset[int]]         # the same, as a set
     fresh: tuple[np.ndarray, np.ndarray]    # storages the node allocates
     dropped: tuple[np.ndarray, np.ndarray]  # ``RematEvaluator.dropped_storages``
 
@@ -113,10 +114,12 @@ def walk_tables(ev) -> WalkTables:
     ins_at = [tuple((j, u) for j, u in enumerate(G.inputs[r]) if owner[u] is not None)
               for r in range(n)]
     ins = [tuple(u for _, u in a) for a in ins_at]
-    touch = _flat([[G.storage_of[v] for v in (*G.inputs[r], *G.outputs[r])] for r in range(n)])
+    touched = [[G.storage_of[v] for v in (*G.inputs[r], *G.outputs[r])] for r in range(n)]
+    touch = _flat(touched)
     fresh = _flat([G.t.fresh[r] for r in range(n)])
     dropped = _flat([ev.dropped_storages[r] for r in range(n)])
-    return WalkTables(vbound, ins, ins_at, touch, fresh, dropped)
+    return WalkTables(vbound, ins, ins_at, touch, [frozenset(x) for x in touched], fresh,
+                      dropped)
 
 
 def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -213,52 +216,60 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
     cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
     ins, outputs, producer_of, view_ok = W.ins, G.outputs, G.producer, t.view_ok
     vbound, order, storage_of = W.vbound, ev.order, G.storage_of
-
-    def producer(vid: int) -> int:
-        p = producer_of[vid]
-        if p is None or p not in drop and not view_ok[p]:
-            raise not_recomputable(ev.graph, vid)
-        return p
-
     for q in positions:
-        made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key; storages' last use
-        last: dict[int, int] = {}
+        made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key
+        first = len(nodes)
         for j, u in W.ins_at[order[q]]:
             # NOTE: a dropped storage is gone only from its release on (``drop_points``)
             if u not in unavail or q < vbound[u]:
                 continue
             walks.append((len(nodes), q, j))
             base = event_key(q, j, 0)
-            p = producer(u)
+            v = u
             # NOTE: remat_plan's depth-first walk, in input order; each frame holds an
             # iterator over its node's inputs (where the walk resumes after a child)
-            stack = [(p, iter(ins[p]))]
-            while stack:
+            stack = []
+            while True:
+                if v is not None:   # NOTE: v is missing: push its producer
+                    p = producer_of[v]
+                    if p is None or p not in drop and not view_ok[p]:
+                        raise not_recomputable(ev.graph, v)
+                    stack.append((p, iter(ins[p])))
                 r, it = stack[-1]
                 for v in it:
                     if v in unavail and q >= vbound[v]:
-                        p = producer(v)
-                        stack.append((p, iter(ins[p])))
                         break
                 else:
+                    v = None
                     stack.pop()
-                    if once:
-                        key = base | len(nodes)
-                        for v in (*G.inputs[r], *outputs[r]):
-                            last[storage_of[v]] = key
-                        if r in once:
-                            made[r] = key
+                    if r in once:
+                        made[r] = base | len(nodes)
                     nodes.append(r)
                     unavail.difference_update(outputs[r])
+                    if not stack:
+                        break
         if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
             read = {storage_of[v] for v in G.inputs[order[q]]}
             for m, key in made.items():
                 if read.isdisjoint(t.fresh[m]):
                     for st in t.fresh[m]:
-                        cycles[st, key] = last[st]
+                        cycles[st, key] = _last_use(ev, nodes, walks, first, st)
                         unavail.update(v for v in t.members[st] if ev.owner[v] is not None)
     needs = frozenset(r for r in nodes if not view_ok[r])
     return Part(dropped, needs, _rows(ev, group, nodes, walks, cycles))
+
+
+def _last_use(ev, nodes: list[int], walks: list[tuple[int, int, int]], first: int,
+              st: int) -> int:
+    """The key of the last recompute from ``nodes[first]`` on that reads or writes storage
+    ``st`` (there is one: the one that made it).
+
+    NOTE: looked up only for the storages a per-use node frees (rare), not recorded per
+    recompute."""
+    touch = ev.walk.touch_set
+    i = next(i for i in range(len(nodes) - 1, first - 1, -1) if st in touch[nodes[i]])
+    start, q, j = next(w for w in reversed(walks) if w[0] <= i)
+    return event_key(q, j, i)
 
 
 def _rows(ev, group: list[int], nodes: list[int], walks: list[tuple[int, int, int]],
