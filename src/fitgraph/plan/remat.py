@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -201,12 +202,14 @@ def split_drop(graph: Graph, drop: Iterable[int]) -> tuple[set[int], set[int]]:
     """(nodes dropped, nodes dropped per use) of a drop set whose entries are node ids or
     ``per_use`` entries (which drop their node too)."""
     n = len(graph.nodes)
-    if isinstance(drop, (set, frozenset)) and (not drop or 0 <= min(drop) and max(drop) < 2 * n):
-        # NOTE: every entry valid: comprehensions, not a loop with a check per entry (a remat
-        # search splits thousands of drop sets)
-        if not drop or max(drop) < n:
-            return set(drop), set()
-        return {x % n for x in drop}, {x - n for x in drop if x >= n}
+    if isinstance(drop, (set, frozenset)):
+        # NOTE: set operations in C, a Python loop over the per-use entries only (a remat
+        # search splits thousands of drop sets of hundreds of nodes)
+        ids = _node_ids(n)
+        more = drop - ids
+        if all(n <= x < 2 * n for x in more):
+            once = {x - n for x in more}
+            return set(drop & ids) | once, once
     nodes, once = set(), set()
     for x in drop:
         if not 0 <= x < 2 * n:
@@ -216,6 +219,12 @@ def split_drop(graph: Graph, drop: Iterable[int]) -> tuple[set[int], set[int]]:
         if x >= n:
             once.add(x - n)
     return nodes, once
+
+
+@functools.lru_cache(maxsize=8)
+def _node_ids(n: int) -> frozenset[int]:
+    """The node ids of an ``n``-node graph (``split_drop``)."""
+    return frozenset(range(n))
 
 
 def not_recomputable(graph: Graph, vid: int) -> RematError:

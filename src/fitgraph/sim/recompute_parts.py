@@ -162,8 +162,7 @@ def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] 
     ``ev.part_cache``."""
     cache = ev.part_cache
     parts: list[Part] = []
-    for group in _components(ev, region):
-        dropped = frozenset(group)
+    for group, dropped in _components(ev, region):
         key = (dropped, once & dropped)
         part = cache.get(key)
         if part is not None and part.needs <= drop:
@@ -177,10 +176,25 @@ def walk_parts(ev, region: set[int], drop: frozenset[int], once: frozenset[int] 
     return parts
 
 
-def _components(ev, region: set[int]) -> list[list[int]]:
-    """The connected groups of ``region`` under ``ev.neighbours``, each sorted, in the order of
+def _components(ev, region: set[int]) -> list[tuple[list[int], frozenset[int]]]:
+    """The connected groups of ``region`` under ``ev.neighbours`` (each sorted, and as a set),
+    in the order of their smallest members; kept per region (``ev.group_cache``: a move tried
+    again splits the same region)."""
+    key = frozenset(region)
+    groups = ev.group_cache.get(key)
+    if groups is None:
+        groups = [(g, frozenset(g)) for g in _search(ev.neighbours, region)]
+        ev.group_cache[key] = groups
+        while len(ev.group_cache) > PART_CACHE:
+            ev.group_cache.popitem(last=False)
+    else:
+        ev.group_cache.move_to_end(key)
+    return groups
+
+
+def _search(neighbours: dict[int, set[int]], region: set[int]) -> list[list[int]]:
+    """The connected groups of ``region`` under ``neighbours``, each sorted, in the order of
     their smallest members."""
-    neighbours = ev.neighbours
     left = set(region)
     groups = []
     for d in sorted(region):

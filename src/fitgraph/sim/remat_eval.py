@@ -189,6 +189,7 @@ class RematEvaluator:
         self.max_bound = int(self.bound_arr.max(initial=0))
         self.walk = walk_tables(self)
         self.part_cache: OrderedDict = OrderedDict()   # NOTE: see recompute_parts.PART_CACHE
+        self.group_cache: OrderedDict = OrderedDict()  # region -> its parts' dropped nodes
 
     def reordered(self, order: list[int]) -> RematEvaluator:
         """An evaluator for the same graph and costs under another node order."""
