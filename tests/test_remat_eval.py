@@ -151,3 +151,22 @@ def test_kept_parts_answer_as_a_cold_evaluator(rnd, cache_size):
     finally:
         parts.PART_CACHE = old
         assert len(ev.part_cache) <= cache_size
+
+
+def test_split_drop_of_a_set_as_of_a_list():
+    """split_drop's set path (set operations) answers as its loop over entries, and raises the
+    same on an entry that names no node."""
+    import pytest
+    from synthetic_graphs import transformer_like
+
+    from fitgraph.plan.remat import split_drop
+
+    g = transformer_like(1, seq=8, d=16)
+    n = len(g.nodes)
+    for drop in ([], [0, 3, n + 3, n + 5], [n - 1, 2 * n - 1], [1, n + 1]):
+        assert split_drop(g, frozenset(drop)) == split_drop(g, list(drop))
+        assert split_drop(g, set(drop)) == split_drop(g, iter(drop))
+    for bad in ([0, 2 * n], [-1, 3], [n + 1, -5]):
+        for form in (frozenset, set, list):
+            with pytest.raises(RematError, match="names no node"):
+                split_drop(g, form(bad))
