@@ -112,6 +112,7 @@ class _GraphTables:
             for st in ss:
                 self.maker[st] = nid
         self.float_sums = int(self.nbytes.sum()) < _EXACT_FLOAT_BYTES
+        self.nbytes_f = self.nbytes.astype(np.float64)
 
 
 class RematEvaluator:
@@ -328,7 +329,7 @@ class RematEvaluator:
         st = np.concatenate([self.produced, st2, pk.c_st])
         prod_all = np.concatenate([prod_e, prod2, c_prod])
         end_all = np.concatenate([end_e, end2, c_end])
-        level = _live_bytes(prod_all, end_all, G.nbytes[st], E, G.float_sums)
+        level = _live_bytes(prod_all, end_all, st, G, E)
         events = np.empty(E, dtype=np.int64)
         events[cidx] = self.order_arr
         events[ridx] = rec_sorted
@@ -349,14 +350,17 @@ class RematEvaluator:
                          once)
 
 
-def _live_bytes(prod: np.ndarray, end: np.ndarray, nbytes: np.ndarray, n_events: int,
-                float_sums: bool) -> np.ndarray:
-    """Bytes of the lifetimes [prod, end] that cover each event."""
-    if float_sums:  # NOTE: bincount is the fast path; exact while the sums stay below 2**52
-        w = nbytes.astype(np.float64)
+def _live_bytes(prod: np.ndarray, end: np.ndarray, st: np.ndarray, G: _GraphTables,
+                n_events: int) -> np.ndarray:
+    """Bytes of the lifetimes [prod, end] of storages ``st`` that cover each event: float64
+    holding integers exactly, or int64 where the graph's bytes could exceed that."""
+    if G.float_sums:  # NOTE: bincount is the fast path; exact while the sums stay below 2**52
+        w = G.nbytes_f[st]
         diff = (np.bincount(prod, weights=w, minlength=n_events + 1)
                 - np.bincount(end + 1, weights=w, minlength=n_events + 1))
-        return np.rint(np.cumsum(diff[:n_events])).astype(np.int64)
+        # NOTE: partial sums of integers below 2**52 are exact: no rounding back to int64
+        return diff[:n_events].cumsum()
+    nbytes = G.nbytes[st]
     diff = np.zeros(n_events + 1, dtype=np.int64)
     np.add.at(diff, prod, nbytes)
     np.add.at(diff, end + 1, -nbytes)
