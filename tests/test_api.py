@@ -79,7 +79,11 @@ def test_budget_forms(budget):
 
 
 def test_latency_limit_minimises_peak_within_it():
-    step = fitgraph.optimize(mlp(), BATCH, loss_fn, latency_limit=1.2, time_budget=10)
+    # NOTE: the simulated law; the measured check (tests/test_latency_check.py) falls back to
+    # eager where a loaded machine measures every try over the limit (spread 0.78 beside a
+    # sweep), and this test would then see eager's peak
+    step = fitgraph.optimize(mlp(), BATCH, loss_fn, latency_limit=1.2, time_budget=10,
+                             measure_latency=False)
     r = step.report()
     assert r.planned_step_s <= 1.2 * r.eager_step_s
     assert r.planned_peak_bytes < r.eager_peak_bytes
