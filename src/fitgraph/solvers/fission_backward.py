@@ -22,7 +22,7 @@ drops carried over, no search — and the ``TRIES`` best-screened are planned by
 peak) until one takes ``SETTLE`` off the peak; the one that lowers it most is kept, and rounds
 go on while one does and time is left.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
-again). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
+again) and its saved views copied out of packed projections (``copy_saved_views``). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
 get here.
 
 Example:

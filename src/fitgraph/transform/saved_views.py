@@ -54,17 +54,19 @@ def copy_saved_views(graph: Graph) -> Graph:
         return graph
     w = GraphWriter(graph)
     base: dict[int, int] = {}   # NOTE: a clone's storage -> the offset its view had
+    clones: set[int] = set()
     for n in graph.nodes:
         w.copy_node(n)
         for o in n.outputs:
             if o in chosen:
                 clone = _write_clone(w, graph, graph.values[o])
+                clones.add(clone)
                 base[w.values[clone].storage] = graph.values[o].storage_offset
     # NOTE: views of a clone were copied with their offsets in the tensor it was cut from; the
     # clone starts at 0 (the transpose of nn.MultiheadAttention's values sat 2/3 in)
     for i, v in enumerate(w.values):
         shift = base.get(v.storage, 0)
-        if shift and v.producer is not None and not w.nodes[v.producer].name.endswith(SUFFIX):
+        if shift and i not in clones:
             w.values[i] = dataclasses.replace(v, storage_offset=v.storage_offset - shift)
     out = w.finish(dict(graph.meta))
     verify_graph(out)
