@@ -117,3 +117,39 @@ def test_fission_solver_splits_gpt2_loss_along_tokens_at_batch_two():
     loss_splits = [re.search(r"_log_softmax(\.part\d+)? dim 0 in (\d+) parts", what)
                    for what in s.notes["splits"]]
     assert any(m and int(m.group(2)) > 2 for m in loss_splits), s.notes["splits"]
+
+
+class _SoftCapped(_Head):
+    """Gemma-2's final logit soft-capping between the head and the loss, and a GELU between two
+    linear layers on the 3-D hidden state: elementwise ops on 3-D views of 2-D matmuls."""
+
+    def forward(self, x):
+        logits = self.head(F.gelu(self.proj(x), approximate="tanh"))
+        return torch.tanh(logits / 30.0) * 30.0
+
+
+def test_elementwise_ops_between_reshapes_run_on_the_2d_tensor():
+    from fitgraph.transform.elementwise_views import elementwise_before_reshapes
+
+    torch.manual_seed(0)
+    model = _SoftCapped()
+    batch = (torch.randn(2, 12, 8), torch.randint(0, 40, (2, 12)))
+    a, b = model, copy.deepcopy(model)
+    g = count_targets_apart(fitgraph.capture(b, batch, _loss))
+    moved = elementwise_before_reshapes(g)
+    # the cap's div, tanh and mul, the GELU, and their gradients now run on [24, features]
+    for n in moved.nodes:
+        if n.target in ("aten.tanh.default", "aten.tanh_backward.default",
+                        "aten.gelu.default", "aten.gelu_backward.default"):
+            assert len(moved.values[n.outputs[0]].shape) == 2, n.name
+    la = eager_step(a, batch, _loss)
+    lb = execute(moved, fitgraph.eager_plan(moved), b, batch)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b)
+    # the chunked loss's region takes in the soft-capping and the head, along every token
+    g2 = collapse_view_chains(g)
+    start = _value(g2, "aten._log_softmax.default")
+    region = grow_region(g2, start, 0, exclude=counting_nodes(g2), keep_length=True)
+    assert region.length == 24
+    targets = {g2.nodes[n].target for n in region.nodes}
+    assert {"aten.tanh.default", "aten.tanh_backward.default", "aten.mm.default"} <= targets

@@ -37,6 +37,7 @@ from dataclasses import replace
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
+from .elementwise_views import elementwise_before_reshapes
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
@@ -50,7 +51,9 @@ def collapse_view_chains(graph: Graph) -> Graph:
     """A copy of ``graph`` where each reshape view of a reshape view of a contiguous tensor
     reads that tensor directly, and views left unread are gone; ``graph`` itself if there is
     no such chain."""
-    graph = _casts_after_reshapes(graph)
+    # NOTE: elementwise ops between the reshapes (a cast, Gemma-2's logit soft-capping) run on
+    # the tensor the first reshape views, so that the round trip is one of views only
+    graph = _casts_after_reshapes(elementwise_before_reshapes(graph))
     source = {n.id: _base(graph, n) for n in graph.nodes if n.target in RESHAPE_VIEWS}
     source = {nid: vid for nid, vid in source.items() if vid != graph.nodes[nid].inputs[0]}
     if not source:
