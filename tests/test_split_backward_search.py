@@ -66,6 +66,15 @@ def test_candidates_are_planned_in_the_order_of_their_screened_peaks(rounds):
     assert planned == ["copies", "worse"] and splits == ["copies"] and peak == 990
 
 
+def test_the_best_screened_of_each_kind_is_planned(rounds):
+    # NOTE: Swin: a screen carries the plan's drops over, which suit a plain split and not a
+    # region re-made in the backward: the MLP's tokens re-made screened above two plain splits
+    # and were never planned, though they planned lowest
+    splits, peak, planned = rounds([[("p1", "plain", 1100, 950), ("p2", "plain", 1050, 960),
+                                     ("mlp", "copies", 900, 2000)]])
+    assert planned == ["p1", "mlp"] and splits == ["mlp"] and peak == 900
+
+
 def test_a_small_gain_does_not_end_the_round(rounds):
     # NOTE: Swin: the first candidate that lowered the peak (by 1.4%) was kept and the
     # attention copies, 8.5% lower, never planned
