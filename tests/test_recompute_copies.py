@@ -250,3 +250,26 @@ def test_the_gradient_of_a_copied_mlp_hidden_runs_in_parts_with_it():
              and s.values[n.outputs[0]].shape[0] == rows]
     assert parts
     assert_split_like_eager(g, s, model, BATCH)
+
+
+def test_a_copied_mlp_along_its_flattened_tokens_keeps_every_token():
+    """Re-made along the flattened tokens of its 2-D matmuls (``[B*T, F]``), a block's MLP ran
+    on through the 3-D norm and residual, which tie the tokens to the batch: cut in 2 parts at
+    batch 2. The region keeps to where every token is a unit, and runs in up to PARTS parts."""
+    from fitgraph.graph.dim_region import grow_region
+    from fitgraph.solvers.fission_backward import PARTS, _copied_in_parts
+    from fitgraph.transform.view_chains import collapse_view_chains
+
+    model = _encoder(dropout=0.0)
+    g = collapse_view_chains(fitgraph.capture(model, BATCH, _loss))
+    gelu = next(n for n in g.nodes if n.phase is Phase.FORWARD and "gelu" in n.target)
+    hidden = g.values[gelu.outputs[0]]
+    tokens = BATCH.shape[0] * BATCH.shape[1]
+    assert hidden.shape[0] == tokens      # NOTE: the GELU runs on the 2-D hidden
+    assert grow_region(g, hidden.id, 0).length == BATCH.shape[0]
+    s = _copied_in_parts(g, hidden.id, 0, 0.0)
+    copies = [n for n in s.nodes if n.phase is Phase.BACKWARD and n.target == gelu.target
+              and n.module == gelu.module]
+    assert len(copies) == PARTS
+    assert all(s.values[n.outputs[0]].shape[0] == tokens // PARTS for n in copies)
+    assert_split_like_eager(g, s, model, BATCH)
