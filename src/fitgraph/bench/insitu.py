@@ -1,9 +1,9 @@
 """Where does the simulated step miss the measured one? Each instruction timed in place.
 
-    python -m fitgraph.bench.insitu [--model gpt2] [--latency-limit 1.10] [--solver hotspot]
-                                    [--repeats 5] [--top 12]
+    python -m fitgraph.bench.insitu [--model gpt2] [--sweep] [--latency-limit 1.10]
+                                    [--solver hotspot] [--repeats 5] [--top 12]
 
-Plans the zoo model's small configuration (AdamW, this machine's measured op costs, one torch
+Plans the zoo model's small configuration (``--sweep``: the sweep's model of that name) (AdamW, this machine's measured op costs, one torch
 thread) for the latency limit, then runs eager's plan and the planned one through the executor
 instruction by instruction, interleaved, timing each (median over ``--repeats`` steps), and sets
 every instruction's time beside what the cost model charged for it. Prints, per plan, the
@@ -91,13 +91,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the sweep's model of that name (bench/sweep_models.py)")
     ap.add_argument("--latency-limit", type=float, default=1.10)
     ap.add_argument("--solver", default="hotspot")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    case = zoo.build(args.model, "small")
+    if args.sweep:
+        from .sweep_models import build
+
+        case = build(args.model)
+    else:
+        case = zoo.build(args.model, "small")
     model = case.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     compute_loss(model, case.batch, case.loss_fn).backward()  # NOTE: AdamW state exists
