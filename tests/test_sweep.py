@@ -135,3 +135,26 @@ def test_full_sweep_runs(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     assert [r["model"] for r in rows] == names()
     assert all(r["status"] for r in rows)
+
+
+def test_each_model_measures_its_op_costs_in_the_sweep_s_own_cache(tmp_path, monkeypatch):
+    """Entries in the user's cost cache measured while the machine was busy stay there:
+    Pegasus's were 1.45x its ops' times in place, and its 1.10 plan ran +19%. A sweep's models
+    measure theirs in the sweep's own cache, unless the caller names one."""
+    import subprocess
+
+    from fitgraph.bench import sweep
+    from fitgraph.cost.cache import CACHE_ENV
+
+    seen = []
+
+    def run(cmd, env, **kw):
+        seen.append(env.get(CACHE_ENV))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sweep.subprocess, "run", run)
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    sweep.run_model("gpt2", rounds=1, timeout=10, time_budget=1, logdir=tmp_path / "logs")
+    monkeypatch.setenv(CACHE_ENV, "/elsewhere")
+    sweep.run_model("gpt2", rounds=1, timeout=10, time_budget=1, logdir=tmp_path / "logs")
+    assert seen == [str(tmp_path / "cost-cache"), "/elsewhere"]
