@@ -41,9 +41,10 @@ from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec, map_refs
 
-__all__ = ["elementwise_before_reshapes"]
+__all__ = ["RESHAPE_VIEWS", "elementwise_before_reshapes"]
 
-RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default"})
+# NOTE: ops whose output is the input's elements in the same order, as a view of its storage
+RESHAPE_VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
 ELEMENTWISE = frozenset(t for t, rule in RULES.items() if rule is elementwise)
 
 
@@ -58,7 +59,7 @@ def elementwise_before_reshapes(graph: Graph) -> Graph:
         bases = _bases(w, n, flat)
         if bases is None:
             w.copy_node(n)
-            if n.target in RESHAPES:
+            if n.target in RESHAPE_VIEWS:
                 _note_reshape(w, n, flat)
             continue
         moved += 1

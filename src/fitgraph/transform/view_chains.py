@@ -37,14 +37,11 @@ from dataclasses import replace
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
-from .elementwise_views import elementwise_before_reshapes
+from .elementwise_views import RESHAPE_VIEWS, elementwise_before_reshapes
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
 __all__ = ["RESHAPE_VIEWS", "collapse_view_chains"]
-
-# NOTE: ops whose output is the input's elements in the same order, as a view of its storage
-RESHAPE_VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
 
 
 def collapse_view_chains(graph: Graph) -> Graph:
