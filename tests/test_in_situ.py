@@ -102,3 +102,43 @@ def test_a_node_failing_in_its_step_is_named(monkeypatch):
     monkeypatch.setattr(Executor, "run_compute", failing)
     with pytest.raises(RuntimeError, match=f"{bad.name}.*boom.*in_situ=False"):
         time_in_situ(g, torch.device("cpu"), repeats=1, warmup=0)
+
+
+def _scaled_times(factor):
+    def times(graph, device, repeats, warmup, densities=None):
+        return [factor * t for t in _fake_times(graph, device, repeats, warmup)]
+    return times
+
+
+@pytest.mark.parametrize("now_factor", [0.25, 4.0])
+def test_a_stale_cache_is_measured_again_with_a_warning(tmp_path, monkeypatch, caplog,
+                                                        now_factor):
+    g = _graph()
+    monkeypatch.setattr(in_situ, "time_in_situ", _fake_times)
+    ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False).profile(g)
+    # NOTE: the machine was busier (or quieter) when the cache was filled than it is now
+    monkeypatch.setattr(in_situ, "time_in_situ", _scaled_times(now_factor))
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    with caplog.at_level("WARNING", logger="fitgraph.cost.profiler"):
+        measured = cm.profile(g)
+    # NOTE: the cache holds a median per key (layers alike share one), hence not exactly
+    assert cm.stale_cache_ratio == pytest.approx(1 / now_factor, rel=0.05)
+    assert cm.refresh and measured == len({cm.key(g, n) for n in g.nodes})
+    assert ("busier" if now_factor < 1 else "quieter") in caplog.text
+    n = g.nodes[-1]
+    assert cm.node_cost(g, n).seconds == pytest.approx(now_factor * 1e-3 * (n.id + 1), rel=0.5)
+    # NOTE: the cache now holds the new times: the next instance finds it fresh
+    again = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    assert again.profile(g) == 0 and again.stale_cache_ratio is None and not again.refresh
+
+
+def test_a_cache_within_its_noise_is_kept(tmp_path, monkeypatch):
+    g = _graph()
+    monkeypatch.setattr(in_situ, "time_in_situ", _fake_times)
+    ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False).profile(g)
+    monkeypatch.setattr(in_situ, "time_in_situ", _scaled_times(1.2))
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    assert cm.profile(g) == 0 and cm.stale_cache_ratio is None and not cm.refresh
+    n = g.nodes[-1]
+    assert cm.node_cost(g, n).seconds == pytest.approx(
+        1e-3 * (n.id + 1), rel=0.5)  # NOTE: the cached time (a median over its key's nodes)

@@ -38,10 +38,12 @@ from ..plan.eager import eager_plan
 from .cache import CacheEntry
 from .synthetic import SyntheticRunner
 
-__all__ = ["profile_in_situ", "time_in_situ"]
+__all__ = ["cached_over_now", "profile_in_situ", "time_in_situ"]
 
 # NOTE: timed empty calls whose median is the timer's own cost, subtracted from every op
 _TIMER_PROBES = 201
+# NOTE: below this much op time a step's sum is too short to compare with the cache's
+_CHECK_FLOOR_SECONDS = 5e-3
 
 
 def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
@@ -96,6 +98,29 @@ def _timer_seconds() -> float:
     return statistics.median(ts)
 
 
+def _situ_key(key: str) -> str:
+    return hashlib.sha256(f"in-situ|{key}".encode()).hexdigest()
+
+
+def cached_over_now(cm, graph: Graph, repeats: int = 3, warmup: int = 2) -> float | None:
+    """How many times the cache's in-situ times of ``graph``'s ops are what they take now.
+
+    Sums the cached time of every node whose key ``cm``'s cache holds and divides it by the
+    same nodes' times in the step timed now (``time_in_situ``, ``repeats`` runs). None where
+    the cache holds none of them, or under 5 ms of them in all (too short to compare). A cache filled while other work shared the machine reads well above 1.
+    """
+    keys = {node.id: cm.key(graph, node) for node in graph.nodes}
+    got = cm.cache.get_many({_situ_key(k) for k in keys.values()})
+    nids = [nid for nid, k in keys.items() if _situ_key(k) in got]
+    cached = sum(got[_situ_key(keys[nid])].seconds for nid in nids)
+    if cached < _CHECK_FLOOR_SECONDS:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # NOTE: the inputs the cached times were taken on
+        now = time_in_situ(graph, cm.device, repeats, warmup, cm._graph_facts(graph)[1])
+    return cached / max(sum(now[nid] for nid in nids), 1e-9)
+
+
 def profile_in_situ(cm, graph: Graph) -> None:
     """Give ``ProfiledCostModel`` ``cm`` the in-situ time of every node key of ``graph``: from
     its cache, else by timing the graph's step (``time_in_situ``, under a forked RNG); keys
@@ -103,7 +128,7 @@ def profile_in_situ(cm, graph: Graph) -> None:
     keys: dict[str, list[int]] = {}
     for node in graph.nodes:
         keys.setdefault(cm.key(graph, node), []).append(node.id)
-    situ_key = {k: hashlib.sha256(f"in-situ|{k}".encode()).hexdigest() for k in keys}
+    situ_key = {k: _situ_key(k) for k in keys}
     missing = [k for k in keys if k not in cm._situ]
     if missing and not cm.refresh:
         got = cm.cache.get_many([situ_key[k] for k in missing])
