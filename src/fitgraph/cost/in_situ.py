@@ -43,7 +43,7 @@ __all__ = ["cached_over_now", "profile_in_situ", "time_in_situ"]
 # NOTE: timed empty calls whose median is the timer's own cost, subtracted from every op
 _TIMER_PROBES = 201
 # NOTE: below this much op time a step's sum is too short to compare with the cache's
-_CHECK_FLOOR_SECONDS = 5e-3
+_CHECK_FLOOR_SECONDS = 20e-3
 
 
 def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
@@ -107,7 +107,8 @@ def cached_over_now(cm, graph: Graph, repeats: int = 3, warmup: int = 2) -> floa
 
     Sums the cached time of every node whose key ``cm``'s cache holds and divides it by the
     same nodes' times in the step timed now (``time_in_situ``, ``repeats`` runs). None where
-    the cache holds none of them, or under 5 ms of them in all (too short to compare). A cache filled while other work shared the machine reads well above 1.
+    the cache holds none of them, or under 20 ms of them in all (too short to compare). A
+    cache filled while other work shared the machine reads well above 1.
     """
     keys = {node.id: cm.key(graph, node) for node in graph.nodes}
     got = cm.cache.get_many({_situ_key(k) for k in keys.values()})

@@ -84,8 +84,9 @@ _COPY_SMALL = 4096
 _COPY_LARGE = 64 * 2**20
 _COPY_REPEATS = 5
 _BLANK_MEMO = 64   # graphs whose untouched writes are remembered
-# NOTE: cached in-situ times this many times (or 1/this) what a graph's ops take now: stale
-_STALE_CACHE = 1.3
+# NOTE: cached in-situ times this many times (or 1/this) what a graph's ops take now: stale.
+# In-situ sums of one short step move by up to 1.35x between runs on a quiet machine (ALBERT)
+_STALE_CACHE = 1.5
 AFTER_PRODUCERS = ("after its producers, on their real outputs (alone on synthetic inputs "
                    "it failed)")
 
@@ -175,7 +176,7 @@ class ProfiledCostModel:
         progress: show a tqdm bar over the nodes being measured.
         refresh: measure again even what the cache holds, and overwrite it. Without it, the
             first graph whose in-situ times come from the cache is timed in its step once and
-            compared: where the cache reads over 1.3x (or under 1/1.3x) what its ops take now
+            compared: where the cache reads over 1.5x (or under 1/1.5x) what its ops take now
             (a profile taken while other work shared the machine), a warning says so and
             ``refresh`` turns on (``stale_cache_ratio`` keeps the ratio).
         in_situ: also time every node inside its graph's eager step (``cost/in_situ.py``) and
