@@ -252,9 +252,10 @@ def test_latency_mode_budget_searches_keep_the_limit_and_never_raise_the_peak(ca
     assert s.notes["bisected"] <= hs.BISECT_STEPS
 
 
-def test_latency_mode_reaches_below_the_descent_where_budget_mode_does():
-    """BERT small (generic CPU roofline) within 1.10x of eager: the budget searches reach a
-    peak 6.5% below the descent's."""
+def test_latency_mode_keeps_the_lowest_of_descent_and_budget_searches():
+    """BERT small (generic CPU roofline) within 1.10x of eager: the budget searches (bisected)
+    reached a peak 6.5% below the descent's, when chains stopped at views (descent 192.8 MB,
+    bisected 180.2 MB); with chains through views the descent reaches 176.0 MB itself."""
     import fitgraph
     import fitgraph.solvers.hotspot as hs
     from fitgraph import zoo
@@ -264,7 +265,7 @@ def test_latency_mode_reaches_below_the_descent_where_budget_mode_does():
     cm = RooflineCostModel(get_device("cpu-generic"))
     descent = hs._solve(Problem(g, cm, latency_limit=1.10, time_budget_s=30), True, True)
     s = solve_hotspot(Problem(g, cm, latency_limit=1.10, time_budget_s=60))
-    assert s.sim.peak_bytes < 0.97 * descent.sim.peak_bytes, s.notes
+    assert s.sim.peak_bytes <= descent.sim.peak_bytes, s.notes
     assert s.sim.latency_s <= 1.10 * s.notes["eager_latency_s"]
 
 
@@ -295,3 +296,31 @@ def test_latency_mode_prune_undrops_a_drop_that_holds_more_than_it_frees():
     # ... but not where the plan is over the limit already (nothing to keep)
     over = Search(None, 0.0, time.perf_counter() + 60)
     assert over.prune(Run(dropped, ev, "t"), [frozenset({c_node})], moves).result.drop
+
+
+def test_a_forward_chain_goes_through_views_to_what_made_their_storage():
+    """``clone(transpose(view(add(mm(x, w)))))`` read by the backward (nn.MultiheadAttention's
+    packed q, k, v): dropping the clone alone keeps ``add`` (as big) to remake it, so the
+    chain must take ``add`` and ``mm`` through the views."""
+    from fitgraph.solvers.candidates import forward_chains, remat_candidates
+
+    b = GraphBuilder()
+    x = b.add_input("x", (64, 32), "float32", Role.INPUT)
+    w = b.add_input("w", (32, 96), "float32", Role.PARAMETER)
+    mm = b.add_node("aten.mm.default", [x, w], [((64, 96), "float32")])[0]
+    add = b.add_node("aten.add.Tensor", [mm, mm], [((64, 96), "float32")])[0]
+    view = b.add_node("aten.view.default", [add], [((64, 3, 32), "float32")],
+                      alias_of={0: add})[0]
+    tr = b.add_node("aten.transpose.int", [view], [((3, 64, 32), "float32")],
+                    alias_of={0: view})[0]
+    packed = b.add_node("aten.clone.default", [tr], [((3, 64, 32), "float32")])[0]
+    big = b.add_node("aten.exp.default", [x], [((64, 32), "float32")])[0]
+    hold = b.add_node("aten.mul.Tensor", [big, big], [((64, 32), "float32")])[0]
+    g1 = b.add_node("aten.mul.Tensor", [hold, x], [((64, 32), "float32")],
+                    phase=Phase.BACKWARD)[0]
+    g2 = b.add_node("aten.sum.default", [packed], [((), "float32")], phase=Phase.BACKWARD)[0]
+    g = b.finish({"loss": g2, "grad:x": g1})
+    assert g.values[view].storage == g.values[add].storage   # NOTE: the premise: views alias
+    node = {g.values[v].producer: n for v, n in ((mm, "mm"), (add, "add"), (packed, "clone"))}
+    chain = forward_chains(g, remat_candidates(g))[g.values[packed].producer]
+    assert {node[n] for n in chain if n in node} == {"mm", "add", "clone"}

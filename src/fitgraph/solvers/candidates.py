@@ -86,14 +86,24 @@ def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
                                 for v in members[g.values[o].storage] for r in readers[v])
         return only[nid]
 
+    fresh = new_storages(g)
+    forward = (Phase.FORWARD, Phase.LOSS)
     out: dict[int, set[int]] = {}
     for nid in sorted(candidates):
-        group, stack = {nid}, [nid]
+        group, stack, walked = {nid}, [nid], set()
         while stack:
             for v in g.nodes[stack.pop()].inputs:
                 p = g.values[v].producer
-                if (p is not None and p in candidates and p not in group and p not in bits
-                        and forward_only(p)):
+                if p is None or p in group or p in walked:
+                    continue
+                if p not in candidates and not fresh[p] and g.nodes[p].phase in forward:
+                    # NOTE: a view (a reshape, a transpose, a select) allocates nothing: the
+                    # chain goes on through it to what made its storage. nn.MultiheadAttention's
+                    # packed q, k, v is ``clone(squeeze(transpose(view(add(mm)))))``: stopped
+                    # at the views, dropping the clone kept the add (as big) to recompute it
+                    walked.add(p)
+                    stack.append(p)
+                elif p in candidates and p not in bits and forward_only(p):
                     group.add(p)
                     stack.append(p)
         out[nid] = group
