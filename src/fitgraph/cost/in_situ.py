@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import logging
 import statistics
 import time
 
@@ -38,12 +39,17 @@ from ..plan.eager import eager_plan
 from .cache import CacheEntry
 from .synthetic import SyntheticRunner
 
-__all__ = ["cached_over_now", "profile_in_situ", "time_in_situ"]
+__all__ = ["cached_over_now", "check_cache", "profile_in_situ", "time_in_situ"]
+
+log = logging.getLogger("fitgraph.cost.profiler")
 
 # NOTE: timed empty calls whose median is the timer's own cost, subtracted from every op
 _TIMER_PROBES = 201
 # NOTE: below this much op time a step's sum is too short to compare with the cache's
 _CHECK_FLOOR_SECONDS = 20e-3
+# NOTE: cached in-situ times this many times (or 1/this) what a graph's ops take now: stale.
+# In-situ sums of one short step move by up to 1.35x between runs on a quiet machine (ALBERT)
+STALE_CACHE = 1.5
 
 
 def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
@@ -120,6 +126,23 @@ def cached_over_now(cm, graph: Graph, repeats: int = 3, warmup: int = 2) -> floa
         torch.manual_seed(0)  # NOTE: the inputs the cached times were taken on
         now = time_in_situ(graph, cm.device, repeats, warmup, cm._graph_facts(graph)[1])
     return cached / max(sum(now[nid] for nid in nids), 1e-9)
+
+
+def check_cache(cm, graph: Graph) -> None:
+    """``cached_over_now`` for ``ProfiledCostModel`` ``cm`` (CPU, in situ, not refreshing):
+    where the cache reads over ``STALE_CACHE`` times (or under 1/that) what ``graph``'s ops
+    take now, warn, keep the ratio in ``cm.stale_cache_ratio`` and turn ``cm.refresh`` on, so
+    that every op is measured again and the cache overwritten."""
+    if cm.refresh or not cm.in_situ:
+        return
+    ratio = cached_over_now(cm, graph)
+    if ratio is None or 1 / STALE_CACHE <= ratio <= STALE_CACHE:
+        return
+    cm.stale_cache_ratio = ratio
+    log.warning("the cost cache (%s) holds times for this graph's ops %.2fx what they take "
+                "now (measured while the machine was %s); measuring every op again and "
+                "overwriting the cache", cm.cache, ratio, "busier" if ratio > 1 else "quieter")
+    cm.refresh = True  # NOTE: nothing of this graph was read from the cache yet
 
 
 def profile_in_situ(cm, graph: Graph) -> None:

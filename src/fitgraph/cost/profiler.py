@@ -67,7 +67,7 @@ from .base import NodeCost
 from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
-from .in_situ import cached_over_now, profile_in_situ
+from .in_situ import check_cache, profile_in_situ
 from .opaque import OpaqueInputs, opaque_inputs, producers
 from .synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 
@@ -84,9 +84,6 @@ _COPY_SMALL = 4096
 _COPY_LARGE = 64 * 2**20
 _COPY_REPEATS = 5
 _BLANK_MEMO = 64   # graphs whose untouched writes are remembered
-# NOTE: cached in-situ times this many times (or 1/this) what a graph's ops take now: stale.
-# In-situ sums of one short step move by up to 1.35x between runs on a quiet machine (ALBERT)
-_STALE_CACHE = 1.5
 AFTER_PRODUCERS = ("after its producers, on their real outputs (alone on synthetic inputs "
                    "it failed)")
 
@@ -175,8 +172,8 @@ class ProfiledCostModel:
         warmup: untimed runs first (lazy kernel initialisation, caches, cuDNN autotuning).
         progress: show a tqdm bar over the nodes being measured.
         refresh: measure again even what the cache holds, and overwrite it. Without it, the
-            first graph whose in-situ times come from the cache is timed in its step once and
-            compared: where the cache reads over 1.5x (or under 1/1.5x) what its ops take now
+            first graph profiled, where the cache holds its in-situ times, is timed in its step
+            once and compared (``cost/in_situ.check_cache``): where the cache reads over 1.5x (or under 1/1.5x) what its ops take now
             (a profile taken while other work shared the machine), a warning says so and
             ``refresh`` turns on (``stale_cache_ratio`` keeps the ratio).
         in_situ: also time every node inside its graph's eager step (``cost/in_situ.py``) and
@@ -303,7 +300,9 @@ class ProfiledCostModel:
     # -- profiling ------------------------------------------------------------------------------
     def profile(self, graph: Graph) -> int:
         """Measure every distinct node of ``graph`` not in the cache; return how many were."""
-        self._check_cache(graph)
+        if not self._cache_checked:
+            self._cache_checked = True  # NOTE: once: what this process measures is fresh
+            check_cache(self, graph)
         todo: dict[str, Node] = {}
         for node in graph.nodes:
             todo.setdefault(self.key(graph, node), node)
@@ -321,24 +320,6 @@ class ProfiledCostModel:
         if self.in_situ:
             profile_in_situ(self, graph)
         return len(todo)
-
-    def _check_cache(self, graph: Graph) -> None:
-        """Once: the cache's in-situ times of ``graph`` against its step timed now; where they
-        differ by over ``_STALE_CACHE`` times, warn and measure everything again."""
-        if self.refresh or not self.in_situ or self._cache_checked:
-            return
-        ratio = cached_over_now(self, graph)
-        if ratio is None:
-            return  # NOTE: checked on the first graph the cache holds, not the first asked
-        self._cache_checked = True
-        if 1 / _STALE_CACHE <= ratio <= _STALE_CACHE:
-            return
-        self.stale_cache_ratio = ratio
-        log.warning("the cost cache (%s) holds times for this graph's ops %.2fx what they take "
-                    "now (measured while the machine was %s); measuring every op again and "
-                    "overwriting the cache", self.cache, ratio,
-                    "busier" if ratio > 1 else "quieter")
-        self.refresh = True  # NOTE: nothing of this graph was read from the cache yet
 
     def _size_opaque(self, graph: Graph) -> None:
         """Opaque buffers captured shorter than their makers really allocate get the measured

@@ -96,8 +96,9 @@ def forward_chains(g: Graph, candidates: set[int]) -> dict[int, set[int]]:
                 p = g.values[v].producer
                 if p is None or p in group or p in walked:
                     continue
-                if p not in candidates and not fresh[p] and g.nodes[p].phase in forward:
-                    # NOTE: a view (a reshape, a transpose, a select) allocates nothing: the
+                if (p not in candidates and not fresh[p] and not g.nodes[p].mutates
+                        and g.nodes[p].phase in forward):
+                    # NOTE: a view (a reshape, a transpose, a select) neither allocates nor writes: the
                     # chain goes on through it to what made its storage. nn.MultiheadAttention's
                     # packed q, k, v is ``clone(squeeze(transpose(view(add(mm)))))``: stopped
                     # at the views, dropping the clone kept the add (as big) to recompute it

@@ -127,7 +127,7 @@ def split_backward(problem: Problem) -> Solution | None:
         # NOTE: rounds are greedy: where they end, go on from the lowest runner-up a round
         # planned. On Swin, once remat dropped the packed projections (chains through views),
         # round 1's best (the MLP backward along its rows) led to no second split, where the
-        # runner-up (its MLP re-made along the tokens) leads to three (1.39x -> ~1.3x)
+        # runner-up (its MLP re-made along the tokens) leads to three (1.39x -> 1.27x)
         path, others = others[0], others[1:]
     graph, best, done = final
     notes = dict(best.notes, splits=done, tried=tried, least_peak_before=before,
