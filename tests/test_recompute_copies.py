@@ -132,7 +132,7 @@ def test_auto_reaches_a_budget_below_remat_alone():
 
 
 def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
-    from fitgraph.solvers.fission_backward import _copied_in_parts, _forward_in_parts
+    from fitgraph.solvers.backward_regions import _copied_in_parts, _forward_in_parts
 
     model = _encoder()
     g = compact_masks(fitgraph.capture(model, BATCH, _loss))
@@ -153,7 +153,7 @@ def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
 
 def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
     from fitgraph.graph.ir import GraphBuilder, Role
-    from fitgraph.solvers.fission_backward import _linked
+    from fitgraph.solvers.backward_regions import _linked
 
     b = GraphBuilder()
     mask = b.add_input("mask", (4, 8), "bool", Role.INPUT)
@@ -216,22 +216,22 @@ def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts():
     """Grown from a copy, a region stays in its own block's backward: grown into the later
     blocks' (which run before it), its convexity cut took away its own backward, and only the
     last block's attention ran in parts."""
-    from fitgraph.solvers.fission_backward import _alike_maker
+    from fitgraph.solvers.backward_regions import PARTS, copies_recipe
 
     torch.manual_seed(0)
     model = nn.Sequential(MhaBlock(), MhaBlock(), MhaBlock())
     g = compact_masks(fitgraph.capture(model, BATCH, _loss))
     soft = next(n for n in g.nodes if n.phase is Phase.FORWARD and "softmax" in n.target)
-    s = _alike_maker(g, (soft.outputs[0], 2), 0.0)(float("inf"))
+    s = copies_recipe(g.values[soft.outputs[0]].name, 2, 0.0)(g, PARTS, float("inf"))
     grads = [n for n in s.nodes if n.target == "aten._softmax_backward_data.default"]
-    assert len(grads) == 3 * 8 and all(".part" in n.name for n in grads)
+    assert len(grads) == 3 * PARTS and all(".part" in n.name for n in grads)
     assert_split_like_eager(g, s, model, BATCH)
 
 
 def test_the_gradient_of_a_copied_mlp_hidden_runs_in_parts_with_it():
     """The MLP hidden's gradient (``dY @ W2``) runs in the backward just before the first
     reader of the hidden's copy: it joins the region and runs in parts, never whole."""
-    from fitgraph.solvers.fission_backward import _copied_in_parts
+    from fitgraph.solvers.backward_regions import _copied_in_parts
 
     model = _encoder(dropout=0.0)
     g = fitgraph.capture(model, BATCH, _loss)
@@ -257,7 +257,7 @@ def test_a_copied_mlp_along_its_flattened_tokens_keeps_every_token():
     on through the 3-D norm and residual, which tie the tokens to the batch: cut in 2 parts at
     batch 2. The region keeps to where every token is a unit, and runs in up to PARTS parts."""
     from fitgraph.graph.dim_region import grow_region
-    from fitgraph.solvers.fission_backward import PARTS, _copied_in_parts
+    from fitgraph.solvers.backward_regions import PARTS, _copied_in_parts
     from fitgraph.transform.view_chains import collapse_view_chains
 
     model = _encoder(dropout=0.0)

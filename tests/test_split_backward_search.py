@@ -15,11 +15,12 @@ class _Sim:
 
 
 def _maker(name: str):
-    """Makes the candidate's graph (its name); "bad" in the name: the split fails."""
-    def make(deadline):
+    """Makes the candidate's graph (its name, with "@<parts>" past ``fb.PARTS``); "bad" in
+    the name: the split fails."""
+    def make(graph, parts, deadline):
         if "bad" in name:
             raise fb.FissionError(f"{name}: cannot split")
-        return name
+        return name if parts == fb.PARTS else f"{name}@{parts}"
     return make
 
 
@@ -33,8 +34,8 @@ def rounds(monkeypatch):
     (name, kind, peak, screened peak) of round i's candidates in their ranked order (kind:
     "copies" or "plain"; a region's start is the name up to a ":"; screened: the peak planned
     unless given); returns the splits kept, the peak reached and the candidates planned."""
-    def run(per_round: list[list[tuple]], start_peak: int = 1000):
-        peaks = {c[0]: c[2] for cands in per_round for c in cands}
+    def run(per_round: list[list[tuple]], start_peak: int = 1000, again: dict | None = None):
+        peaks = {c[0]: c[2] for cands in per_round for c in cands} | (again or {})
         screens = {c[0]: c[-1] for cands in per_round for c in cands}
         calls = iter(per_round)
 
@@ -43,9 +44,9 @@ def rounds(monkeypatch):
             return [(c[0], c[1], (c[0].split(":")[0], 0), _maker(c[0])) for c in cands]
 
         def least(graph, cm, deadline, t0, total):
-            return _sol(start_peak if graph == "start" else peaks[graph])
+            return _sol(start_peak if graph == "start" else peaks.get(graph, start_peak))
 
-        monkeypatch.setattr(fb, "_candidates", candidates)
+        monkeypatch.setattr(fb, "candidates", candidates)
         monkeypatch.setattr(fb, "_least", least)
         monkeypatch.setattr(fb, "_screen", lambda graph, cm, dropped: screens[graph])
         monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
@@ -109,6 +110,20 @@ def test_the_rounds_best_small_gain_is_kept(rounds):
     assert splits == ["b"] and peak == 985
 
 
+def test_the_path_made_again_in_more_parts_is_kept_where_lower(rounds):
+    # NOTE: Falcon: its attention re-made in 8 parts holds an eighth of the scores at once;
+    # the path made again in 16 halves that (1.262x -> 1.257x the lower bound)
+    again = f"the 2 splits again in up to {fb.REPLAY_PARTS} parts"
+    splits, peak, _ = rounds([[("a", "plain", 900)], [("b", "copies", 850)]],
+                             again={f"b@{fb.REPLAY_PARTS}": 800})
+    assert splits == ["a", "b", again] and peak == 800
+
+
+def test_the_path_made_again_in_more_parts_is_dropped_where_higher(rounds):
+    splits, peak, _ = rounds([[("a", "plain", 900)]], again={f"a@{fb.REPLAY_PARTS}": 950})
+    assert splits == ["a"] and peak == 900
+
+
 def test_no_gain_ends_the_search(rounds):
     splits, peak, _ = rounds([[("a", "plain", 1000), ("b", "copies", 1200)],
                               [("later", "plain", 10)]])
@@ -141,6 +156,7 @@ def test_every_block_alike_stops_at_the_deadline():
 
     import fitgraph
     from fitgraph.graph.ir import Phase
+    from fitgraph.solvers.backward_regions import alike_split_recipe
 
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),  # noqa: E731
                                       torch.nn.Linear(64, 8))
@@ -148,7 +164,7 @@ def test_every_block_alike_stops_at_the_deadline():
     g = fitgraph.capture(model, torch.randn(32, 8), lambda m, x: m(x).square().mean())
     grad = next(n.outputs[0] for n in g.nodes
                 if n.phase is Phase.BACKWARD and n.target == "aten.gelu_backward.default")
-    make = fb._alike_split_maker(g, (grad, 0), 0.0)
-    assert make(float("inf")) is not g
+    make = alike_split_recipe(g.values[grad].name, 0, 0.0)
+    assert make(g, fb.PARTS, float("inf")) is not g
     with pytest.raises(fb.FissionError, match="out of time after 0 of 3"):
-        make(0.0)
+        make(g, fb.PARTS, 0.0)

@@ -1,0 +1,365 @@
+"""The regions ``split_backward`` tries at a remat plan's peak, and how each is made.
+
+A candidate is a forward region re-made in the backward and run there in parts with the
+backward ops that read it (``COPIES``: in every block alike), or a plain split of a region the
+peak holds (``PLAIN``). Each comes with a recipe, ``recipe(graph, parts, deadline)``, that
+finds its start by name: the same split can be made again on another graph (the search's path
+replayed in more parts) and in any number of parts.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.graph.ir import Phase
+    >>> from fitgraph.solvers.backward_regions import copies_recipe
+    >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+    ...                                   torch.nn.Linear(64, 16))
+    >>> model = torch.nn.Sequential(mlp(), mlp())
+    >>> g = fitgraph.capture(model, torch.randn(64, 16), lambda m, x: m(x).square().mean())
+    >>> gelu = next(n for n in g.nodes if "gelu" in n.target and n.phase is Phase.FORWARD)
+    >>> split = copies_recipe(g.values[gelu.outputs[0]].name, 0, 0.0)(g, 4, float("inf"))
+    >>> sum(n.name.endswith(".part3") for n in split.nodes) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..graph.analysis import GraphError, new_storages
+from ..graph.dim_region import Region, grow_region
+from ..graph.ir import Graph, Phase
+from ..sim.simulate import SimResult
+from ..transform.fission import FissionError, split_region
+from ..transform.recompute_copies import (
+    COPY_SUFFIX,
+    CopyError,
+    copy_set,
+    first_reader,
+    recompute_copies,
+)
+from .base import Solution
+from .fission_regions import peak_starts, shared_regions, trimmed
+
+__all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
+           "copies_recipe", "plain_recipe"]
+
+# NOTE: parts per split: 4 cuts a block's attention to a quarter; a later round may split again
+PARTS = 8
+MAX_STORAGES = 3
+# NOTE: 1.0 keeps the nodes of the largest tensors and the paths between them: a block's MLP
+# interior (grown along the tokens, a region runs on through the residual into the next
+# block's projections, which copied with it were kept whole in the backward)
+SHARES = (0.0, 0.25, 1.0)
+# NOTE: the kinds of candidate, each with half the screens of a round
+COPIES, PLAIN = "copies", "plain"
+
+# NOTE: (graph, parts, deadline) -> the split graph
+Recipe = Callable[[Graph, int, float], Graph]
+
+
+def _parts(region: Region, parts: int = PARTS) -> int:
+    """``parts``, or fewer where the split axis has fewer units: a linear layer's rows are
+    its batch and tokens merged, cut only along the batch (two units at batch 2)."""
+    return min(parts, region.length)
+
+
+def _held(graph: Graph, region: Region, sim: SimResult, peak_node: int | None = None) -> int:
+    """Bytes live at the peak in storages the region holds along its split dim, and the peak
+    node's workspace where the region runs that node in parts."""
+    live = sim.peak_live
+    sts = {graph.values[v].storage for v, d in region.dims.items() if isinstance(d, int)}
+    held = sum(graph.storages[st].nbytes for st in sts & live)
+    # NOTE: HuBERT's peak is a convolution's backward whose workspace (6.2 MiB) is larger than
+    # any tensor live beside it: a region along the time that runs it in parts was ranked below
+    # two along the channels that did not, and never planned (1.93x -> 1.74x once planned)
+    if peak_node is not None and peak_node in region.nodes:
+        held += sim.breakdown.get("workspace", 0)
+    return held
+
+
+def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, int], Recipe]]:
+    """(what, kind (``COPIES`` or ``PLAIN``), the (value, dim) its region grows from (a
+    re-made region: the forward one), its recipe) for the regions at ``best``'s peak,
+    best-ranked first; ``recipe(graph, parts, deadline)`` makes the split graph."""
+    starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES)
+    pc = best.sim.peak_instruction
+    peak_node = getattr(best.plan[pc], "node", None) if pc >= 0 else None
+    ranked = []
+    seen: set = set()
+    for i, (r, share) in enumerate(shared_regions(graph, starts, SHARES)):
+        held = _held(graph, r, best.sim, peak_node)
+        if not held or r.length < 2:
+            continue
+        # NOTE: regions cut in PARTS first, then by what the parts take off: a region split in
+        # halves along the batch, tried first, took the tries from one along the rows in
+        # eighths (BEiT's and Gemma-2's attention, kept at a higher peak)
+        few = _parts(r) < PARTS
+        held -= held // _parts(r)
+        v = graph.values[r.start[0]]
+        start = _forward_start(graph, r)
+        if start is not None:
+            u = graph.values[start[0]]
+            key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], share)
+            if key not in seen:
+                seen.add(key)
+                what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
+                        f"parts, in every block alike (share {share})")
+                # NOTE: ranked by what its largest tensors hold, the tightest region first:
+                # every share of one start holds them, and a larger region copies more
+                big = _held(graph, trimmed(graph, r, 1.0), best.sim, peak_node)
+                ranked.append((few, -(big - big // _parts(r)), -share, i, what, COPIES, start,
+                               copies_recipe(u.name, start[1], share)))
+        what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
+        alike = _alike_starts(graph, v.id)
+        # NOTE: not from a part of an earlier split (its alikes are every block's parts)
+        if (len(alike) > 1 and ".part" not in v.name
+                and all(graph.nodes[n].phase is Phase.BACKWARD for n in r.nodes)):
+            # NOTE: each block's backward peaks alike: splitting one per round only moves the
+            # peak to the next block's (BERT's MLP backward, four rounds for four blocks)
+            ranked.append((few, -held, 0, i - 0.5, what + ", in every block alike", PLAIN,
+                           r.start, alike_split_recipe(v.name, r.start[1], share)))
+        full = r.length >= v.shape[r.start[1]]
+        ranked.append((few, -held, 0, i, what, PLAIN, r.start,
+                       plain_recipe(v.name, r.start[1], share, full)))
+    ranked.sort(key=lambda c: c[:4])
+    return [c[4:] for c in ranked]
+
+
+def copies_recipe(name: str, dim: int, share: float) -> Recipe:
+    """Re-makes the forward region grown from value ``name`` along ``dim`` in the backward,
+    in parts, and so for every alike start (each its own region: blocks differ in their
+    edges, as BERT's first layer reads the expanded attention mask the others share)."""
+    def rewrite(g: Graph, v: int, parts: int) -> Graph:
+        return _copied_in_parts(g, v, dim, share, parts)
+    return _for_each_alike(name, rewrite)
+
+
+def alike_split_recipe(name: str, dim: int, share: float) -> Recipe:
+    """Splits the region grown from value ``name`` along ``dim`` (trimmed to ``share``) and
+    so the region of every alike start."""
+    def rewrite(g: Graph, v: int, parts: int) -> Graph:
+        r = grow_region(g, v, dim)
+        r = trimmed(g, r, share) if share else r
+        if r.length < 2:
+            raise FissionError(f"{g.values[v].name}: {r.length} units")
+        return split_region(g, r, _parts(r, parts), verify=True)
+    return _for_each_alike(name, rewrite)
+
+
+def plain_recipe(name: str, dim: int, share: float, full: bool) -> Recipe:
+    """Splits the region grown from value ``name`` along ``dim`` (the one that keeps the axis's
+    every unit where ``full`` and the maximal one makes it coarser), trimmed to ``share``:
+    the region ``shared_regions`` yields for that start and share."""
+    def make(g: Graph, parts: int, deadline: float) -> Graph:
+        v = _value(g, name)
+        r = grow_region(g, v, dim)
+        if full and r.length < g.values[v].shape[dim]:
+            r = grow_region(g, v, dim, keep_length=True)
+        r = trimmed(g, r, share) if share else r
+        if len(r.nodes) < 2 or r.length < 2:
+            raise FissionError(f"{name}: {len(r.nodes)} nodes, {r.length} units")
+        return split_region(g, r, _parts(r, parts), verify=True)
+    return make
+
+
+def _value(graph: Graph, name: str) -> int:
+    found = next((v.id for v in graph.values if v.name == name), None)
+    if found is None:
+        raise FissionError(f"no value {name} in the graph")
+    return found
+
+
+def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
+    """The largest forward value the region runs in parts, and its dim (None: none)."""
+    found = [(graph.values[v].nbytes, -v, d) for v, d in region.dims.items()
+             if isinstance(d, int) and graph.values[v].producer is not None
+             and graph.nodes[graph.values[v].producer].phase is Phase.FORWARD]
+    if not found:
+        return None
+    _, v, d = max(found)
+    return -v, d
+
+
+def _for_each_alike(name: str, rewrite) -> Recipe:
+    """The recipe applying ``rewrite(g, value id, parts)`` to value ``name`` and, in turn, to
+    each alike start's (found by name in the graph the last rewrite returned); an alike start
+    that cannot be rewritten is left as it is, ``name``'s own error is raised, and
+    FissionError past the deadline."""
+    def make(graph: Graph, parts: int, deadline: float) -> Graph:
+        names = [graph.values[v].name for v in _alike_starts(graph, _value(graph, name))]
+        g = graph
+        for k, other in enumerate(names):
+            # NOTE: each rewrite walks the whole graph: an unrolled GRU's 256 steps are alike
+            # (23,615 nodes: hours for one candidate)
+            if time.perf_counter() > deadline:
+                raise FissionError(f"out of time after {k} of {len(names)} alike starts")
+            try:
+                g = rewrite(g, next(v.id for v in g.values if v.name == other), parts)
+            except (FissionError, CopyError, GraphError, StopIteration):
+                if other == name:
+                    raise
+        return g
+    return make
+
+
+def _alike_starts(graph: Graph, vid: int) -> list[int]:
+    """Values made by the same op in the same phase, of the same shape, at the same output
+    index."""
+    v = graph.values[vid]
+    n = graph.nodes[v.producer]
+    at = n.outputs.index(vid)
+    out = []
+    for m in graph.nodes:
+        if (m.phase is n.phase and m.target == n.target and len(m.outputs) > at
+                and m.outputs[at] is not None and graph.values[m.outputs[at]].shape == v.shape):
+            out.append(m.outputs[at])
+    return out
+
+
+def _full_length(graph: Graph, vid: int, dim: int, **kw) -> Region:
+    """The region grown from ``vid`` along ``dim``; where it makes the axis coarser (a
+    reshape ties the flattened tokens to the batch), the one that keeps every unit.
+
+    NOTE: re-made in the backward, Gemma-2's MLP along its flattened tokens ran on through the
+    3-D norms and residuals and was cut in 2 parts along the batch (31.2 MB planned against
+    23.0 unsplit); kept to the 2-D MLP, it runs in up to ``PARTS`` parts."""
+    r = grow_region(graph, vid, dim, **kw)
+    if r.length >= graph.values[vid].shape[dim]:
+        return r
+    fine = grow_region(graph, vid, dim, keep_length=True, **kw)
+    return fine if len(fine.nodes) >= 2 else r
+
+
+def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
+    r = _full_length(graph, vid, dim)
+    r = trimmed(graph, r, share) if share else r
+    fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD}
+    return sorted(_linked(graph, graph.values[vid].producer, fwd))
+
+
+def _linked(graph: Graph, start: int, nodes: set[int]) -> set[int]:
+    """The nodes of ``nodes`` that ``start`` leads to (through tensors one makes and another
+    reads), and those that lead to ``start`` or to them. A region also takes the other readers
+    of a tensor it reads along its dim (every block's attention mask, made from one shared
+    mask): those belong to other blocks, and copied or split with this one they would be
+    kept whole from the forward to the backward."""
+    readers: dict[int, set[int]] = {n: set() for n in nodes}
+    makers: dict[int, set[int]] = {n: set() for n in nodes}
+    for n in nodes:
+        for v in graph.nodes[n].inputs:
+            m = graph.values[v].producer
+            if m in nodes and m != n:
+                readers[m].add(n)
+                makers[n].add(m)
+    after = _closure({start}, readers)
+    return _closure(after, makers)
+
+
+def _closure(seeds: set[int], edges: dict[int, set[int]]) -> set[int]:
+    seen, todo = set(seeds), list(seeds)
+    while todo:
+        for m in edges.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int = PARTS
+                     ) -> Graph:
+    """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
+    backward and run there in up to ``parts`` parts with the backward ops that read it."""
+    nodes = copy_set(graph, _forward_nodes(graph, vid, dim, share))
+    name = graph.values[vid].name + COPY_SUFFIX
+    g = recompute_copies(graph, nodes)
+    copy = next(v.id for v in g.values if v.name == name)
+    # NOTE: the copies go in right before their first reader; the backward nodes before them
+    # are later blocks' (nn.MultiheadAttention's backward is row-wise along the tokens from
+    # block to block: grown through them, the region's convexity cut took this block's own)
+    first = first_reader(graph, nodes)
+    outside = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
+    region = _backward_region(g, copy, dim, outside, first)
+    out = split_region(g, region, _parts(region, parts), verify=True)
+    _check_views(out)
+    return _forward_in_parts(out, graph.values[vid].name, dim, parts)
+
+
+def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
+                     first: int) -> Region:
+    """The region grown from the copies' value ``copy`` along ``dim`` in the backward.
+
+    Backward nodes that run before the copies (before node ``first``) stay out: the backward
+    of nn.MultiheadAttention is row-wise along the tokens from block to block, and grown
+    through a later block's, the region's convexity cut took this block's own. Except a node
+    that only feeds the region along the split dim: the gradient of a block's MLP hidden
+    (``dY @ W2``, 1 MiB on nn.TransformerEncoder) runs just before the first reader of the
+    hidden's copy, and left out it stayed whole at the peak."""
+    before = {n.id: "runs before the copies (a later block's backward)"
+              for n in graph.nodes[:first] if n.phase is Phase.BACKWARD}
+    region = _full_length(graph, copy, dim, exclude=outside | before)
+    inside = set(region.nodes)
+    fed = {graph.values[v].producer for v, d in region.dims.items() if isinstance(d, int)}
+    fed &= before.keys()
+    if not fed:
+        return region
+    readers: dict[int, set[int]] = {}
+    for n in graph.nodes:
+        for u in n.inputs:
+            readers.setdefault(graph.values[u].storage, set()).add(n.id)
+    feed = {p for p in fed if all(readers.get(graph.values[o].storage, set()) <= inside
+                                  for o in graph.nodes[p].outputs if o is not None)}
+    if not feed:
+        return region
+    wider = _full_length(graph, copy, dim, exclude=outside | {
+        n: why for n, why in before.items() if n not in feed})
+    return wider if inside < set(wider.nodes) else region
+
+
+def _forward_in_parts(graph: Graph, name: str, dim: int, parts: int = PARTS) -> Graph:
+    """``graph`` with the forward region grown from value ``name`` along ``dim`` (forward
+    nodes only) run in up to ``parts`` parts too; ``graph`` itself where it cannot be.
+
+    Once the backward reads the copies, the forward region's own tensors are read by forward
+    nodes alone: its parts die in the forward, so splitting it costs no saved tensor and cuts
+    the forward's peak (a block's scores and softmax, whole, in every forward)."""
+    vid = next((v.id for v in graph.values if v.name == name), None)
+    if vid is None:
+        return graph
+    out_of_forward = {n.id: "not in the forward" for n in graph.nodes
+                      if n.phase is not Phase.FORWARD}
+    # NOTE: a forward node whose storages the backward reads (through any view) stays whole:
+    # its parts would be saved for the backward
+    later = {graph.values[v].storage for n in graph.nodes if n.phase is not Phase.FORWARD
+             for v in n.inputs}
+    saved = {n.id: "read by the backward" for n in graph.nodes if n.phase is Phase.FORWARD
+             and any(graph.values[o].storage in later for o in n.outputs if o is not None)}
+    if graph.values[vid].producer in saved:
+        return graph
+    region = grow_region(graph, vid, dim, exclude=out_of_forward | saved)
+    own = _linked(graph, graph.values[vid].producer, set(region.nodes))
+    if len(own) < len(region.nodes):
+        others = {n: "another block's" for n in region.nodes if n not in own}
+        region = grow_region(graph, vid, dim, exclude=out_of_forward | saved | others)
+    if region.length < 2:
+        return graph
+    try:
+        out = split_region(graph, region, _parts(region, parts), verify=True)
+        _check_views(out)
+    except (FissionError, CopyError, GraphError):
+        return graph
+    return out
+
+
+def _check_views(graph: Graph) -> None:
+    """A node that allocates nothing and writes nothing (a view) must return tensors in the
+    storages it reads; CopyError where one does not (the planner would free the wrong
+    storage)."""
+    fresh = new_storages(graph)
+    for n in graph.nodes:
+        if fresh[n.id] or n.mutates:
+            continue
+        read = {graph.values[v].storage for v in n.inputs}
+        for o in n.outputs:
+            if o is not None and graph.values[o].storage not in read:
+                raise CopyError(f"{n.name} returns {graph.values[o].name} in a storage it "
+                                "does not read")
