@@ -119,6 +119,14 @@ def test_the_path_made_again_in_more_parts_is_kept_where_lower(rounds):
     assert splits == ["a", "b", again] and peak == 800
 
 
+def test_the_rounds_go_on_from_the_path_made_again(rounds):
+    # NOTE: Falcon: in 16 parts the peak moved from block 0's attention to its MLP backward
+    again = f"the split again in up to {fb.REPLAY_PARTS} parts"
+    splits, peak, _ = rounds([[("a", "plain", 900)], [], [("mlp", "copies", 800)]],
+                             again={f"a@{fb.REPLAY_PARTS}": 850})
+    assert splits == ["a", again, "mlp"] and peak == 800
+
+
 def test_the_path_made_again_in_more_parts_is_dropped_where_higher(rounds):
     splits, peak, _ = rounds([[("a", "plain", 900)]], again={f"a@{fb.REPLAY_PARTS}": 950})
     assert splits == ["a"] and peak == 900

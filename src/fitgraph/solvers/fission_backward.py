@@ -21,9 +21,10 @@ one trim of a start) are made and screened — the split graph priced with the c
 drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
 peak); the one that lowers it most is kept, and rounds go on while one does and time is left.
 Where they end, the search goes on from the lowest of up to ``BRANCHES`` runners-up (tries
-planned below their round's start and not kept), and keeps the lowest peak of every path; that
-path's splits are then made again from the start in ``REPLAY_PARTS`` parts (the candidates'
-recipes, ``solvers.backward_regions``) and planned once, kept where lower.
+planned below their round's start and not kept), and keeps the lowest peak of every path.
+Where a path's rounds end, its splits are made again from the start in ``REPLAY_PARTS`` parts
+(the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
+the rounds go on from it.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
 again) and its saved views copied out of packed projections (``copy_saved_views``). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
 get here.
@@ -115,12 +116,18 @@ def split_backward(problem: Problem) -> Solution | None:
     if best is None:
         return None
     before, tried = best.sim.peak_bytes, []
-    # NOTE: the last plan's time is kept for the path made again in more parts
+    # NOTE: a plan's time is kept for making a path again in more parts where it ends
     search_end = deadline - (_plan_s(total) if REPLAY_PARTS > PARTS else 0.0)
     path = _Path(graph, best, [], [])
     final, others = path, []
     while True:
         path, left = _rounds(path, cm, search_end, t0, total, tried)
+        again = _replayed(path, graph, cm, deadline, t0, total, tried)
+        if again is not path:
+            # NOTE: in more parts the peak moves on (Falcon's from the attention to the MLP
+            # backward of block 0): the rounds go on from there
+            path, more = _rounds(again, cm, search_end, t0, total, tried)
+            left += more
         others = sorted(others + left, key=lambda o: o.sol.sim.peak_bytes)[:BRANCHES]
         if path.sol.sim.peak_bytes < final.sol.sim.peak_bytes:
             final = path
@@ -131,7 +138,7 @@ def split_backward(problem: Problem) -> Solution | None:
         # round 1's best (the MLP backward along its rows) led to no second split, where the
         # runner-up (its MLP re-made along the tokens) leads to three (1.39x -> 1.27x)
         path, others = others[0], others[1:]
-    graph, best, done, _ = _replayed(final, graph, cm, deadline, t0, total, tried)
+    graph, best, done, _ = final
     notes = dict(best.notes, splits=done, tried=tried, least_peak_before=before,
                  masks="bits" if graph is not problem.graph else "as captured")
     return dataclasses.replace(best, solver="split_backward", notes=notes,
@@ -141,13 +148,13 @@ def split_backward(problem: Problem) -> Solution | None:
 
 def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,
               tried: list[str]) -> _Path:
-    """``final``'s splits made again from ``start`` in up to ``REPLAY_PARTS`` parts and
-    planned: that path where its peak is lower, else ``final``.
+    """``final``'s splits (where a path's rounds end) made again from ``start`` in up to
+    ``REPLAY_PARTS`` parts and planned: that path where its peak is lower, else ``final``.
 
     NOTE: a split's parts hold a share of its region's tensors at a time (Falcon's attention
     re-made in 8 parts holds an eighth of its scores, softmax and their gradients at once);
     twice the parts halve it, and the search's rounds choose the splits in ``PARTS``."""
-    if REPLAY_PARTS <= PARTS or not final.recipes:
+    if REPLAY_PARTS <= PARTS or not final.recipes or time.perf_counter() > deadline:
         return final
     n = len(final.recipes)
     what = (f"the {n} splits" if n > 1 else "the split") + f" again in up to {REPLAY_PARTS} parts"
