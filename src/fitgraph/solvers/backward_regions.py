@@ -43,7 +43,8 @@ from .fission_regions import peak_starts, shared_regions, trimmed
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
            "copies_recipe", "plain_recipe"]
 
-# NOTE: parts per split: 4 cuts a block's attention to a quarter; a later round may split again
+# NOTE: parts per split in the search's rounds: a block's attention an eighth at a time; the path
+# found is made again in more (``fission_backward.REPLAY_PARTS``)
 PARTS = 8
 MAX_STORAGES = 3
 # NOTE: 1.0 keeps the nodes of the largest tensors and the paths between them: a block's MLP
