@@ -144,3 +144,32 @@ def test_split_dims_of_a_linear_layer(zoo_graphs):
     assert split_dims(g, mm.id, a, 0)[b] is None
     dropout = _first(g, "aten.bernoulli_.float")
     assert node_splits(g, dropout) == [] and "random" in boundary_reason(g, dropout)
+
+
+def test_a_region_through_a_grouped_convolution_cuts_whole_groups():
+    """Grown along the channels from a ReLU (a unit: one channel) into a convolution in 2
+    groups of 16 channels, the region's unit grows to a group: RegNet's was cut in 8 parts
+    of 4 channels, and each part's convolution had 0 groups (a profiler error, not a plan)."""
+    import torch
+    from test_fission import assert_same_as_eager
+
+    import fitgraph
+    from fitgraph.graph.ir import Phase
+    from fitgraph.transform.fission import split_region
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1, groups=2),
+                                torch.nn.ReLU())
+    batch = torch.randn(2, 4, 8, 8)
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    g = fitgraph.capture(model, batch, loss_fn)
+    relu = next(n for n in g.nodes if n.phase is Phase.FORWARD and "relu" in n.target)
+    r = grow_region(g, relu.outputs[0], 1)
+    conv = next(n.id for n in g.nodes if n.phase is Phase.FORWARD and n.name == "convolution_1")
+    assert conv in r.nodes and r.length == 2
+    _assert_sound(g, r)
+    assert_same_as_eager(model, batch, loss_fn, split_region(g, r, r.length, verify=True))
+    # NOTE: a region that must keep every channel a unit stops at the convolution
+    fine = grow_region(g, relu.outputs[0], 1, keep_length=True)
+    assert conv not in fine.nodes and fine.length == 32

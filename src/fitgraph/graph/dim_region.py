@@ -239,9 +239,14 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
         if got is _MISSING:
             continue
         ratio, extra = got
-        if keep_length and ratio is not None and any(
+        # NOTE: a region unit a fraction of the op's (a convolution in 2 groups of 16 channels
+        # reached where the region's unit is a channel): the op's units are whole only if the
+        # region's unit grows to one of them, for every value (RegNet: cut in 8 parts of 4
+        # channels, each part's convolution had 0 groups)
+        whole = 1 if ratio is None else ratio.denominator
+        if keep_length and ratio is not None and (whole > 1 or any(
                 isinstance(e, Along) and e.window is None and (ratio * e.unit).denominator > 1
-                for vid, e in table.items() if vid not in dims):
+                for vid, e in table.items() if vid not in dims)):
             coarser = True  # NOTE: a unit of the axis would be a fraction of this value's unit
             continue
         for vid, e in table.items():
@@ -252,6 +257,10 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
             dims[vid] = e
             if isinstance(e, Along):
                 units[vid] = None if ratio is None or e.window is not None else ratio * e.unit
+        if whole > 1:
+            for vid, u in units.items():
+                if u is not None:
+                    units[vid] = u * whole
         return split, table
     node = graph.nodes[nid]
     if coarser:

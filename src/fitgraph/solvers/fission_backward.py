@@ -204,7 +204,10 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
 
 def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Solution | None:
     if hasattr(cm, "profile"):
-        cm.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
+        try:
+            cm.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
+        except RuntimeError:
+            return None  # NOTE: an op of the split graph cannot run: no plan
     left = max(deadline - time.perf_counter(), 1.0)
     try:
         # NOTE: a share of the whole per plan: each round plans several candidates
@@ -254,9 +257,16 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float,
         except (FissionError, CopyError, GraphError, StopIteration) as e:
             tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
             continue
+        try:
+            screen = _screen(g2, cm, dropped)
+        except RuntimeError as e:
+            # NOTE: a split graph whose ops cannot run (found by profiling them) is passed over
+            # with its error: a candidate never fails the planner
+            tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
+            continue
         starts.add((kind, start))
         made[kind] += 1
-        out.append((_screen(g2, cm, dropped), rank, what, kind, g2, recipe))
+        out.append((screen, rank, what, kind, g2, recipe))
     out.sort(key=lambda c: c[:2])
     return out
 
