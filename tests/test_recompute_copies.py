@@ -212,19 +212,23 @@ class MhaBlock(nn.Module):
         return x + self.mlp(x)
 
 
-def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts():
+@pytest.mark.parametrize("parts", [8, 16])
+def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts(parts):
     """Grown from a copy, a region stays in its own block's backward: grown into the later
     blocks' (which run before it), its convexity cut took away its own backward, and only the
-    last block's attention ran in parts."""
+    last block's attention ran in parts. In the search's parts and in the replay's."""
     from fitgraph.solvers.backward_regions import PARTS, copies_recipe
+    from fitgraph.solvers.fission_backward import REPLAY_PARTS
+
+    assert (PARTS, REPLAY_PARTS) == (8, 16)
 
     torch.manual_seed(0)
     model = nn.Sequential(MhaBlock(), MhaBlock(), MhaBlock())
     g = compact_masks(fitgraph.capture(model, BATCH, _loss))
     soft = next(n for n in g.nodes if n.phase is Phase.FORWARD and "softmax" in n.target)
-    s = copies_recipe(g.values[soft.outputs[0]].name, 2, 0.0)(g, PARTS, float("inf"))
+    s = copies_recipe(g.values[soft.outputs[0]].name, 2, 0.0)(g, parts, float("inf"))
     grads = [n for n in s.nodes if n.target == "aten._softmax_backward_data.default"]
-    assert len(grads) == 3 * PARTS and all(".part" in n.name for n in grads)
+    assert len(grads) == 3 * parts and all(".part" in n.name for n in grads)
     assert_split_like_eager(g, s, model, BATCH)
 
 

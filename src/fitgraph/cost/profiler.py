@@ -173,9 +173,10 @@ class ProfiledCostModel:
         progress: show a tqdm bar over the nodes being measured.
         refresh: measure again even what the cache holds, and overwrite it. Without it, the
             first graph profiled, where the cache holds its in-situ times, is timed in its step
-            once and compared (``cost/in_situ.check_cache``): where the cache reads over 1.5x (or under 1/1.5x) what its ops take now
-            (a profile taken while other work shared the machine), a warning says so and
-            ``refresh`` turns on (``stale_cache_ratio`` keeps the ratio).
+            once and compared (``cost/in_situ.check_cache``): where the cache reads over 1.5x
+            (or under 1/1.5x) what its ops take now (a profile taken while other work shared
+            the machine), a warning says so and ``refresh`` turns on (``stale_cache_ratio``
+            keeps the ratio).
         in_situ: also time every node inside its graph's eager step (``cost/in_situ.py``) and
             cost it by that time: ops alone run with warm caches and recycled blocks, and
             small ops gain more from it than large ones. Default: on the CPU.

@@ -195,7 +195,7 @@ def _for_each_alike(name: str, rewrite) -> Recipe:
             if time.perf_counter() > deadline:
                 raise FissionError(f"out of time after {k} of {len(names)} alike starts")
             try:
-                g = rewrite(g, next(v.id for v in g.values if v.name == other), parts)
+                g = rewrite(g, _value(g, other), parts)
             except (FissionError, CopyError, GraphError, StopIteration):
                 if other == name:
                     raise
