@@ -44,7 +44,7 @@ from .graph.ir import Graph
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
 
-__all__ = ["MAX_TRIES", "ROUNDS", "LatencyCheck", "eager_factor", "paired_ratio",
+__all__ = ["MAX_TRIES", "ROUNDS", "LatencyCheck", "eager_factor", "paired", "paired_ratio",
            "torch_forward_backward", "update_overhead_s", "update_times"]
 
 # NOTE: paired rounds per measurement: the median of 7 ratios moves by a point or two here
@@ -161,27 +161,52 @@ def update_overhead_s(base: Graph, cm, rounds: int = 5) -> float:
     return update_times(base, cm, rounds)[0]
 
 
-def torch_forward_backward(model: torch.nn.Module, batch, loss_fn, device: torch.device):
+def torch_forward_backward(model: torch.nn.Module, batch, loss_fn, device: torch.device,
+                           loss_of=None, into_grad: bool = False):
     """A timer of the user's own forward and backward in eager PyTorch that leaves the model
     as it was: gradients returned (``autograd.grad``), not written to ``.grad``; buffers
-    (BatchNorm's running stats) restored; the RNG state forked."""
+    (BatchNorm's running stats) restored; the RNG state forked. ``loss_of(batch)``, where
+    given, computes the loss instead of ``model`` and ``loss_fn`` (a torch.compile'd one).
+
+    ``into_grad``: ``loss.backward()`` into ``.grad`` set to None, as a training loop after
+    ``zero_grad()`` runs it, each ``.grad`` put back after (not where a parameter has a hook
+    that runs after its gradient accumulates: such a hook may update it).
+    NOTE: accumulating into ``.grad`` costs eager PyTorch a few percent more than
+    ``autograd.grad`` (AccumulateGrad makes each gradient's layout the parameter's); a
+    torch.compile'd backward pays it either way, so its ratio to eager measured without it
+    is a few points over what users measure."""
     from .capture.calling import compute_loss
     from .measure import _sync
+
+    if loss_of is None:
+        def loss_of(b):
+            return compute_loss(model, b, loss_fn)
 
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = list(model.buffers())
     devices = [device.index or 0] if device.type == "cuda" else []
+    into_grad = into_grad and not any(getattr(p, "_post_accumulate_grad_hooks", None)
+                                      for p in params)
 
     def timed() -> float:
         saved = [b.clone() for b in buffers]
+        stash = [p.grad for p in params] if into_grad else []
+        for p in params if into_grad else ():
+            p.grad = None
         with torch.random.fork_rng(devices=devices):
             _sync(device)
             t0 = time.perf_counter()
-            loss = compute_loss(model, batch, loss_fn)
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            loss = loss_of(batch)
+            if into_grad:
+                loss.backward()
+                grads = None
+            else:
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
             _sync(device)
             dt = time.perf_counter() - t0
         del loss, grads
+        for p, g in zip(params, stash):
+            p.grad = g
         with torch.no_grad():
             for b, v in zip(buffers, saved):
                 b.copy_(v)
@@ -222,31 +247,47 @@ def _unsettled(ratios: list[float]) -> bool:
     return (q[2] - q[0]) / statistics.median(ratios) > SETTLED
 
 
+def paired(timed, reference, rounds: int = ROUNDS, warmup: int = WARMUP,
+           reference_offset_s: float = 0.0) -> tuple[float, float]:
+    """(median, spread) of ``timed()`` over ``reference()`` (each returns its seconds) in
+    ``rounds`` paired rounds after ``warmup``, more while they are unsettled (``_unsettled``),
+    up to ``MAX_ROUNDS``: the reference first, then the other order (neither always runs on
+    the other's warm caches); spread = (max - min) / median of the ratios.
+    ``reference_offset_s`` is taken off each reference time (at most half of it).
+
+    Example:
+        >>> ratio, spread = paired(lambda: 2.0, lambda: 1.0, rounds=3)
+        >>> ratio, spread
+        (2.0, 0.0)
+    """
+    runs = (("ref", reference), ("timed", timed))
+    ratios: list[float] = []
+    r = 0
+    while r < warmup + rounds or (r < warmup + MAX_ROUNDS and _unsettled(ratios)):
+        order = runs if r % 2 == 0 else runs[::-1]
+        r += 1
+        t = {name: fn() for name, fn in order}
+        if r > warmup:
+            ratios.append(t["timed"] / max(t["ref"] - reference_offset_s, t["ref"] / 2))
+    med = statistics.median(ratios)
+    return med, (max(ratios) - min(ratios)) / med
+
+
 def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS,
                  warmup: int = WARMUP, eager_offset_s: float = 0.0) -> tuple[float, float]:
-    """(median, spread) of ``plan`` on ``graph``'s step time over ``base``'s eager plan's, in
-    ``rounds`` paired rounds, more while they are unsettled (``_unsettled``) (eager first, then the plan, then the other order: neither always runs on
-    the other's warm caches), each step on fresh synthetic inputs; spread = (max - min) /
-    median of the ratios. ``eager_offset_s`` is taken off each eager time: what the executor
-    spends that eager PyTorch does not (``update_overhead_s``)."""
+    """(median, spread) of ``plan`` on ``graph``'s step time over ``base``'s eager plan's
+    (``paired``), each step on fresh synthetic inputs. ``eager_offset_s`` is taken off each
+    eager time: what the executor spends that eager PyTorch does not (``update_overhead_s``)."""
     from .execute.executor import Executor
 
     eager = Executor(base, eager_plan(base), model=None)
     planned = Executor(graph, plan, model=None)
-    runs = (eager, _runner(base, cm), base), (planned, _runner(graph, cm), graph)
-    ratios = []
+    eager_runner, planned_runner = _runner(base, cm), _runner(graph, cm)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        r = 0
-        while r < warmup + rounds or (r < warmup + MAX_ROUNDS and _unsettled(ratios)):
-            order = runs if r % 2 == 0 else runs[::-1]
-            r += 1
-            t = {id(ex): _timed(ex, runner, g) for ex, runner, g in order}
-            if r > warmup:
-                ratios.append(t[id(planned)] / max(t[id(eager)] - eager_offset_s,
-                                                   t[id(eager)] / 2))
-    med = statistics.median(ratios)
-    return med, (max(ratios) - min(ratios)) / med
+        return paired(lambda: _timed(planned, planned_runner, graph),
+                      lambda: _timed(eager, eager_runner, base), rounds, warmup,
+                      eager_offset_s)
 
 
 @dataclass

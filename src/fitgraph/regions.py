@@ -96,6 +96,13 @@ class RegionsReport:
             lines.append(f"  saved for the backward: {format_bytes(self.regions_saved_bytes)} by "
                          f"the planned regions, {format_bytes(self.eager_saved_bytes)} by the "
                          "code between them (eager, not planned)")
+        check = self.notes.get("latency_check")
+        if check and check["tries"]:
+            tries = ", ".join(f"{'unplanned' if t['planned_for'] is None else t['planned_for']}"
+                              f" -> {t['measured']:.3f}" for t in check["tries"])
+            lines.append(f"  latency limit {check['limit']}: kept {check['plan']}, forward and "
+                         f"backward measured {check['measured']:.3f}x eager PyTorch's (planned "
+                         f"for -> measured: {tries})")
         if "not_measured" in self.notes:
             lines.append(f"  step: not measured yet ({self.notes['not_measured']})")
         lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
@@ -160,6 +167,20 @@ def _dynamo_quiet():
         log.setLevel(level)
 
 
+@contextlib.contextmanager
+def room_to_compile():
+    """Dynamo's recompile limit raised by the tries of ``regions_latency``: each try compiled
+    each region's code once more (a new backend), and those entries stay in Dynamo's cache
+    unused; without the room, a region of a later shape would run eagerly, unplanned."""
+    from torch._dynamo import config
+
+    from .latency_check import MAX_TRIES
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{name: getattr(config, name) + MAX_TRIES + 1}):
+        yield
+
+
 def _first_line(reason: str) -> str:
     """A graph break's reason in one line: Dynamo's title and its explanation (which names
     the op: "Operator `aten.nonzero.default`'s output shape depends on input Tensor data")."""
@@ -180,15 +201,16 @@ class RegionsStep:
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
                  time_budget: float, cost_model, clip_grad_norm: float | None,
-                 reason: CaptureError) -> None:
-        from .compile_backend import backend
-
+                 reason: CaptureError, measure_latency: bool = True) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.clip_grad_norm, self.reason = clip_grad_norm, reason
-        self.budget = budget
-        # NOTE: hotspot (remat + reordering inside each region): bitwise, as eager
-        self.backend = backend(budget=budget, latency_limit=latency_limit,
-                               time_budget=time_budget, cost_model=cost_model)
+        self.budget, self.latency_limit, self.time_budget = budget, latency_limit, time_budget
+        self.cost_model = cost_model
+        # NOTE: with a latency limit the regions are compiled at the first call, timed against
+        # eager PyTorch and planned again where they run over (``regions_latency``)
+        self._unchecked = latency_limit is not None and measure_latency
+        self.latency_check: dict | None = None
+        self.backend = self._backend(None if self._unchecked else latency_limit, time_budget)
         # NOTE: dynamic=None: a float that changes at every step (read with .item()) becomes
         # a graph input at the second compile instead of a recompile per value
         self._loss = torch.compile(self._compute_loss, backend=self.backend)
@@ -202,12 +224,42 @@ class RegionsStep:
     def _compute_loss(self, batch: Any) -> torch.Tensor:
         return compute_loss(self.model, batch, self.loss_fn)
 
+    def _backend(self, latency_limit: float | None, time_budget: float):
+        """A ``fitgraph.backend`` for the budget or ``latency_limit`` (neither: unplanned),
+        sharing the cost model (its measured op times) with the backends made before."""
+        from .compile_backend import backend
+
+        # NOTE: hotspot (remat + reordering inside each region): bitwise, as eager
+        made = backend(budget=self.budget, latency_limit=latency_limit,
+                       time_budget=time_budget, cost_model=self.cost_model)
+        self.backend = made
+        return made
+
+    def _check_latency(self, batch: Any) -> None:
+        """Compile the regions for the latency limit, timed against eager PyTorch
+        (``regions_latency.checked_compile``); keep the plan that measures within it."""
+        from .regions_latency import checked_compile
+
+        def make(limit: float | None, time_budget: float):
+            if self.backend.cost_model is not None:
+                self.cost_model = self.backend.cost_model  # NOTE: profiled once, then shared
+            return self._backend(limit, time_budget)
+
+        with _dynamo_quiet(), room_to_compile():
+            kept = checked_compile(self._compute_loss, self.model, batch, self.loss_fn,
+                                   self.latency_limit, make, self.time_budget)
+        self._loss, self.backend = kept.loss, kept.backend
+        self._breaks += kept.breaks
+        self.latency_check = kept.notes()
+        self._unchecked = False
+
     @property
     def device(self) -> torch.device:
         return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
     def _run(self, batch: Any) -> torch.Tensor:
-        loss = self._loss(batch)
+        with room_to_compile():
+            loss = self._loss(batch)
         loss.backward()
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
@@ -218,6 +270,8 @@ class RegionsStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         from torch._dynamo.utils import counters
 
+        if self._unchecked:
+            self._check_latency(batch)
         if not self._settled:
             # NOTE: a call that compiles plans regions, profiling their ops on real tensors
             # under meters of their own: it is neither measured nor timed. Dynamo may compile
@@ -294,9 +348,10 @@ class RegionsStep:
             regions_saved_bytes=self.regions_saved_bytes,
             eager_saved_bytes=self.eager_saved_bytes,
             measured_step_s=statistics.median(self.step_times) if self.step_times else None,
-            notes={} if self._settled else {
+            notes=({} if self._settled else {
                 "not_measured": f"each of the {self._calls} call(s) so far compiled: the step "
                                 "is measured at the first call that compiles nothing"})
+            | ({} if self.latency_check is None else {"latency_check": self.latency_check}))
 
     def save(self, path: str) -> None:
         raise NotImplementedError("a step planned by regions cannot be saved: its regions are "

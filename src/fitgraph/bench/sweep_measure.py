@@ -222,7 +222,9 @@ def latency_tries(notes: dict) -> str:
     kept = check.get("plan", "")
     out = []
     for i, t in enumerate(check.get("tries", ())):
-        star = "*" if kept == f"try {i + 1}" else ""
+        # NOTE: a step by regions may keep its regions unplanned (the last try)
+        star = "*" if kept in (f"try {i + 1}", "unplanned" * ("planned_for" in t
+                                                          and t["planned_for"] is None)) else ""
         out.append(f"{t['simulated']:.3f}/{t['measured']:.3f}±{t['spread']:.2f}"
                    f"@{t['peak_bytes'] / 1e6:.1f}MB{star}")
     return "; ".join(out) or str(kept)
@@ -305,6 +307,8 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         loss_f = step(batch)   # NOTE: a plan's first step is also its measured one
         row["result"], row["result_detail"] = compare(loss_e, loss_f, twin_m, m_f)
         row["peak_110"] = step.report().measured_peak_bytes
+        if regions:   # NOTE: a step by regions checks its latency at its first call
+            row["latency_check"] = latency_tries(step.report().notes)
         del twin_m, twin_o
         if row["result"] == "MISMATCH":
             row["status"], row["error"] = "MISMATCH", row["result_detail"]
