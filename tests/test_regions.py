@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import fitgraph
 from fitgraph.regions import RegionsStep
 
+
 @pytest.fixture(autouse=True)
 def _room_to_compile():
     """Room in Dynamo's cache: every test's steps compile the same model code again (new

@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
+from test_regions import ItemScaled, ctc_batch, ctc_loss
 
 import fitgraph
 from fitgraph import latency_check
 from fitgraph.regions import RegionsStep
-from test_regions import ItemScaled, ctc_batch, ctc_loss
+
 
 @pytest.fixture(autouse=True)
 def _room_to_compile():
