@@ -85,6 +85,17 @@ def test_the_unplanned_regions_are_the_last_resort(monkeypatch):
     assert "kept unplanned" in str(r)
 
 
+def test_where_every_try_is_over_the_fastest_measured_is_kept(monkeypatch):
+    """The unplanned regions over the limit too (the route's own cost): the try that measured
+    fastest is kept, with its plan."""
+    _scripted(monkeypatch, [1.5, 1.12, 1.3, 1.3])
+    r = _planned_and_run()
+    check = r.notes["latency_check"]
+    assert check["plan"] == "try 2" and check["measured"] == 1.12
+    assert check["tries"][-1]["planned_for"] is None
+    assert all(x.latency_limit == check["tries"][1]["planned_for"] for x in r.regions)
+
+
 def test_measure_latency_false_trusts_the_simulation(monkeypatch):
     seen = _scripted(monkeypatch, [9.9])
     model = ItemScaled()
