@@ -17,6 +17,10 @@ The budget applies to each region: a fraction of the region's own eager peak, or
 region's peak; the step's peak (optimizer state and what the eager code keeps included) is
 measured at the first step after compiling settles (the second or third) and checked against a bytes budget, with a warning where it is over.
 
+A latency limit is checked by measurement at the first call: the regions' forward and backward
+timed against eager PyTorch's, planned again for a tighter limit where they run over, the
+regions unplanned as the last resort (``regions_latency``; ``report().notes["latency_check"]``).
+
 Example:
     >>> import torch, fitgraph
     >>> class Scaled(torch.nn.Module):           # .item(): a graph break
