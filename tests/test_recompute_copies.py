@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import assert_split_like_eager
 from torch import nn
+from torch.nn import functional as F
 
 import fitgraph
 from fitgraph.cost import RooflineCostModel, get_device
@@ -277,3 +278,43 @@ def test_a_copied_mlp_along_its_flattened_tokens_keeps_every_token():
     assert len(copies) == PARTS
     assert all(s.values[n.outputs[0]].shape[0] == tokens // PARTS for n in copies)
     assert_split_like_eager(g, s, model, BATCH)
+
+
+class ConvFrontEnd(nn.Module):
+    """A speech model's convolutional front end (HuBERT's, conv_bias=False): a convolution of
+    the raw samples, a GroupNorm per channel, GELU; then a convolution that sums over them."""
+
+    def __init__(self, ch=16):
+        super().__init__()
+        self.conv0 = nn.Conv1d(1, ch, 10, stride=5, bias=False)
+        self.norm = nn.GroupNorm(ch, ch)
+        self.conv1 = nn.Conv1d(ch, ch, 3, stride=2, bias=False)
+        self.head = nn.Linear(ch, 4)
+
+    def forward(self, audio):
+        h = F.gelu(self.norm(self.conv0(audio[:, None])))
+        return self.head(F.gelu(self.conv1(h)).mean(-1))
+
+
+def test_a_layer_re_made_along_its_channels_leaves_the_sum_over_them_to_the_forward():
+    """Re-made with the layer, the next convolution's sum over its channels had to be whole
+    before the next layer's activation backward, which runs first: the region stopped at the
+    copies, whole. Left to the forward, the layer's copies and its backward (the next
+    convolution's gradients by input channel, GELU, GroupNorm, the first convolution's
+    weight gradient) run in parts, like eager."""
+    from fitgraph.solvers.backward_regions import PARTS, _copied_in_parts
+
+    torch.manual_seed(0)
+    model, audio = ConvFrontEnd(), torch.randn(2, 800)
+    g = fitgraph.capture(model, audio, lambda m, b: m(b).square().mean())
+    gelu = next(n for n in g.nodes if n.phase is Phase.FORWARD and "gelu" in n.target)
+    s = _copied_in_parts(g, gelu.outputs[0], 1, 0.0)
+    copies = [n for n in s.nodes if n.phase is Phase.BACKWARD and n.target == gelu.target
+              and ".part" in n.name]
+    assert len(copies) == PARTS
+    norms = [n for n in s.nodes if n.target == "aten.native_group_norm_backward.default"]
+    assert len(norms) == PARTS and all(".part" in n.name for n in norms)
+    # NOTE: the second convolution runs once in the forward, never re-made in the backward
+    assert [n.phase for n in s.nodes if n.target == "aten.convolution.default"
+            and n.module == "conv1"] == [Phase.FORWARD]
+    assert_split_like_eager(g, s, model, audio)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from ..graph.analysis import GraphError, new_storages
 from ..graph.dim_region import Region, grow_region
+from ..graph.dim_types import Reduced
 from ..graph.ir import Graph, Phase
 from ..sim.simulate import SimResult
 from ..transform.fission import FissionError, split_region
@@ -232,9 +233,19 @@ def _full_length(graph: Graph, vid: int, dim: int, **kw) -> Region:
 
 
 def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
+    """The forward nodes of the region grown from ``vid`` along ``dim`` to re-make in the
+    backward: not one whose output the parts make as partial sums.
+
+    NOTE: HuBERT's first convolution layer (convolution, a GroupNorm per channel, GELU) runs
+    along its channels, and the next convolution sums over them. Re-made with the rest, that
+    sum must be whole before the next layer's activation backward reads it, which runs before
+    this layer's backward: the region in the backward stopped at the copies, all of them
+    whole (2.35x the lower bound against 1.93 unsplit). Left to the forward, the layer runs
+    in parts: 1.56x."""
     r = _full_length(graph, vid, dim)
     r = trimmed(graph, r, share) if share else r
-    fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD}
+    partial = {graph.values[v].producer for v, d in r.dims.items() if isinstance(d, Reduced)}
+    fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD and n not in partial}
     return sorted(_linked(graph, graph.values[vid].producer, fwd))
 
 
