@@ -318,3 +318,45 @@ def test_a_layer_re_made_along_its_channels_leaves_the_sum_over_them_to_the_forw
     assert [n.phase for n in s.nodes if n.target == "aten.convolution.default"
             and n.module == "conv1"] == [Phase.FORWARD]
     assert_split_like_eager(g, s, model, audio)
+
+
+class BiasedAttention(nn.Module):
+    """BEiT's attention: scores plus a relative position bias, looked up in a small table by
+    an index built in place (zeros, then slices written)."""
+
+    def __init__(self, t=16, width=32, heads=2):
+        super().__init__()
+        self.heads, self.t = heads, t
+        self.qkv = nn.Linear(width, 3 * width)
+        self.table = nn.Parameter(torch.randn(2 * t + 1, heads))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        index = torch.zeros(t, t, dtype=torch.long, device=x.device)
+        pos = torch.arange(t, device=x.device)
+        index[:, :] = pos[:, None] - pos[None, :] + t
+        index[0, :] = 2 * t     # NOTE: in place, as BEiT's class-token row
+        bias = self.table[index.view(-1)].view(t, t, -1).permute(2, 0, 1).contiguous()
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / 4 + bias.unsqueeze(0)
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, w)
+        return x + self.out(y)
+
+
+def test_a_bias_gathered_from_a_small_table_is_re_made_in_parts_with_the_attention():
+    """The bias (a contiguous copy of a gather from a small table) is as large as the scores:
+    copied with the attention, it is made again by rows in each part (its index, built in
+    place, is kept for the backward anyway: it costs the copies nothing)."""
+    from fitgraph.solvers.backward_regions import PARTS, _copied_in_parts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(BiasedAttention(), BiasedAttention())
+    x = torch.randn(2, 16, 32)
+    g = fitgraph.capture(model, x, lambda m, b: m(b).square().mean())
+    soft = [n for n in g.nodes if n.phase is Phase.FORWARD and "softmax" in n.target][-1]
+    s = _copied_in_parts(g, soft.outputs[0], 2, 0.0)
+    gathers = [n for n in s.nodes if n.phase is Phase.BACKWARD
+               and n.target == "aten.index.Tensor" and n.module == soft.module.split(".")[0]]
+    assert len(gathers) == PARTS, [n.name for n in s.nodes if "index" in n.target]
+    assert_split_like_eager(g, s, model, x)
