@@ -41,29 +41,13 @@ def _leading(indices) -> int | None:
 
 
 def index_gather(node, ins, outs) -> list[Split]:
-    """index / _unsafe_index(x, indices): the dims before the index tensors follow; with one
-    index tensor, its dims too (a part gathers its own rows from the whole ``x``: BEiT's
-    relative position bias, a table looked up by a [T*T] index).
-
-    Example:
-        >>> from fitgraph.graph.ir import Node, Phase, ValueRef
-        >>> n = Node(0, "index", "aten.index.Tensor", (ValueRef(0), [ValueRef(1)]), {},
-        ...          (0, 1), (2,), (), Phase.FORWARD, "")
-        >>> [(s.operands[0], s.operands[1].dim, s.outputs[0].dim)
-        ...  for s in index_gather(n, [(964, 4), (66049,)], [(66049, 4)])]
-        [(None, 0, 0)]
-    """
+    """index / _unsafe_index(x, indices): the dims before the index tensors follow."""
     lead = _leading(arg_of(node, 1, "indices"))
     if lead is None:
         return []
     x, out, n_index = ins[0], outs[0], len(ins) - 1
-    splits = [Split((Along(d),) + (None,) * n_index, (Along(d),))
-              for d in range(lead) if x[d] == out[d] and x[d] >= 2]
-    if n_index == 1:
-        ix = ins[1]
-        splits += [Split((None, Along(j)), (Along(lead + j),)) for j in range(len(ix))
-                   if ix[j] >= 2 and lead + j < len(out) and out[lead + j] == ix[j]]
-    return splits
+    return [Split((Along(d),) + (None,) * n_index, (Along(d),))
+            for d in range(lead) if x[d] == out[d] and x[d] >= 2]
 
 
 def index_scatter(node, ins, outs) -> list[Split]:

@@ -73,21 +73,13 @@ def copyable(graph: Graph, nid: int, inside: set[int], fresh: dict[int, list[int
 # (a dropout mask re-made from packed bits: 8x to bool, 4x more to float32), so the copies read
 # the small tensor and the large one exists only in parts
 EXPANDS = 2
-# NOTE: producers behind a producer followed to find what a large tensor is made from (BEiT's
-# relative position bias: a contiguous copy of a permuted gather from a small table)
-DEPTH = 4
 
 
 def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
     """The copyable ones of ``nodes`` (``copyable``), plus the forward producers of their
     inputs whose tensor is ``EXPANDS`` times the bytes they read, with the in-place writes
-    that finish it (a mask's scaling) and the views between, transitively: what
-    ``recompute_copies`` should copy so that the backward re-makes large tensors from small
-    ones. A producer's bytes read are those the copies would keep alive: nothing for a graph
-    input, nor for a tensor written in place (never dropped) that the backward reads anyway;
-    for a tensor itself made by such a producer (up to ``DEPTH`` deep), what that one reads
-    (BEiT's bias: a copy of a permuted gather from a small table, by an index built in
-    place)."""
+    that finish it (a mask's scaling), transitively: what ``recompute_copies`` should copy so
+    that the backward re-makes large tensors from small ones."""
     fresh = new_storages(graph)
     maker = {st: nid for nid, sts in fresh.items() for st in sts}
     writers: dict[int, list[int]] = {}
@@ -95,65 +87,30 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
         for v in n.mutates:
             writers.setdefault(graph.values[v].storage, []).append(n.id)
     fwd_readers: dict[int, set[int]] = {}   # storage -> forward nodes that read it
-    bwd_read: set[int] = set()              # storages a backward node reads
     for n in graph.nodes:
-        for v in n.inputs:
-            st = graph.values[v].storage
-            if n.phase is Phase.FORWARD:
-                fwd_readers.setdefault(st, set()).add(n.id)
-            elif n.phase is Phase.BACKWARD:
-                bwd_read.add(st)
-    kept = set(graph.input_storages()) | {st for st in writers if st in bwd_read
-                                          and st in maker}
+        if n.phase is Phase.FORWARD:
+            for v in n.inputs:
+                fwd_readers.setdefault(graph.values[v].storage, set()).add(n.id)
     inside: set[int] = set()
     for nid in sorted(set(nodes)):
         if not copyable(graph, nid, inside | {nid}, fresh):
             inside.add(nid)
-
-    def chain_of(v) -> set[int]:
-        """The maker of ``v``'s storage, its in-place writes before ``v``, the views to ``v``."""
-        mk = maker[v.storage]
-        chain = {mk, *(w for w in writers.get(v.storage, ()) if w <= v.producer)}
-        p = v.producer
-        while p not in chain and p is not None:
-            chain.add(p)
-            ins = [graph.values[i] for i in graph.nodes[p].inputs
-                   if graph.values[i].storage == v.storage]
-            p = ins[0].producer if ins else None
-        return chain
-
-    def held(v, within: set[int], depth: int) -> tuple[int, set[int]]:
-        """(bytes the copies keep alive to have ``v``, the producers to copy for it)."""
-        st = v.storage
-        if st in kept:
-            return 0, set()
-        mk = maker.get(st)
-        if v.producer is None or mk is None or v.producer in within or depth > DEPTH:
-            return graph.storages[st].nbytes, set()
-        chain = chain_of(v)
-        # NOTE: only a tensor the copies alone read in the forward: one every block reads
-        # (an attention mask made once) would be copied with each block's region, and the
-        # backward of every block would read the first block's copies
-        if (not fwd_readers.get(st, set()) <= within | chain
-                or any(copyable(graph, c, within | chain, fresh) for c in chain)):
-            return graph.storages[st].nbytes, set()
-        read, more = 0, set(chain)
-        for i in graph.nodes[mk].inputs:
-            b, m = held(graph.values[i], within | more, depth + 1)
-            read, more = read + b, more | m
-        if graph.storages[st].nbytes > EXPANDS * read:
-            return read, more
-        return graph.storages[st].nbytes, set()
-
     todo = sorted(inside)
     while todo:
         for x in graph.nodes[todo.pop()].inputs:
             v = graph.values[x]
-            if v.producer is None or v.producer in inside:
+            mk = maker.get(v.storage)
+            if v.producer is None or v.producer in inside or mk is None:
                 continue
-            _, new = held(v, inside, 0)
-            new -= inside
-            if new:
+            chain = {mk, *(w for w in writers.get(v.storage, ()) if w <= v.producer)}
+            read = sum(graph.values[i].nbytes for i in graph.nodes[mk].inputs)
+            # NOTE: only a tensor the copies alone read in the forward: one every block reads
+            # (an attention mask made once) would be copied with each block's region, and the
+            # backward of every block would read the first block's copies
+            if (graph.storages[v.storage].nbytes > EXPANDS * read
+                    and fwd_readers.get(v.storage, set()) <= inside | chain
+                    and not any(copyable(graph, c, inside | chain, fresh) for c in chain)):
+                new = chain - inside
                 inside |= new
                 todo.extend(sorted(new))
     return inside
