@@ -29,6 +29,7 @@ from .capture.api import capture
 from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
 from .capture.optimizer import OPTIMIZER_KINDS, state_keys
+from .cost import measures_here
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
 from .execute.optimizer_ops import has_step_pre_hooks, init_missing_state
@@ -99,13 +100,6 @@ class OptimizeReport:
                  f"{ms(self.measured_step_s):>14s}"
                  f"{ratio(self.planned_step_s, self.eager_step_s):>15s}"]
         return "\n".join(lines)
-
-
-def _measured(cm) -> bool:
-    """Whether ``cm`` measures ops on a device here (not a model of hardware we lack)."""
-    from .cost import ProfiledCostModel
-
-    return isinstance(cm, ProfiledCostModel)
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -210,7 +204,7 @@ class TrainStep:
         else:
             budget = (None if self.budget is None
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
-            if self.latency_limit is not None and self.measure_latency and _measured(cm):
+            if self.latency_limit is not None and self.measure_latency and measures_here(cm):
                 sol = self._within_measured_limit(graph, cm, eager, batch)
             else:
                 sol = solve(Problem(graph, cm, budget_bytes=budget,

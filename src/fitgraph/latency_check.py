@@ -197,11 +197,9 @@ def torch_forward_backward(model: torch.nn.Module, batch, loss_fn, device: torch
             _sync(device)
             t0 = time.perf_counter()
             loss = loss_of(batch)
-            if into_grad:
-                loss.backward()
-                grads = None
-            else:
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            # NOTE: backward() returns None; autograd.grad the gradients, dropped below
+            grads = (loss.backward() if into_grad
+                     else torch.autograd.grad(loss, params, allow_unused=True))
             _sync(device)
             dt = time.perf_counter() - t0
         del loss, grads

@@ -62,14 +62,15 @@ class Compiled:
     breaks: Counter = field(default_factory=Counter)
     limit: float | None = None
     tries: list[RegionsTry] = field(default_factory=list)
-    kept: str = ""            # "try N", "unplanned" or "not measured"
+    kept: int | None = None   # index into tries; None: not measured
 
     def notes(self) -> dict:
-        kept = (self.tries[-1] if self.kept == "unplanned" else
-                self.tries[int(self.kept[4:]) - 1] if self.kept.startswith("try ") else None)
-        return {"limit": self.limit, "plan": self.kept,
-                "measured": None if kept is None else round(kept.measured, 4),
-                "tries": [t.as_dict() for t in self.tries]}
+        t = None if self.kept is None else self.tries[self.kept]
+        plan = ("not measured" if t is None else
+                "unplanned" if t.planned_for is None else f"try {self.kept + 1}")
+        return {"limit": self.limit, "plan": plan,
+                "measured": None if t is None else round(t.measured, 4),
+                "tries": [x.as_dict() for x in self.tries]}
 
 
 def _settle(timer: Callable[[], float]) -> Counter:
@@ -103,53 +104,44 @@ def checked_compile(compute_loss: Callable[[Any], torch.Tensor], model: torch.nn
     ``fitgraph.backend``; None: unplanned) for the tightest limit whose measured forward and
     backward is within ``limit`` of eager PyTorch's (the module doc says how)."""
     from . import latency_check
-    from .api import _measured
+    from .cost import measures_here
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     eager = latency_check.torch_forward_backward(model, batch, loss_fn, device, into_grad=True)
     out = Compiled(loss=compute_loss, backend=None, limit=limit)
+    made: list[tuple] = []    # (loss, backend, breaks) of each try, as out.tries
 
-    def attempt(target: float | None, share: float) -> tuple:
+    def attempt(target: float | None, share: float) -> float | None:
+        """Compile for ``target``, time it (None: op costs not measured here)."""
         backend = make_backend(target, share)
         loss = torch.compile(compute_loss, backend=backend)
         timer = latency_check.torch_forward_backward(model, batch, loss_fn, device,
                                                      loss_of=loss, into_grad=True)
-        return loss, backend, _settle(timer), timer
+        made.append((loss, backend, _settle(timer)))
+        if not measures_here(backend.cost_model):
+            return None
+        simulated, peak = _simulated(backend.reports)
+        measured, spread = latency_check.paired(timer, eager)
+        out.tries.append(RegionsTry(target, simulated, measured, spread, peak))
+        return measured
 
-    made: list[tuple] = []   # (measured, loss, backend, breaks, name) of each try over
     target = limit
     for i in range(latency_check.MAX_TRIES):
         # NOTE: a try after the first gets half the time: planning time stays within 2x
         share = time_budget if i == 0 else time_budget / 2 / (latency_check.MAX_TRIES - 1)
-        loss, backend, breaks, timer = attempt(target, share)
-        if i == 0 and not _measured(backend.cost_model):
-            # NOTE: op costs from a model of other hardware: nothing here to measure against
-            out.loss, out.backend, out.breaks, out.kept = loss, backend, breaks, "not measured"
-            return out
-        measured = _tried(out, target, backend, timer, eager)
-        if measured <= limit:
-            out.loss, out.backend, out.breaks, out.kept = loss, backend, breaks, f"try {i + 1}"
-            return out
-        made.append((measured, loss, backend, breaks, f"try {i + 1}"))
-        if target <= 1.0:
-            break   # NOTE: planned for eager's simulated time already
+        measured = attempt(target, share)
+        if measured is None or measured <= limit or target <= 1.0:
+            # NOTE: op costs from a model of other hardware (nothing here to measure against),
+            # within the limit, or planned for eager's simulated time already
+            break
         # NOTE: what the simulation missed, as a factor: plan for a limit that much lower
-        simulated, measured = out.tries[-1].simulated, out.tries[-1].measured
-        target = max(1.0, target * simulated / measured)
-    # NOTE: the last resort: the regions as torch.compile makes them, nothing recomputed.
-    # Where it too is over the limit (the route's own cost), the fastest try measured is kept
-    loss, backend, breaks, timer = attempt(None, time_budget)
-    made.append((_tried(out, None, backend, timer, eager), loss, backend, breaks, "unplanned"))
-    best = made[-1] if made[-1][0] <= limit else min(made, key=lambda m: m[0])
-    _, out.loss, out.backend, out.breaks, out.kept = best
+        target = max(1.0, target * out.tries[-1].simulated / measured)
+    if out.tries and out.tries[-1].measured > limit:
+        # NOTE: the last resort: the regions as torch.compile makes them, nothing recomputed;
+        # where it too is over the limit (the route's own cost), the fastest try is kept
+        attempt(None, time_budget)
+    within = [i for i, t in enumerate(out.tries) if t.measured <= limit]
+    out.kept = (None if not out.tries else within[0] if within else
+                min(range(len(out.tries)), key=lambda i: out.tries[i].measured))
+    out.loss, out.backend, out.breaks = made[-1 if out.kept is None else out.kept]
     return out
-
-
-def _tried(out: Compiled, target: float | None, backend, timer, eager) -> float:
-    """Time ``timer`` against ``eager`` and add the try to ``out``; its measured ratio."""
-    from . import latency_check
-
-    simulated, peak = _simulated(backend.reports)
-    measured, spread = latency_check.paired(timer, eager)
-    out.tries.append(RegionsTry(target, simulated, measured, spread, peak))
-    return measured

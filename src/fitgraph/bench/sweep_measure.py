@@ -222,9 +222,9 @@ def latency_tries(notes: dict) -> str:
     kept = check.get("plan", "")
     out = []
     for i, t in enumerate(check.get("tries", ())):
-        # NOTE: a step by regions may keep its regions unplanned (the last try)
-        star = "*" if kept in (f"try {i + 1}", "unplanned" * ("planned_for" in t
-                                                          and t["planned_for"] is None)) else ""
+        # NOTE: a step by regions may keep its regions unplanned (its last try)
+        unplanned = "planned_for" in t and t["planned_for"] is None
+        star = "*" if kept == ("unplanned" if unplanned else f"try {i + 1}") else ""
         out.append(f"{t['simulated']:.3f}/{t['measured']:.3f}±{t['spread']:.2f}"
                    f"@{t['peak_bytes'] / 1e6:.1f}MB{star}")
     return "; ".join(out) or str(kept)

@@ -38,6 +38,7 @@ __all__ = [
     "RooflineCostModel",
     "cost_model_for",
     "get_device",
+    "measures_here",
 ]
 
 
@@ -49,6 +50,14 @@ def __getattr__(name: str):
 
         return ProfiledCostModel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def measures_here(cost_model) -> bool:
+    """Whether ``cost_model`` measures ops on a device of this machine (not a model of
+    hardware we lack): a plan made with it can be timed here against eager."""
+    from .profiler import ProfiledCostModel  # NOTE: imports torch: only where asked
+
+    return isinstance(cost_model, ProfiledCostModel)
 
 
 def cost_model_for(spec: str) -> CostModel:
