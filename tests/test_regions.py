@@ -13,14 +13,6 @@ import fitgraph
 from fitgraph.regions import RegionsStep
 
 
-@pytest.fixture(autouse=True)
-def _room_to_compile():
-    """Room in Dynamo's cache: every test's steps compile the same model code again (new
-    modules, new backends), which would reach the recompile limit of that code."""
-    with torch._dynamo.config.patch(recompile_limit=256):
-        yield
-
-
 class ItemScaled(nn.Module):
     def __init__(self):
         super().__init__()

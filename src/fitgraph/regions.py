@@ -171,17 +171,26 @@ def _dynamo_quiet():
         log.setLevel(level)
 
 
+# NOTE: fitgraph.backend objects made for steps by regions in this process (``room_to_compile``)
+_BACKENDS = [0]
+
+
 @contextlib.contextmanager
 def room_to_compile():
-    """Dynamo's recompile limit raised by the tries of ``regions_latency``: each try compiled
-    each region's code once more (a new backend), and those entries stay in Dynamo's cache
-    unused; without the room, a region of a later shape would run eagerly, unplanned."""
+    """Dynamo's recompile limit raised by what steps by regions compiled in this process.
+
+    Each backend compiles each region's code once more, at most twice (a Python float read
+    from data becomes an input at the second compile), and Dynamo counts entries per code
+    object: the tries of ``regions_latency`` stay in its cache unused, and every step's
+    regions share code (``RegionsStep._compute_loss``, ``compute_loss``, a model class's
+    forward). Without the room, a later step's regions ran eagerly, unplanned: a fifth step
+    in one process compiled nothing."""
     from torch._dynamo import config
 
     from .latency_check import MAX_TRIES
 
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    with config.patch(**{name: getattr(config, name) + MAX_TRIES + 1}):
+    with config.patch(**{name: getattr(config, name) + 2 * (_BACKENDS[0] + MAX_TRIES + 1)}):
         yield
 
 
@@ -233,21 +242,23 @@ class RegionsStep:
         sharing the cost model (its measured op times) with the backends made before."""
         from .compile_backend import backend
 
+        _BACKENDS[0] += 1
         # NOTE: hotspot (remat + reordering inside each region): bitwise, as eager
-        made = backend(budget=self.budget, latency_limit=latency_limit,
+        return backend(budget=self.budget, latency_limit=latency_limit,
                        time_budget=time_budget, cost_model=self.cost_model)
-        self.backend = made
-        return made
 
     def _check_latency(self, batch: Any) -> None:
         """Compile the regions for the latency limit, timed against eager PyTorch
         (``regions_latency.checked_compile``); keep the plan that measures within it."""
         from .regions_latency import checked_compile
 
+        made: list = []
+
         def make(limit: float | None, time_budget: float):
-            if self.backend.cost_model is not None:
-                self.cost_model = self.backend.cost_model  # NOTE: profiled once, then shared
-            return self._backend(limit, time_budget)
+            if made and made[-1].cost_model is not None:
+                self.cost_model = made[-1].cost_model  # NOTE: profiled once, then shared
+            made.append(self._backend(limit, time_budget))
+            return made[-1]
 
         with _dynamo_quiet(), room_to_compile():
             kept = checked_compile(self._compute_loss, self.model, batch, self.loss_fn,
