@@ -34,7 +34,8 @@ def rounds(monkeypatch):
     (name, kind, peak, screened peak) of round i's candidates in their ranked order (kind:
     "copies" or "plain"; a region's start is the name up to a ":"; screened: the peak planned
     unless given); returns the splits kept, the peak reached and the candidates planned."""
-    def run(per_round: list[list[tuple]], start_peak: int = 1000, again: dict | None = None):
+    def run(per_round: list[list[tuple]], start_peak: int = 1000, again: dict | None = None,
+            moved: frozenset = frozenset()):
         peaks = {c[0]: c[2] for cands in per_round for c in cands} | (again or {})
         screens = {c[0]: c[-1] for cands in per_round for c in cands}
         calls = iter(per_round)
@@ -54,9 +55,12 @@ def rounds(monkeypatch):
             return screens[graph]
 
         monkeypatch.setattr(fb, "_screen", screen)
+        # NOTE: where each plan peaks: elsewhere on the graphs named in ``moved``
+        monkeypatch.setattr(fb, "_peak_at",
+                            lambda graph, sol: "elsewhere" if graph in moved else "here")
         monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
         for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
-                  "stack_scatter_sums", "copy_saved_views"):
+                  "stack_scatter_sums", "copy_saved_views", "elementwise_before_expands"):
             monkeypatch.setattr(fb, f, lambda g: g)
         s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60))
         planned = [t.split(": screened")[0] for t in s.notes["tried"] if ": screened" in t]
@@ -135,6 +139,33 @@ def test_the_rounds_go_on_from_the_path_made_again(rounds):
 def test_the_path_made_again_in_more_parts_is_dropped_where_higher(rounds):
     splits, peak, _ = rounds([[("a", "plain", 900)]], again={f"a@{fb.REPLAY_PARTS}": 950})
     assert splits == ["a"] and peak == 900
+
+
+def test_a_try_whose_peak_moved_is_a_detour_the_search_goes_on_from(rounds):
+    # NOTE: Gemma-2: its MLP re-made in parts moved the peak from the MLP backward (22.98 MB)
+    # to the loss (23.97 MB); a chunked loss then went below both (22.66)
+    splits, peak, planned = rounds([[("mlp", "copies", 1040)], [("loss", "plain", 900)]],
+                                   moved=frozenset({"mlp"}))
+    assert planned == ["mlp", "loss"]
+    assert splits == ["mlp (a detour)", "loss"] and peak == 900
+
+
+def test_a_higher_try_whose_peak_stayed_is_no_detour(rounds):
+    splits, peak, planned = rounds([[("mlp", "copies", 1040)], [("loss", "plain", 900)]])
+    assert planned == ["mlp"] and splits == [] and peak == 1000
+
+
+def test_a_detour_far_above_the_rounds_start_is_not_taken(rounds):
+    high = int(1000 * (1 + fb.DETOUR)) + 1
+    splits, peak, planned = rounds([[("mlp", "copies", high)], [("loss", "plain", 900)]],
+                                   moved=frozenset({"mlp"}))
+    assert planned == ["mlp"] and splits == [] and peak == 1000
+
+
+def test_a_detour_that_ends_higher_is_not_kept(rounds):
+    splits, peak, _ = rounds([[("a", "plain", 950), ("mlp", "copies", 1040)], [],
+                              [("loss", "plain", 990)]], moved=frozenset({"mlp"}))
+    assert splits == ["a"] and peak == 950
 
 
 def test_no_gain_ends_the_search(rounds):

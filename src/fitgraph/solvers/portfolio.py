@@ -158,8 +158,10 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
 # NOTE: split_backward plans each candidate with hotspot: cut short, hotspot's least peak is
 # worse than remat alone's (GPT-2 at sweep size: 25.4 MiB in 7.5 s against 23.9 in 15 s); and
 # where a path made again in more parts moves the peak, its rounds go on (Falcon: 1.257x the
-# lower bound in 60 s, out of time in the round after; 1.232x in 90)
-SPLIT_BACKWARD_MIN_S = 90.0
+# lower bound in 60 s, out of time in the round after; 1.232x in 90); and where the greedy
+# rounds end, a detour (a try whose peak moved elsewhere) goes on (Gemma-2: 1.29x in 90 s,
+# 1.21x in 170)
+SPLIT_BACKWARD_MIN_S = 180.0
 # NOTE: a latency limit no plan reaches: hotspot's latency mode then minimises the peak alone
 _UNBOUNDED = 1e9
 
