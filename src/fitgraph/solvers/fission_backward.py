@@ -21,7 +21,9 @@ one trim of a start) are made and screened — the split graph priced with the c
 drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
 peak); the one that lowers it most is kept, and rounds go on while one does and time is left.
 Where they end, the search goes on from the lowest of up to ``BRANCHES`` runners-up (tries
-planned below their round's start and not kept), and keeps the lowest peak of every path.
+planned below their round's start and not kept, and detours: tries at most ``DETOUR`` above it
+whose peak moved elsewhere, where a later split may cut it), and keeps the lowest peak of
+every path.
 Where a path's rounds end, its splits are made again from the start in ``REPLAY_PARTS`` parts
 (the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.

@@ -159,9 +159,10 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
 # worse than remat alone's (GPT-2 at sweep size: 25.4 MiB in 7.5 s against 23.9 in 15 s); and
 # where a path made again in more parts moves the peak, its rounds go on (Falcon: 1.257x the
 # lower bound in 60 s, out of time in the round after; 1.232x in 90); and where the greedy
-# rounds end, a detour (a try whose peak moved elsewhere) goes on (Gemma-2: 1.29x in 90 s,
-# 1.21x in 170)
-SPLIT_BACKWARD_MIN_S = 180.0
+# rounds end, a detour (a try whose peak moved elsewhere) goes on: each plan of a candidate
+# takes 6-18 s on T5's 2,727 nodes (98 s of 136 were hotspot's), and Gemma-2 went 1.29x ->
+# 1.21x in 170 s, T5 1.36x -> 1.30x in 136 s with its chunked loss left for the next round
+SPLIT_BACKWARD_MIN_S = 240.0
 # NOTE: a latency limit no plan reaches: hotspot's latency mode then minimises the peak alone
 _UNBOUNDED = 1e9
 
