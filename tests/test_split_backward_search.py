@@ -219,3 +219,27 @@ def test_a_candidate_whose_ops_cannot_run_is_passed_over(rounds):
     # the whole plan with a RuntimeError
     splits, peak, planned = rounds([[("broken", "copies", 100, None), ("ok", "plain", 950)]])
     assert splits == ["ok"] and peak == 950 and "broken" not in planned
+
+
+
+@dataclasses.dataclass
+class _At:
+    peak_instruction: int
+
+
+def test_where_a_plan_peaks_is_named_by_the_node_its_parts_and_copies_come_from():
+    from fitgraph.graph.ir import GraphBuilder, Phase, Role
+    from fitgraph.plan.instructions import Compute
+
+    b = GraphBuilder()
+    x = b.add_input("x", (4,), "float32", Role.PARAMETER)
+    y = b.add_node("aten.exp.default", [x], [((4,), "float32")], name="exp_3.re.part1",
+                   phase=Phase.BACKWARD)[0]
+    g = b.finish({"loss": y})
+
+    def at(pc):
+        return fb._peak_at(g, Solution(plan=[Compute(0)], sim=_At(pc), solver="hotspot",
+                                       solve_s=0.0))
+
+    assert at(0) == "exp_3"
+    assert at(-1) is None   # NOTE: the peak is what exists before the step

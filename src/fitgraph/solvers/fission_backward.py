@@ -63,7 +63,7 @@ from ..transform.elementwise_expands import elementwise_before_expands
 from ..transform.fission import FissionError
 from ..transform.fission_loss import count_targets_apart
 from ..transform.fission_shift import unshift_losses
-from ..transform.recompute_copies import CopyError
+from ..transform.recompute_copies import COPY_SUFFIX, CopyError
 from ..transform.saved_views import copy_saved_views
 from ..transform.scatter_sums import stack_scatter_sums
 from ..transform.view_chains import collapse_view_chains
@@ -223,7 +223,10 @@ def _peak_at(graph: Graph, sol: Solution) -> str | None:
     (None: the peak is before the first instruction, or not at a node)."""
     pc = getattr(sol.sim, "peak_instruction", -1)
     node = getattr(sol.plan[pc], "node", None) if pc >= 0 else None
-    return None if node is None else original_name(graph.nodes[node].name)
+    if node is None:
+        return None
+    name = original_name(graph.nodes[node].name)
+    return name.removesuffix(COPY_SUFFIX)
 
 
 def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Solution | None:
