@@ -178,3 +178,29 @@ def test_eager_pytorch_is_timed_without_side_effects():
     assert latency_check.torch_forward_backward(step.model, x, step.loss_fn, step.device)() > 0
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_synthetic_steps_run_with_subnormal_floats_flushed():
+    from fitgraph.cost.synthetic import _flushing
+    from fitgraph.latency_check import _timed
+
+    seen = []
+
+    class Ex:
+        env: list = []
+
+        @staticmethod
+        def _run(ex, env):
+            seen.append(_flushing())
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def values(self, vids):
+            return []
+
+    class G:
+        inputs: list = []
+
+    _timed(Ex(), Runner(), G())
+    assert seen == [True] and not _flushing()

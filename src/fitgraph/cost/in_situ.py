@@ -37,7 +37,7 @@ import torch
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from .cache import CacheEntry
-from .synthetic import SyntheticRunner
+from .synthetic import SyntheticRunner, no_subnormals
 
 __all__ = ["cached_over_now", "check_cache", "profile_in_situ", "time_in_situ"]
 
@@ -65,7 +65,9 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
     per: list[list[float]] = [[] for _ in graph.nodes]
     steps = list(zip(ex.steps, plan))
     clock = time.perf_counter
-    with torch.no_grad():
+    # NOTE: synthetic inputs carried through a whole step make subnormal floats (see
+    # ``no_subnormals``): the ops' times on a real batch are those with them flushed
+    with torch.no_grad(), no_subnormals():
         for run in range(warmup + repeats):
             ex.env = runner.values(graph.inputs)
             timed = run >= warmup
