@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import numpy as np
 import torch
 
 from ..execute.bit_packing import pack_bits
@@ -67,8 +68,11 @@ def no_subnormals():
 
 
 def _flushing() -> bool:
-    """Whether subnormal results are flushed to zero now (torch has no getter)."""
-    return float(torch.full((1,), 1e-38) * 1e-2) == 0.0
+    """Whether subnormal results are flushed to zero now (torch has no getter).
+
+    NOTE: a numpy product (the same CPU flag): a torch one inside a compiler backend runs on
+    fake tensors, which hold no value to read"""
+    return float((np.full(1, 1e-38, dtype=np.float32) * np.float32(1e-2))[0]) == 0.0
 
 
 def fill_valid(buf: torch.Tensor, dtype: torch.dtype, density: float | None = None) -> None:

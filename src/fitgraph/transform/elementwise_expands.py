@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..graph.analysis import flatten_refs, verify_graph
 from ..graph.dim_rules import RULES
 from ..graph.dim_rules_pointwise import elementwise
@@ -118,9 +116,8 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
         shapes.append(w.values[expanded.get(new, new)].shape)
     if not any(w.whole[v] in expanded for v in n.inputs):
         return None
-    try:
-        small = tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError:
+    small = _broadcast(shapes)
+    if small is None:
         return None
     if small == out.shape or len(small) != len(out.shape):
         return None
@@ -131,9 +128,23 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
     return small
 
 
+def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape ``shapes`` broadcast to (None: they do not broadcast)."""
+    rank = max((len(s) for s in shapes), default=0)
+    out = [1] * rank
+    for s in shapes:
+        for k, size in enumerate(s, rank - len(s)):
+            if size != 1 and out[k] not in (1, size):
+                return None
+            out[k] = size if size != 1 else out[k]
+    return tuple(out)
+
+
 def _strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> bool:
     """Whether node ``n``, run on meta tensors with value ``vid`` strided as ``stride``, makes
     tensors strided as the graph records them."""
+    import torch  # NOTE: local (planning modules import without torch): meta kernels' strides
+
     def meta(ref):
         v = graph.values[ref.id]
         return torch.empty_strided(v.shape, stride if v.id == vid else v.stride,
