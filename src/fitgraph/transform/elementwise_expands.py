@@ -83,8 +83,7 @@ def elementwise_before_expands(graph: Graph) -> Graph:
                        [OutSpec(f"{old.name}.small", Meta(small, contiguous_strides(small), 0),
                                 old.dtype, storage=storage, role=old.role)],
                        flops=n.flops * share, **kw)[0]
-        stride = tuple(0 if s == 1 and o != 1 else t
-                       for s, o, t in zip(small, old.shape, contiguous_strides(small)))
+        stride = _expanded_strides(small, old.shape)
         view = w.add_node(f"{n.name}.expanded", EXPAND, (ValueRef(e), list(old.shape)), {},
                           [OutSpec(old.name, Meta(old.shape, stride, 0), old.dtype,
                                    storage=storage, role=old.role)], **kw)[0]
@@ -121,11 +120,16 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
         return None
     if small == out.shape or len(small) != len(out.shape):
         return None
-    stride = tuple(0 if s == 1 and o != 1 else t
-                   for s, o, t in zip(small, out.shape, contiguous_strides(small)))
+    stride = _expanded_strides(small, out.shape)
     if not all(_strides_kept(graph, r, out.id, stride) for r in later):
         return None
     return small
+
+
+def _expanded_strides(small: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense ``small`` tensor expanded to ``shape`` (0 where it broadcasts)."""
+    return tuple(0 if s == 1 and o != 1 else t
+                 for s, o, t in zip(small, shape, contiguous_strides(small)))
 
 
 def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
