@@ -149,31 +149,20 @@ def _strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> b
     tensors strided as the graph records them."""
     import torch  # NOTE: local (planning modules import without torch): meta kernels' strides
 
-    def meta(ref):
-        v = graph.values[ref.id]
-        return torch.empty_strided(v.shape, stride if v.id == vid else v.stride,
-                                   dtype=getattr(torch, v.dtype), device="meta")
+    from ..execute.ops import ArgBinder, resolve_target
 
+    env = {v: torch.empty_strided(graph.values[v].shape,
+                                  stride if v == vid else graph.values[v].stride,
+                                  dtype=getattr(torch, graph.values[v].dtype), device="meta")
+           for v in n.inputs}
     try:
-        ns, name, overload = n.target.split(".")
-        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
-        made = op(*_with(n.args, meta), **_with(n.kwargs, meta))
+        args, kwargs = ArgBinder(n)(env)
+        made = resolve_target(n.target)(*args, **kwargs)
     except Exception:   # NOTE: any op that cannot run on meta tensors is left as it is
         return False
     made = made if isinstance(made, (tuple, list)) else (made,)
     return all(o is None or tuple(t.stride()) == graph.values[o].stride
                for o, t in zip(n.outputs, made))
-
-
-def _with(obj, meta):
-    """``obj`` with each ValueRef replaced by ``meta(ref)``."""
-    if isinstance(obj, ValueRef):
-        return meta(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_with(o, meta) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _with(v, meta) for k, v in obj.items()}
-    return obj
 
 
 def _note_expand(w: GraphWriter, n: Node, expanded: dict[int, int]) -> None:
