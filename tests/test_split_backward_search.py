@@ -35,7 +35,7 @@ def rounds(monkeypatch):
     "copies" or "plain"; a region's start is the name up to a ":"; screened: the peak planned
     unless given); returns the splits kept, the peak reached and the candidates planned."""
     def run(per_round: list[list[tuple]], start_peak: int = 1000, again: dict | None = None,
-            moved: frozenset = frozenset()):
+            moved: frozenset = frozenset(), budget: int | None = None):
         peaks = {c[0]: c[2] for cands in per_round for c in cands} | (again or {})
         screens = {c[0]: c[-1] for cands in per_round for c in cands}
         calls = iter(per_round)
@@ -62,7 +62,8 @@ def rounds(monkeypatch):
         for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
                   "stack_scatter_sums", "copy_saved_views", "elementwise_before_expands"):
             monkeypatch.setattr(fb, f, lambda g: g)
-        s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60))
+        s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60),
+                              target_bytes=budget)
         planned = [t.split(": screened")[0] for t in s.notes["tried"] if ": screened" in t]
         return s.notes["splits"], s.sim.peak_bytes, planned
     return run
@@ -166,6 +167,26 @@ def test_a_detour_that_ends_higher_is_not_kept(rounds):
     splits, peak, _ = rounds([[("a", "plain", 950), ("mlp", "copies", 1040)], [],
                               [("loss", "plain", 990)]], moved=frozenset({"mlp"}))
     assert splits == ["a"] and peak == 950
+
+
+def test_the_search_stops_at_the_first_plan_within_the_budget(rounds):
+    # NOTE: a budget set to the peak a search reported: planned again at it, the search must
+    # not spend its whole time (Gemma-2: 229 s a second time) past the plan that fits
+    splits, peak, planned = rounds([[("a", "plain", 900), ("b", "copies", 950)],
+                                    [("a2", "plain", 800)], [("a3", "plain", 700)]],
+                                   budget=800)
+    assert splits == ["a", "a2"] and peak == 800 and planned == ["a", "b", "a2"]
+
+
+def test_a_budget_the_unsplit_plan_meets_makes_no_split(rounds):
+    splits, peak, planned = rounds([[("a", "plain", 900)]], budget=1000)
+    assert splits == [] and peak == 1000 and planned == []
+
+
+def test_a_budget_no_plan_meets_searches_every_path(rounds):
+    splits, peak, _ = rounds([[("a", "plain", 900), ("b", "copies", 950)],
+                              [("a2", "plain", 901)], [("b2", "plain", 800)]], budget=10)
+    assert splits == ["b", "b2"] and peak == 800
 
 
 def test_no_gain_ends_the_search(rounds):

@@ -23,7 +23,8 @@ peak); the one that lowers it most is kept, and rounds go on while one does and 
 Where they end, the search goes on from the lowest of up to ``BRANCHES`` runners-up (tries
 planned below their round's start and not kept, and detours: tries at most ``DETOUR`` above it
 whose peak moved elsewhere, where a later split may cut it), and keeps the lowest peak of
-every path.
+every path. Given a ``target``, the search stops at the first plan within it
+(a budget set to a peak this search reported is reached again without the whole search).
 Where a path's rounds end, its splits are made again from the start in ``REPLAY_PARTS`` parts
 (the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.
@@ -104,10 +105,10 @@ class _Path(NamedTuple):
     recipes: list[Recipe]
 
 
-def split_backward(problem: Problem) -> Solution | None:
+def split_backward(problem: Problem, target_bytes: int | None = None) -> Solution | None:
     """hotspot's least-peak plan on ``problem.graph`` (masks as bits) lowered by rounds of
-    backward splits (see the module doc), within ``problem.time_budget_s``; None where hotspot
-    finds no plan. ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and
+    backward splits (see the module doc), within ``problem.time_budget_s`` and until a plan
+    peaks within ``target_bytes`` (where given); None where hotspot finds no plan. ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and
     the peak it reached), ``least_peak_before`` (the peak before the first split)."""
     t0 = time.perf_counter()
     deadline = t0 + problem.time_budget_s
@@ -127,20 +128,24 @@ def split_backward(problem: Problem) -> Solution | None:
     before, tried = best.sim.peak_bytes, []
     # NOTE: a plan's time is kept for making a path again in more parts where it ends
     search_end = deadline - (_plan_s(total) if REPLAY_PARTS > PARTS else 0.0)
+    target = target_bytes if target_bytes is not None else -1
     path = _Path(graph, best, [], [])
     final, others = path, []
-    while True:
-        path, left = _rounds(path, cm, search_end, t0, total, tried)
-        again = _replayed(path, graph, cm, deadline, t0, total, tried)
+    while best.sim.peak_bytes > target:
+        path, left = _rounds(path, cm, search_end, t0, total, tried, target)
+        again = path
+        if path.sol.sim.peak_bytes > target:
+            again = _replayed(path, graph, cm, deadline, t0, total, tried)
         if again is not path:
             # NOTE: in more parts the peak moves on (Falcon's from the attention to the MLP
             # backward of block 0): the rounds go on from there
-            path, more = _rounds(again, cm, search_end, t0, total, tried)
+            path, more = _rounds(again, cm, search_end, t0, total, tried, target)
             left += more
         others = sorted(others + left, key=lambda o: o.sol.sim.peak_bytes)[:BRANCHES]
         if path.sol.sim.peak_bytes < final.sol.sim.peak_bytes:
             final = path
-        if not others or time.perf_counter() > search_end:
+        if (not others or time.perf_counter() > search_end
+                or final.sol.sim.peak_bytes <= target):
             break
         # NOTE: rounds are greedy: where they end, go on from the lowest runner-up a round
         # planned. On Swin, once remat dropped the packed projections (chains through views),
@@ -181,13 +186,14 @@ def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total:
     return _Path(g, sol, [*final.splits, what], final.recipes)
 
 
-def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: list[str]
-            ) -> tuple[_Path, list[_Path]]:
-    """Rounds from ``path`` while one lowers the peak: (where they end, the runners-up:
-    candidates planned below their round's start peak and not kept)."""
+def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: list[str],
+            target: int = -1) -> tuple[_Path, list[_Path]]:
+    """Rounds from ``path`` while one lowers the peak, until it is within ``target``: (where
+    they end, the runners-up: candidates planned below their round's start peak and not
+    kept)."""
     graph, best, done, recipes = path
     left = []
-    while len(done) < ROUNDS:
+    while len(done) < ROUNDS and best.sim.peak_bytes > target:
         screened = _screened(graph, best, cm, deadline, tried)
         better, below = None, []
         at = _peak_at(graph, best)

@@ -20,8 +20,8 @@ splits, remat and offloading combine in one plan.
 Where every option misses the budget, the least-peak plan (hotspot, a latency limit that never
 binds) is tried, and where it misses too and results need not be bitwise, ``split_backward``
 (``solvers.fission_backward``: the remat plan's peak region re-made in the backward in parts,
-in every block alike; up to the time budget again): the first that fits is returned, else
-BudgetInfeasible names the least peak found.
+in every block alike; up to the time budget again, stopping at its first plan within the
+budget): the first that fits is returned, else BudgetInfeasible names the least peak found.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
@@ -183,11 +183,12 @@ def _split_backward(problem: Problem, least: Solution | None) -> Solution | None
     """``split_backward`` (forward regions re-made in the backward in parts, every block
     alike) where the least-peak plan is still over the budget: its own search, up to the
     problem's whole time budget again, at least ``SPLIT_BACKWARD_MIN_S`` (an infeasible budget
-    costs that much more to prove)."""
+    costs that much more to prove), or until a plan fits the budget."""
     try:
         return split_backward(dataclasses.replace(
             problem, budget_bytes=None, latency_limit=_UNBOUNDED,
-            time_budget_s=max(problem.time_budget_s, SPLIT_BACKWARD_MIN_S)))
+            time_budget_s=max(problem.time_budget_s, SPLIT_BACKWARD_MIN_S)),
+            target_bytes=problem.budget_bytes)
     except BudgetInfeasible:
         return None
 
