@@ -60,6 +60,7 @@ from ..graph.ir import Graph
 from ..plan.instructions import Recompute
 from ..sim.remat_eval import RematError, RematEvaluator
 from ..transform.compact_masks import compact_masks
+from ..transform.constant_predicates import fold_constant_predicates
 from ..transform.elementwise_expands import elementwise_before_expands
 from ..transform.fission import FissionError
 from ..transform.fission_loss import count_targets_apart
@@ -118,9 +119,11 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     # (logits, loss and gradient in one region) is a candidate
     # NOTE: and a view saved for the backward (nn.MultiheadAttention's values) is copied out of
     # the packed projection it views, which then dies in the forward
-    # NOTE: and a mask made alike for every batch row (an expand) is made once and expanded
+    # NOTE: and a mask made alike for every batch row (an expand) is made once and expanded,
+    # as is a bidirectional mask (its ``q_idx >= 0``, true everywhere, folded)
     graph = stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
-        compact_masks(copy_saved_views(elementwise_before_expands(problem.graph)))))))
+        compact_masks(copy_saved_views(elementwise_before_expands(fold_constant_predicates(
+            problem.graph))))))))
     total = problem.time_budget_s
     best = _least(graph, cm, deadline, t0, total)
     if best is None:

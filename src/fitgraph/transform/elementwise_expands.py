@@ -14,8 +14,10 @@ An op qualifies where it is elementwise (``dim_rules_pointwise.elementwise``), w
 in place, makes one dense tensor that is not a step output, reads at least one expand (of a
 tensor of the same rank: PyTorch's type promotion treats 0-dim tensors apart) and otherwise
 0-dim tensors or tensors that broadcast, and where every reader of what it makes computes
-elementwise too (a view or an in-place write of a stride-0 tensor would not do what it did),
-making, on meta tensors, the strides it made (so a later view of what it makes holds).
+elementwise too, or is an attention kernel that reads it as its mask (``MASK_READERS``; a view
+or an in-place write of a stride-0 tensor would not do what it did), making, on meta tensors,
+the strides it made (so a later view of what it makes holds). A bidirectional mask's ``where``
+qualifies once ``constant_predicates`` has made the mask an expand.
 
 Example:
     >>> import torch, fitgraph
@@ -46,10 +48,18 @@ from ..graph.ir import DTYPE_BYTES, Graph, Node, ValueRef, contiguous_strides
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec, map_refs
 
-__all__ = ["elementwise_before_expands"]
+__all__ = ["EXPAND", "elementwise_before_expands", "strides_kept"]
 
 EXPAND = "aten.expand.default"
 ELEMENTWISE = frozenset(t for t, rule in RULES.items() if rule is elementwise)
+# NOTE: attention kernels that read their additive mask through its strides: an expanded mask
+# (stride 0 over the batch or the query rows) gives bitwise the outputs and gradients of the
+# dense one (tests/test_elementwise_expands.py); the CUDA kernels are not listed (the
+# memory-efficient one pads and copies a mask whose rows are not aligned)
+MASK_READERS = frozenset({
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+})
 
 
 def elementwise_before_expands(graph: Graph) -> Graph:
@@ -107,7 +117,7 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
     out = graph.values[n.outputs[0]]
     later = readers.get(out.storage, ())
     if (out.id in outputs or out.stride != contiguous_strides(out.shape) or out.storage_offset
-            or any(r.target not in ELEMENTWISE or r.mutates for r in later)):
+            or not all(_reads_alike(r, out.id) for r in later)):
         return None
     shapes = []
     for v in n.inputs:
@@ -121,9 +131,21 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
     if small == out.shape or len(small) != len(out.shape):
         return None
     stride = _expanded_strides(small, out.shape)
-    if not all(_strides_kept(graph, r, out.id, stride) for r in later):
+    if not all(strides_kept(graph, r, out.id, stride) for r in later):
         return None
     return small
+
+
+def _reads_alike(n: Node, vid: int) -> bool:
+    """Whether node ``n`` reads value ``vid`` as it would read it expanded: an elementwise op,
+    or an attention kernel reading it as its mask alone; neither writing in place."""
+    if n.mutates:
+        return False
+    if n.target in ELEMENTWISE:
+        return True
+    mask = n.kwargs.get("attn_mask")
+    return (n.target in MASK_READERS and isinstance(mask, ValueRef) and mask.id == vid
+            and vid not in flatten_refs(n.args))
 
 
 def _expanded_strides(small: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -144,7 +166,7 @@ def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> bool:
+def strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> bool:
     """Whether node ``n``, run on meta tensors with value ``vid`` strided as ``stride``, makes
     tensors strided as the graph records them."""
     import torch  # NOTE: local (planning modules import without torch): meta kernels' strides
