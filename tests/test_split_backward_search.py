@@ -60,7 +60,8 @@ def rounds(monkeypatch):
                             lambda graph, sol: "elsewhere" if graph in moved else "here")
         monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
         for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
-                  "stack_scatter_sums", "copy_saved_views", "elementwise_before_expands"):
+                  "stack_scatter_sums", "copy_saved_views", "elementwise_before_expands",
+                  "fold_constant_predicates"):
             monkeypatch.setattr(fb, f, lambda g: g)
         s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60),
                               target_bytes=budget)
