@@ -132,8 +132,11 @@ def copies_recipe(name: str, dim: int, share: float) -> Recipe:
     in parts, and so for every alike start (each its own region: blocks differ in their
     edges, as BERT's first layer reads the expanded attention mask the others share)."""
     def rewrite(g: Graph, v: int, parts: int) -> Graph:
-        return _copied_in_parts(g, v, dim, share, parts)
-    return _for_each_alike(name, rewrite)
+        return _copied_in_parts(g, v, dim, share, parts, forward=False)
+
+    def forward(g: Graph, v: int, parts: int) -> Graph:
+        return _forward_in_parts(g, g.values[v].name, dim, parts)
+    return _for_each_alike(name, rewrite, forward)
 
 
 def alike_split_recipe(name: str, dim: int, share: float) -> Recipe:
@@ -182,11 +185,12 @@ def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
     return -v, d
 
 
-def _for_each_alike(name: str, rewrite) -> Recipe:
+def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
     """The recipe applying ``rewrite(g, value id, parts)`` to value ``name`` and, in turn, to
     each alike start's (found by name in the graph the last rewrite returned), the last
-    block's first; an alike start that cannot be rewritten is left as it is, ``name``'s own
-    error is raised, and FissionError past the deadline."""
+    block's first, then ``then(g, value id, parts)`` to each rewritten one, the first block's
+    first; an alike start that cannot be rewritten is left as it is, ``name``'s own error is
+    raised, and FissionError past the deadline."""
     def make(graph: Graph, parts: int, deadline: float) -> Graph:
         # NOTE: in the backward's order, last block first. Where blocks share a tensor (T5's
         # position bias, added to every block's scores), its gradient sums every block's, and
@@ -194,20 +198,30 @@ def _for_each_alike(name: str, rewrite) -> Recipe:
         # sum with block 3's gradient as a whole input: block 3's region then made that
         # gradient in parts into a whole [B, H, T, T] buffer (2 MiB) that lived through block
         # 2's backward. Last first, each block's region sums its own part: T5's smallest
-        # peak went from 1.29x to 1.20x the lower bound
+        # peak went from 1.29x to 1.20x the lower bound. Each forward is then run in parts
+        # in the forward's order, as before (last first, a block's forward region took in
+        # the next block's softmax and left it whole)
         names = [graph.values[v].name
                  for v in reversed(_alike_starts(graph, _value(graph, name)))]
-        g = graph
+        g, done = graph, []
         for k, other in enumerate(names):
             # NOTE: each rewrite walks the whole graph: an unrolled GRU's 256 steps are alike
             # (23,615 nodes: hours for one candidate)
             if time.perf_counter() > deadline:
                 raise FissionError(f"out of time after {k} of {len(names)} alike starts")
+            if done and not any(v.name == other for v in g.values):
+                continue   # NOTE: a region grown from a later block's start took it in
             try:
                 g = rewrite(g, _value(g, other), parts)
+                done.append(other)
             except (FissionError, CopyError, GraphError, StopIteration):
                 if other == name:
                     raise
+        # NOTE: then each rewritten start's ``then`` (its forward run in parts), in the
+        # forward's order, first block first
+        for other in reversed(done) if then is not None else ():
+            if any(v.name == other for v in g.values):
+                g = then(g, _value(g, other), parts)
         return g
     return make
 
@@ -285,8 +299,8 @@ def _closure(seeds: set[int], edges: dict[int, set[int]]) -> set[int]:
     return seen
 
 
-def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int = PARTS
-                     ) -> Graph:
+def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int = PARTS,
+                     forward: bool = True) -> Graph:
     """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
     backward and run there in up to ``parts`` parts with the backward ops that read it."""
     nodes = copy_set(graph, _forward_nodes(graph, vid, dim, share))
@@ -301,7 +315,7 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int 
     region = _backward_region(g, copy, dim, outside, first)
     out = split_region(g, region, _parts(region, parts), verify=True)
     _check_views(out)
-    return _forward_in_parts(out, graph.values[vid].name, dim, parts)
+    return _forward_in_parts(out, graph.values[vid].name, dim, parts) if forward else out
 
 
 def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
