@@ -190,7 +190,7 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
     each alike start's (found by name in the graph the last rewrite returned), the last
     block's first, then ``then(g, value id, parts)`` to each rewritten one, the first block's
     first; an alike start that cannot be rewritten is left as it is, ``name``'s own error is
-    raised, and FissionError past the deadline."""
+    raised where none can, and FissionError past the deadline."""
     def make(graph: Graph, parts: int, deadline: float) -> Graph:
         # NOTE: in the backward's order, last block first. Where blocks share a tensor (T5's
         # position bias, added to every block's scores), its gradient sums every block's, and
@@ -203,7 +203,7 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
         # the next block's softmax and left it whole)
         names = [graph.values[v].name
                  for v in reversed(_alike_starts(graph, _value(graph, name)))]
-        g, done = graph, []
+        g, done, failed = graph, [], None
         for k, other in enumerate(names):
             # NOTE: each rewrite walks the whole graph: an unrolled GRU's 256 steps are alike
             # (23,615 nodes: hours for one candidate)
@@ -214,9 +214,13 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
             try:
                 g = rewrite(g, _value(g, other), parts)
                 done.append(other)
-            except (FissionError, CopyError, GraphError, StopIteration):
+            except (FissionError, CopyError, GraphError, StopIteration) as e:
+                # NOTE: where a later block's rewrite re-made this one's region too (a chain
+                # of row-wise blocks grows into one region), there is nothing left to re-make
                 if other == name:
-                    raise
+                    failed = e
+        if not done:
+            raise failed or FissionError(f"{name}: no alike start could be rewritten")
         # NOTE: then each rewritten start's ``then`` (its forward run in parts), in the
         # forward's order, first block first
         for other in reversed(done) if then is not None else ():
