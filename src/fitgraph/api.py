@@ -440,7 +440,8 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
     or, with ``on_new_shape="error"``, refused. ``time_budget``: the solvers' seconds; a budget
     below what remat alone reaches also runs ``split_backward`` (regions re-made in the
-    backward in parts), for at least 240 s more, before it is reported infeasible.
+    backward in parts), for at least 240 s more, before it is reported infeasible; it stops
+    at its first plan within the budget (a retry at the smallest peak reported is quick).
 
     ``solver``: a registered solver (``fitgraph.solvers.SOLVERS``); the default ``"auto"``
     runs ``hotspot`` (remat and reordering) and, where the peak holds a region it can split,
