@@ -109,8 +109,9 @@ class _Path(NamedTuple):
 def split_backward(problem: Problem, target_bytes: int | None = None) -> Solution | None:
     """hotspot's least-peak plan on ``problem.graph`` (masks as bits) lowered by rounds of
     backward splits (see the module doc), within ``problem.time_budget_s`` and until a plan
-    peaks within ``target_bytes`` (where given); None where hotspot finds no plan. ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and
-    the peak it reached), ``least_peak_before`` (the peak before the first split)."""
+    peaks within ``target_bytes`` (where given); None where hotspot finds no plan.
+    ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and the peak it
+    reached), ``least_peak_before`` (the peak before the first split)."""
     t0 = time.perf_counter()
     deadline = t0 + problem.time_budget_s
     cm = problem.cost_model

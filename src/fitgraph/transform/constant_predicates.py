@@ -44,7 +44,7 @@ import operator
 
 from ..graph.analysis import new_storages, verify_graph
 from ..graph.ir import Graph, Node, ValueRef
-from .elementwise_expands import EXPAND, strides_kept
+from .elementwise_expands import EXPAND, expanded_strides, strides_kept
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
@@ -82,7 +82,7 @@ def fold_constant_predicates(graph: Graph) -> Graph:
         new_src = base.get(new_src, new_src)
         out = graph.values[n.outputs[0]]
         small = w.values[new_src]
-        stride = _expanded_view_strides(small.shape, small.stride, out.shape)
+        stride = expanded_strides(small.shape, small.stride, out.shape)
         view = w.add_node(n.name, EXPAND, (ValueRef(new_src), list(out.shape)), {},
                           [OutSpec(out.name, Meta(out.shape, stride, small.storage_offset),
                                    out.dtype, storage=small.storage, role=out.role)],
@@ -120,7 +120,7 @@ def _folds(graph: Graph) -> dict[int, int]:
         # NOTE: a fold to the operand's own shape saves nothing
         if len(o.shape) > len(out.shape) or o.numel == out.numel:
             continue
-        stride = _expanded_view_strides(o.shape, o.stride, out.shape)
+        stride = expanded_strides(o.shape, o.stride, out.shape)
         if _readers_keep(graph, out.id, stride, readers, outputs, fresh):
             folds[n.id] = other
     return folds
@@ -138,19 +138,11 @@ def _readers_keep(graph: Graph, vid: int, stride: tuple[int, ...], readers: dict
             return False
         if r.target == EXPAND:
             src, o = graph.values[r.inputs[0]], graph.values[r.outputs[0]]
-            strides[o.id] = _expanded_view_strides(src.shape, strides[src.id], o.shape)
+            strides[o.id] = expanded_strides(src.shape, strides[src.id], o.shape)
         elif not fresh.get(r.id) or len(ins) != 1 or not strides_kept(graph, r, ins[0],
                                                                        strides[ins[0]]):
             return False
     return not strides.keys() & outputs
-
-
-def _expanded_view_strides(shape: tuple[int, ...], stride: tuple[int, ...],
-                           out: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a tensor of ``shape`` and ``stride`` expanded to ``out``."""
-    lead = len(out) - len(shape)
-    aligned = (1,) * lead + tuple(shape), (0,) * lead + tuple(stride)
-    return tuple(0 if s == 1 and o != 1 else t for s, t, o in zip(*aligned, out))
 
 
 def _constants(graph: Graph) -> dict[int, bool]:
@@ -172,30 +164,27 @@ def _constants(graph: Graph) -> dict[int, bool]:
             continue
         out = n.outputs[0]
         dtype = graph.values[out].dtype
-        op = n.target.removeprefix("aten.")
         if dtype in _INTS:
-            r = _range(n, op, rng)
+            r = _range(n, rng)
             if r is not None:
                 ranges[out] = r
         elif dtype == "bool":
-            c = _bool(n, op, rng, consts)
+            c = _bool(n, rng, consts)
             if c is not None:
                 consts[out] = c
     return consts
 
 
-def _range(n: Node, op: str, rng) -> tuple[int, int] | None:
-    args = n.args
+def _range(n: Node, rng) -> tuple[int, int] | None:
+    args, op = n.args, n.target.removeprefix("aten.")
     if op.startswith("arange."):
         nums = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
         if len(nums) != len(args) or not nums or "step" in n.kwargs:
             return None
-        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (*nums[:2], 1) if len(
-            nums) == 2 else nums[:3]
-        count = len(range(start, end, step))
-        return (min(start, start + step * (count - 1)), max(start, start + step * (count - 1))
-                ) if count else None
-    if f"aten.{op}" in _SAME_VALUES:
+        # NOTE: arange's (end), (start, end), (start, end, step) are range's
+        values = range(*nums) if len(nums) <= 3 else range(0)
+        return (min(values[0], values[-1]), max(values[0], values[-1])) if values else None
+    if n.target in _SAME_VALUES:
         return rng(args[0])
     if op in ("add.Tensor", "sub.Tensor", "add.Scalar", "sub.Scalar") and n.kwargs.get(
             "alpha", 1) == 1:
@@ -212,8 +201,8 @@ def _range(n: Node, op: str, rng) -> tuple[int, int] | None:
     return None
 
 
-def _bool(n: Node, op: str, rng, consts: dict[int, bool]) -> bool | None:
-    args = n.args
+def _bool(n: Node, rng, consts: dict[int, bool]) -> bool | None:
+    args, op = n.args, n.target.removeprefix("aten.")
     name, _, overload = op.partition(".")
     if name in _COMPARE and overload in ("Scalar", "Tensor"):
         x, y = rng(args[0]), rng(args[1])
@@ -231,14 +220,14 @@ def _bool(n: Node, op: str, rng, consts: dict[int, bool]) -> bool | None:
     if op in ("full.default", "new_full.default"):
         value = args[-1]
         return value if isinstance(value, bool) else None
-    if f"aten.{op}" in _SAME_VALUES:
+    if n.target in _SAME_VALUES:
         return consts.get(args[0].id) if isinstance(args[0], ValueRef) else None
-    if f"aten.{op}" in _NOT:
+    if n.target in _NOT:
         c = consts.get(args[0].id) if isinstance(args[0], ValueRef) else None
         return None if c is None else not c
-    if f"aten.{op}" in _AND | _OR:
+    if n.target in _AND | _OR:
         cs = [consts.get(a.id) if isinstance(a, ValueRef) else None for a in args[:2]]
-        absorbing = f"aten.{op}" in _OR   # NOTE: True absorbs an |, False an &
+        absorbing = n.target in _OR   # NOTE: True absorbs an |, False an &
         if absorbing in cs:
             return absorbing
         if cs[0] is not None and cs[1] is not None:

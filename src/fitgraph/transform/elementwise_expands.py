@@ -48,7 +48,7 @@ from ..graph.ir import DTYPE_BYTES, Graph, Node, ValueRef, contiguous_strides
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec, map_refs
 
-__all__ = ["EXPAND", "elementwise_before_expands", "strides_kept"]
+__all__ = ["EXPAND", "elementwise_before_expands", "expanded_strides", "strides_kept"]
 
 EXPAND = "aten.expand.default"
 ELEMENTWISE = frozenset(t for t, rule in RULES.items() if rule is elementwise)
@@ -93,7 +93,7 @@ def elementwise_before_expands(graph: Graph) -> Graph:
                        [OutSpec(f"{old.name}.small", Meta(small, contiguous_strides(small), 0),
                                 old.dtype, storage=storage, role=old.role)],
                        flops=n.flops * share, **kw)[0]
-        stride = _expanded_strides(small, old.shape)
+        stride = expanded_strides(small, contiguous_strides(small), old.shape)
         view = w.add_node(f"{n.name}.expanded", EXPAND, (ValueRef(e), list(old.shape)), {},
                           [OutSpec(old.name, Meta(old.shape, stride, 0), old.dtype,
                                    storage=storage, role=old.role)], **kw)[0]
@@ -130,7 +130,7 @@ def _small_shape(w: GraphWriter, graph: Graph, n: Node, expanded: dict[int, int]
         return None
     if small == out.shape or len(small) != len(out.shape):
         return None
-    stride = _expanded_strides(small, out.shape)
+    stride = expanded_strides(small, contiguous_strides(small), out.shape)
     if not all(strides_kept(graph, r, out.id, stride) for r in later):
         return None
     return small
@@ -148,10 +148,13 @@ def _reads_alike(n: Node, vid: int) -> bool:
             and vid not in flatten_refs(n.args))
 
 
-def _expanded_strides(small: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a dense ``small`` tensor expanded to ``shape`` (0 where it broadcasts)."""
-    return tuple(0 if s == 1 and o != 1 else t
-                 for s, o, t in zip(small, shape, contiguous_strides(small)))
+def expanded_strides(shape: tuple[int, ...], stride: tuple[int, ...],
+                     out: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a tensor of ``shape`` and ``stride`` expanded to ``out`` (0 where it
+    broadcasts, and on the dims the expand puts in front)."""
+    lead = len(out) - len(shape)
+    aligned = (1,) * lead + tuple(shape), (0,) * lead + tuple(stride)
+    return tuple(0 if s == 1 and o != 1 else t for s, t, o in zip(*aligned, out))
 
 
 def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
