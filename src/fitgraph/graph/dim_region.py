@@ -85,7 +85,7 @@ class RegionIndex:
 
 def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independent",
                 exclude: dict[int, str] | None = None, index: RegionIndex | None = None,
-                keep_length: bool = False) -> Region:
+                keep_length: bool = False, min_length: int = 0) -> Region:
     """The maximal convex region through which ``dim`` of ``value_id`` flows.
 
     ``whole``: which inputs a part may read whole — "independent": any value that does not
@@ -95,7 +95,10 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     to share when growing many regions of one graph. ``keep_length``: leave out nodes that
     would make the split axis coarser than ``dim`` of ``value_id`` (a reshape that ties its
     elements to a shorter dimension: tokens [batch x sequence] back to batch), so the region
-    keeps that dim's full length.
+    keeps that dim's full length. ``min_length``: leave out only those that would leave the
+    axis fewer than ``min_length`` units (Swin's scores are [windows x heads, ...] and its
+    attention's output is [windows, ...]: the axis may coarsen to the windows, not to the
+    images).
     """
     if whole not in ("independent", "weights"):
         raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
@@ -108,7 +111,8 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     elif index.graph is not graph:
         raise ValueError("index was built for another graph")
     while True:
-        region = _grow(graph, value_id, dim, excluded, batch_dep, index, keep_length)
+        region = _grow(graph, value_id, dim, excluded, batch_dep, index, keep_length,
+                       min_length)
         if not region.nodes:
             return region
         cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred)
@@ -173,7 +177,8 @@ def regions(graph: Graph, starts: list[tuple[int, int]], **kw) -> list[Region]:
 
 
 def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
-          batch_dep: set[int] | None, index: RegionIndex, keep_length: bool = False) -> Region:
+          batch_dep: set[int] | None, index: RegionIndex, keep_length: bool = False,
+          min_length: int = 0) -> Region:
     users = index.users
     dims: dict[int, Entry] = {start: Along(dim)}
     units: dict[int, Fraction | None] = {start: Fraction(1)}
@@ -199,7 +204,8 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length)
+        floor = (start, graph.values[start].shape[dim], min_length) if min_length else None
+        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor)
         if isinstance(got, str):
             boundary[nid] = got
             continue
@@ -227,7 +233,8 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
 
 
 def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] | None,
-          cache: dict, keep_length: bool = False) -> tuple[Split, dict] | str:
+          cache: dict, keep_length: bool = False,
+          floor: tuple[int, int, int] | None = None) -> tuple[Split, dict] | str:
     """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not."""
     opts = _options(graph, nid, cache)
     if isinstance(opts, str):
@@ -244,9 +251,11 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
         # region's unit grows to one of them, for every value (RegNet: cut in 8 parts of 4
         # channels, each part's convolution had 0 groups)
         whole = 1 if ratio is None else ratio.denominator
-        if keep_length and ratio is not None and (whole > 1 or any(
-                isinstance(e, Along) and e.window is None and (ratio * e.unit).denominator > 1
-                for vid, e in table.items() if vid not in dims)):
+        new = [ratio * e.unit for vid, e in table.items() if vid not in dims
+               and isinstance(e, Along) and e.window is None] if ratio is not None else []
+        if ((keep_length or floor) and ratio is not None
+                and (whole > 1 or any(u.denominator > 1 for u in new))
+                and (keep_length or _length_after(units, new, whole, floor) < floor[2])):
             coarser = True  # NOTE: a unit of the axis would be a fraction of this value's unit
             continue
         for vid, e in table.items():
@@ -318,6 +327,16 @@ def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[i
         elif have != e:
             return _MISSING
     return (ratio, extra) if linked else _MISSING
+
+
+def _length_after(units: dict, new: list[Fraction], whole: int,
+                  floor: tuple[int, int, int]) -> int:
+    """The axis's length (as ``_finish`` counts it) were ``new`` units joined, every unit
+    ``whole`` times larger; ``floor`` is (start value, its dim's size, the least length)."""
+    start, size, _ = floor
+    fracs = [u * whole for u in [*units.values(), *new] if u is not None]
+    scale = lcm(*(u.denominator for u in fracs))
+    return size // int(units[start] * whole * scale)
 
 
 def _finish(graph: Graph, start: int, dim: int, chosen: dict[int, Split], dims: dict,

@@ -175,13 +175,21 @@ def _value(graph: Graph, name: str) -> int:
 
 
 def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
-    """The largest forward value the region runs in parts, and its dim (None: none)."""
-    found = [(graph.values[v].nbytes, -v, d) for v, d in region.dims.items()
+    """The largest forward value the region runs in parts, and its dim (None: none); of
+    equal ones, the region's own start, then the first made.
+
+    NOTE: attention's forward makes many tensors of one size (its input in windows, scores,
+    softmax, probabilities, their copies in other layouts). At Swin's peak, the region grown
+    from the softmax (held for the backward) took the first of them, the windows of the
+    block's input: re-made from there, the whole block was (1.50x the lower bound). From the
+    softmax itself, the attention is re-made in parts: 1.19x against 1.25."""
+    own = region.start[0]
+    found = [(graph.values[v].nbytes, v == own, -v, d) for v, d in region.dims.items()
              if isinstance(d, int) and graph.values[v].producer is not None
              and graph.nodes[graph.values[v].producer].phase is Phase.FORWARD]
     if not found:
         return None
-    _, v, d = max(found)
+    *_, v, d = max(found)
     return -v, d
 
 
@@ -211,6 +219,10 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
                 raise FissionError(f"out of time after {k} of {len(names)} alike starts")
             if done and not any(v.name == other for v in g.values):
                 continue   # NOTE: a region grown from a later block's start took it in
+            if done and _re_made(g, other):
+                # NOTE: an earlier start's region re-made it (a block's scores and its
+                # probabilities are alike: both bmm): re-made twice, Swin's attention was
+                continue
             try:
                 g = rewrite(g, _value(g, other), parts)
                 done.append(other)
@@ -230,6 +242,12 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
     return make
 
 
+def _re_made(graph: Graph, name: str) -> bool:
+    """Whether ``graph`` has a copy of value ``name`` in the backward (whole or in parts)."""
+    copy = name + COPY_SUFFIX
+    return any(v.name == copy or v.name.startswith(copy + ".") for v in graph.values)
+
+
 def _alike_starts(graph: Graph, vid: int) -> list[int]:
     """Values made by the same op in the same phase, of the same shape, at the same output
     index."""
@@ -244,13 +262,16 @@ def _alike_starts(graph: Graph, vid: int) -> list[int]:
     return out
 
 
-def _full_length(graph: Graph, vid: int, dim: int, **kw) -> Region:
+def _full_length(graph: Graph, vid: int, dim: int, min_length: int = 0, **kw) -> Region:
     """The region grown from ``vid`` along ``dim``; where it makes the axis coarser (a
-    reshape ties the flattened tokens to the batch), the one that keeps every unit.
+    reshape ties the flattened tokens to the batch), the one that keeps every unit (with
+    ``min_length``: the one that keeps at least that many).
 
     NOTE: re-made in the backward, Gemma-2's MLP along its flattened tokens ran on through the
     3-D norms and residuals and was cut in 2 parts along the batch (31.2 MB planned against
     23.0 unsplit); kept to the 2-D MLP, it runs in up to ``PARTS`` parts."""
+    if min_length:
+        return grow_region(graph, vid, dim, min_length=min_length, **kw)
     r = grow_region(graph, vid, dim, **kw)
     if r.length >= graph.values[vid].shape[dim]:
         return r
@@ -258,9 +279,10 @@ def _full_length(graph: Graph, vid: int, dim: int, **kw) -> Region:
     return fine if len(fine.nodes) >= 2 else r
 
 
-def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
+def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> tuple[list[int], int]:
     """The forward nodes of the region grown from ``vid`` along ``dim`` to re-make in the
-    backward: not one whose output the parts make as partial sums.
+    backward (not one whose output the parts make as partial sums), and the least length
+    that region keeps the axis at (0: its whole length; see ``_full_length``).
 
     NOTE: HuBERT's first convolution layer (convolution, a GroupNorm per channel, GELU) runs
     along its channels, and the next convolution sums over them. Re-made with the rest, that
@@ -268,8 +290,23 @@ def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> list[int]:
     this layer's backward: the region in the backward stopped at the copies, all of them
     whole (2.35x the lower bound against 1.93 unsplit). Left to the forward, the layer runs
     in parts: 1.56x."""
-    r = _full_length(graph, vid, dim)
-    r = trimmed(graph, r, share) if share else r
+    fine = _full_length(graph, vid, dim)
+    nodes = _forward_part(graph, vid, fine, share)
+    if first_reader(graph, nodes) is not None:
+        return nodes, 0
+    # NOTE: the region that keeps every unit can stop at a reshape before anything the
+    # backward reads: Swin's ``probs @ v`` is [windows x heads, ...] and is read back as
+    # [windows, tokens, heads x dim] (o_proj's input); that one re-made nothing. The one that
+    # keeps at least ``PARTS`` units (the windows) runs on to o_proj, and the backward's
+    # region then keeps as many (the windows, not 16 rows of them)
+    coarse = grow_region(graph, vid, dim, min_length=PARTS)
+    if coarse.nodes != fine.nodes:
+        return _forward_part(graph, vid, coarse, share), coarse.length
+    return nodes, 0
+
+
+def _forward_part(graph: Graph, vid: int, region: Region, share: float) -> list[int]:
+    r = trimmed(graph, region, share) if share else region
     partial = {graph.values[v].producer for v, d in r.dims.items() if isinstance(d, Reduced)}
     fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD and n not in partial}
     return sorted(_linked(graph, graph.values[vid].producer, fwd))
@@ -307,7 +344,8 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int 
                      forward: bool = True) -> Graph:
     """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
     backward and run there in up to ``parts`` parts with the backward ops that read it."""
-    nodes = copy_set(graph, _forward_nodes(graph, vid, dim, share))
+    fwd, min_length = _forward_nodes(graph, vid, dim, share)
+    nodes = copy_set(graph, fwd)
     name = graph.values[vid].name + COPY_SUFFIX
     g = recompute_copies(graph, nodes)
     copy = next(v.id for v in g.values if v.name == name)
@@ -316,15 +354,16 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int 
     # block to block: grown through them, the region's convexity cut took this block's own)
     first = first_reader(graph, nodes)
     outside = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
-    region = _backward_region(g, copy, dim, outside, first)
+    region = _backward_region(g, copy, dim, outside, first, min_length)
     out = split_region(g, region, _parts(region, parts), verify=True)
     _check_views(out)
     return _forward_in_parts(out, graph.values[vid].name, dim, parts) if forward else out
 
 
 def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
-                     first: int) -> Region:
-    """The region grown from the copies' value ``copy`` along ``dim`` in the backward.
+                     first: int, min_length: int = 0) -> Region:
+    """The region grown from the copies' value ``copy`` along ``dim`` in the backward (as
+    ``_full_length`` grows it, with ``min_length``).
 
     Backward nodes that run before the copies (before node ``first``) stay out: the backward
     of nn.MultiheadAttention is row-wise along the tokens from block to block, and grown
@@ -334,7 +373,7 @@ def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
     hidden's copy, and left out it stayed whole at the peak."""
     before = {n.id: "runs before the copies (a later block's backward)"
               for n in graph.nodes[:first] if n.phase is Phase.BACKWARD}
-    region = _full_length(graph, copy, dim, exclude=outside | before)
+    region = _full_length(graph, copy, dim, min_length, exclude=outside | before)
     inside = set(region.nodes)
     fed = {graph.values[v].producer for v, d in region.dims.items() if isinstance(d, int)}
     fed &= before.keys()
@@ -348,7 +387,7 @@ def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
                                   for o in graph.nodes[p].outputs if o is not None)}
     if not feed:
         return region
-    wider = _full_length(graph, copy, dim, exclude=outside | {
+    wider = _full_length(graph, copy, dim, min_length, exclude=outside | {
         n: why for n, why in before.items() if n not in feed})
     return wider if inside < set(wider.nodes) else region
 
