@@ -224,3 +224,27 @@ def test_gradient_layout_follows_parameter_like_autograd():
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert pa.grad.stride() == pb.grad.stride(), n
         assert torch.equal(pa.grad, pb.grad), n
+
+
+class _Attention(nn.Module):
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(16, 48), dropout
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_fused_attention_draws_only_with_dropout(dropout):
+    # NOTE: torch tags the fused attention ops as seeded (for their dropout); without it they
+    # draw nothing, and marked random they could not be re-made in the backward as copies
+    torch.manual_seed(0)
+    g = check_same_as_eager(_Attention(dropout), torch.randn(2, 8, 16),
+                            lambda m, x: m(x).square().mean())
+    fused = [n for n in g.nodes if "scaled_dot_product" in n.target and n.phase is Phase.FORWARD]
+    if dropout:   # NOTE: on the CPU, attention with dropout runs unfused, its mask drawn
+        assert any(n.random for n in g.nodes)
+    else:
+        assert fused and not any(n.random for n in g.nodes)

@@ -220,12 +220,29 @@ def _convert_op(cs: ConvertState, node: torch.fx.Node, phase: Phase, module: str
     cs.b.nodes.append(Node(
         id=nid, name=name, target=_op_name(op), args=tuple(args), kwargs=dict(kwargs),
         inputs=ins, outputs=tuple(out_ids), mutates=tuple(dict.fromkeys(mutates)), phase=phase,
-        module=module, random=torch.Tag.nondeterministic_seeded in op.tags,
+        module=module, random=_draws(op, node),
         flops=_flops(op, node), bytes_moved=in_bytes + out_bytes, out_is_tuple=is_tuple))
     if is_tuple:
         cs.fx_multi[node] = out_ids
     elif out_ids[0] is not None:
         cs.fx_value[node] = out_ids[0]
+
+
+def _draws(op: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    """Whether the op draws random numbers: tagged as seeded, unless its dropout probability
+    (an attention's ``dropout_p``) is 0.
+
+    NOTE: torch tags every fused attention as seeded, for its dropout. Without dropout it
+    draws nothing, and marked random it could not be re-made in the backward (the copies
+    would draw again): ALBERT's attention was kept whole from its forward to its backward."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else
+                                arg.default_value)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def _op_name(op: torch._ops.OpOverload) -> str:
