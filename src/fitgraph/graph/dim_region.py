@@ -214,6 +214,12 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         for v2, e in got[1].items():
             if isinstance(e, Along):
                 offer(v2)
+            elif e == _SUMS and v2 in graph.nodes[nid].outputs:
+                # NOTE: a partial sum's readers that may add it to others (_sum_of_partials)
+                for u in users[v2]:
+                    if u not in chosen and u not in boundary and \
+                            graph.nodes[u].target in SUMS_OF_PARTIALS:
+                        heapq.heappush(heap, u)
     return _finish(graph, start, dim, chosen, dims, units, boundary, first)
 
 
@@ -275,6 +281,9 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
     if coarser:
         return ("would cut the split axis coarser (a reshape ties it to a shorter dimension); "
                 "the region keeps its length")
+    summed = _sum_of_partials(graph, node, dims)
+    if summed is not None:
+        return summed
     partial = [graph.values[v].name for v in node.inputs if isinstance(dims.get(v), Reduced)]
     if partial:
         return (f"reads {partial[0]}, a partial result of the region: it exists whole only "
@@ -283,6 +292,53 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
     notes = sorted({s.note for s, _, _ in opts if s.note})
     why = f" ({'; '.join(notes)})" if notes else ""
     return f"no split of {node.target} agrees with the region's dims {seen}{why}"
+
+
+# NOTE: ops that are linear in their tensor operands, run on partial sums alike: the sum of
+# the parts' results is the result on the sums
+_SUMS = Reduced()
+SUMS_OF_PARTIALS = frozenset({"aten.add.Tensor", "aten.view.default",
+                              "aten._unsafe_view.default", "aten.reshape.default"})
+
+
+def _sum_of_partials(graph: Graph, node, dims: dict) -> tuple[Split, dict] | None:
+    """The split of ``node`` as a partial sum (assigned in ``dims``) where it adds or views
+    partial sums of the region, else None. An addition may take one whole tensor too: the
+    first part adds it (``adds_whole``).
+
+    NOTE: a tensor read by several ops sums their gradients: attention's input gets four,
+    from its query, key and value projections and the residual. Run in parts along the heads,
+    each projection's was a partial sum of its own: three whole accumulators through the
+    region (ALBERT's attention re-made along its heads, at its peak). Their sum with the
+    residual's is one."""
+    if node.target not in SUMS_OF_PARTIALS or node.mutates or len(node.outputs) != 1:
+        return None
+    out = node.outputs[0]
+    ops = operands(node)
+    if out is None or out in dims or not ops:
+        return None
+    entries = tuple(_SUMS if dims.get(v) == _SUMS else None for v in ops)
+    if _SUMS not in entries:
+        return None
+    if node.target == "aten.add.Tensor":
+        if (node.kwargs.get("alpha", 1) != 1 or len(ops) != 2 or len(node.args) > 2
+                or any(dims.get(v) not in (None, _SUMS) for v in ops)
+                or any(graph.values[v].shape != graph.values[out].shape
+                       or graph.values[v].dtype != graph.values[out].dtype for v in ops)):
+            return None   # NOTE: a broadcast operand would be added once per part
+    elif entries != (_SUMS,):
+        return None
+    table = dict(zip(ops, entries))
+    table[out] = _SUMS
+    for v, e in table.items():
+        dims.setdefault(v, e)
+    return Split(entries, (_SUMS,), note="a partial sum of partial sums"), table
+
+
+def adds_whole(split: Split) -> bool:
+    """Whether a split adds a whole tensor to a partial sum: the first part adds it, the
+    others pass their partial sum on (``_sum_of_partials``)."""
+    return any(isinstance(e, Reduced) for e in split.operands) and None in split.operands
 
 
 def _row_wise(graph: Graph, node, split: Split) -> bool:

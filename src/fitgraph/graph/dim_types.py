@@ -187,9 +187,11 @@ class SizeArg:
 @dataclass(frozen=True, slots=True)
 class Split:
     """One way to run a node in parts. ``operands`` follow ``dims.operands(node)`` (tensor
-    arguments in argument order, repeats included); ``outputs`` follow ``node.outputs``."""
+    arguments in argument order, repeats included); ``outputs`` follow ``node.outputs``. An
+    operand is ``Reduced`` only where a region runs the node on its partial sums (an addition
+    of them: ``dim_region.SUMS_OF_PARTIALS``)."""
 
-    operands: tuple[Along | None, ...]
+    operands: tuple[Entry, ...]
     outputs: tuple[Entry, ...]
     sizes: tuple[SizeArg, ...] = ()
     note: str = ""

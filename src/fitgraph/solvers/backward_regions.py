@@ -348,7 +348,10 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int 
     nodes = copy_set(graph, fwd)
     name = graph.values[vid].name + COPY_SUFFIX
     g = recompute_copies(graph, nodes)
-    copy = next(v.id for v in g.values if v.name == name)
+    copy = next((v.id for v in g.values if v.name == name), None)
+    if copy is None:
+        raise CopyError(f"{graph.values[vid].name} itself is not re-made (its node cannot be "
+                        "copied): nothing to run in parts from it")
     # NOTE: the copies go in right before their first reader; the backward nodes before them
     # are later blocks' (nn.MultiheadAttention's backward is row-wise along the tokens from
     # block to block: grown through them, the region's convexity cut took this block's own)

@@ -66,7 +66,7 @@ Example:
 from __future__ import annotations
 
 from ..graph.analysis import new_storages, users, verify_graph
-from ..graph.dim_region import Region
+from ..graph.dim_region import Region, adds_whole
 from ..graph.dim_rules import SHAPE_ONLY
 from ..graph.dim_types import Along, Reduced
 from ..graph.dims import operands, part_args
@@ -158,7 +158,13 @@ class _Splitter(PartsCombiner):
             for v in list(n.mutates) + [o for o in n.outputs if o is not None]:
                 if v in n.mutates or g.values[v].storage in fresh[nid]:
                     self.last_write[g.values[v].storage] = nid
+        summed = {v for nid in self.r.nodes
+                  for v, e in zip(operands(g.nodes[nid]), self.r.splits[nid].operands)
+                  if isinstance(e, Reduced)}
         for v in leaving:
+            if v in summed:
+                raise FissionError(f"{g.values[v].name} is a partial sum read after the region "
+                                   "and summed with others in it: not supported")
             e = self.r.dims.get(v)
             # NOTE: an empty tensor (evaluation batch norm's saved statistics) is the same
             # whole tensor in every part: the last part's leaves
@@ -245,8 +251,17 @@ class _Splitter(PartsCombiner):
         n = g.nodes[nid]
         split = r.splits[nid]
         ops = operands(n)
+        if i > 0 and adds_whole(split):
+            # NOTE: the first part added the whole tensor to its partial sum; the others pass
+            # theirs on, and the parts' sum is the whole plus every partial sum
+            partial = next(v for v, e in zip(ops, split.operands) if isinstance(e, Reduced))
+            self.part[(n.outputs[0], i)] = self.part[(partial, i)]
+            return
         ins: list[int] = []
         for vid, e in zip(ops, split.operands):
+            if isinstance(e, Reduced):   # NOTE: a sum of partial sums reads its part's own
+                ins.append(self.part[(vid, i)])
+                continue
             if e is None and vid in real_writes(n):
                 raise FissionError(f"{n.name} writes {g.values[vid].name} in place whole: "
                                    "every part would write it again")

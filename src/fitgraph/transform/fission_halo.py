@@ -129,6 +129,8 @@ class HaloRows:
         for vid, e in zip(vids, split.operands + split.outputs):
             if vid is not None and isinstance(e, Along) and e.window is None:
                 return self.g.values[vid].shape[e.dim] // e.unit
+        if all(isinstance(e, Reduced) for e in split.operands + split.outputs):
+            return self.r.length   # NOTE: a sum of partial sums: each part adds its own
         raise FissionError(f"{n.name} ({n.target}): no operand or output follows the split "
                            "axis in units; its dimension rule must name one")
 
