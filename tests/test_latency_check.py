@@ -121,7 +121,7 @@ def test_the_offset_is_taken_off_the_eager_time(monkeypatch):
     """A plan timed at 1.0x the eager plan is over 1.0x eager PyTorch when the executor spends
     time eager does not: the offset raises the measured ratio (scripted timings)."""
     times = iter([1.0, 1.0] * 20)
-    monkeypatch.setattr(latency_check, "_timed", lambda ex, runner, g: next(times))
+    monkeypatch.setattr(latency_check, "_timed", lambda ex, runner, g, real=None: next(times))
     model, batch, lf = _case()
     g = fitgraph.capture(model, batch, lf)
     from fitgraph.cost.profiler import ProfiledCostModel
@@ -204,3 +204,24 @@ def test_the_synthetic_steps_run_with_subnormal_floats_flushed():
 
     _timed(Ex(), Runner(), G())
     assert seen == [True] and not _flushing()
+
+
+def test_the_plan_is_timed_on_the_users_batch_and_leaves_it_as_it_was(monkeypatch):
+    """Synthetic token ids and masks time data-dependent kernels otherwise than the user's
+    batch does: the batch's tensors are the user's own, every other input synthetic."""
+    seen = []
+    real_timed = latency_check._timed
+
+    def spy(ex, runner, g, real=None):
+        seen.append(real)
+        return real_timed(ex, runner, g, real)
+    monkeypatch.setattr(latency_check, "_timed", spy)
+    model, batch, lf = _case()
+    g = fitgraph.capture(model, batch, lf)
+    from fitgraph.cost.profiler import ProfiledCostModel
+
+    before = batch.clone()
+    cm = ProfiledCostModel("cpu", progress=False)
+    latency_check.paired_ratio(g, g, fitgraph.eager_plan(g), cm, rounds=3, batch=batch)
+    assert seen and all(len(r) == 1 and next(iter(r.values())) is batch for r in seen)
+    assert torch.equal(batch, before)

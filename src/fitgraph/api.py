@@ -242,7 +242,7 @@ class TrainStep:
                                                          self.device)
                     if batch is not None and self.clip_grad_norm is None else None)
         sol, checked = latency_check.check(graph, self.latency_limit, solve_for, cm,
-                                           eager.sim.latency_s, torch_fb)
+                                           eager.sim.latency_s, torch_fb, batch)
         if sol is None:
             sol = dataclasses.replace(eager, solver=self.solver)
         return dataclasses.replace(sol, notes=dict(sol.notes, latency_check=checked.notes()))
