@@ -189,6 +189,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
     # loss joins before the backward that reads its total weight)
     heap: list[int] = []
     first = None
+    floor = (start, graph.values[start].shape[dim], min_length) if min_length else None
 
     def offer(v: int) -> None:
         producer = graph.values[v].producer
@@ -204,7 +205,6 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        floor = (start, graph.values[start].shape[dim], min_length) if min_length else None
         got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor)
         if isinstance(got, str):
             boundary[nid] = got
