@@ -34,7 +34,7 @@ from .ops import ArgBinder, resolve_target
 from .optimizer_ops import run_optimizer_node, run_step_post_hooks, run_step_pre_hooks
 from .slots import ModelSlots
 
-__all__ = ["Executor", "bind_inputs", "execute"]
+__all__ = ["Executor", "bind_inputs", "check_bound", "execute"]
 
 
 def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
@@ -79,12 +79,18 @@ def bind_inputs(graph: Graph, model: torch.nn.Module, batch: Any,
             t = graph.meta["constants"][s.key]
         else:
             raise ValueError(f"unknown graph input kind {s.name!r}")
+        out.append(t)
+    check_bound(specs, out)
+    return out
+
+
+def check_bound(specs: list[InputSpec], inputs: list[torch.Tensor]) -> None:
+    """Raise where a bound input's shape or dtype is not the captured one (``bind_inputs``)."""
+    for s, t in zip(specs, inputs):
         if t.shape != s.shape or t.dtype != s.dtype:
             raise ValueError(f"input {s.name} has shape {tuple(t.shape)} {t.dtype}, the graph was "
                              f"captured with {tuple(s.shape)} {s.dtype}: capture again for this "
                              "shape (fitgraph plans are per shape)")
-        out.append(t)
-    return out
 
 
 def _buffers(graph: Graph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -231,8 +237,6 @@ class Executor:
         # shared by everything below
         params, buffers = self.slots.tensors() if tensors is None else tensors
         self.params = params
-        inputs = bind_inputs(g, self.model, batch, self.optimizer, params, buffers,
-                             self.input_specs)
         if self.optimizer is not None:
             for key in g.outputs:
                 if key.startswith("grad:") and params[key[5:]].grad is not None:
@@ -240,22 +244,33 @@ class Executor:
                         f"parameter {key[5:]} already has a .grad; with an optimizer in the step "
                         "gradients are not accumulated across steps: call "
                         "optimizer.zero_grad(set_to_none=True) before the step")
-        self.env = env = [None] * len(g.values)
-        for vid, t in zip(g.inputs, inputs):
-            env[vid] = t
-        del inputs
         self.hooks_ran = False
-        with torch.no_grad():
-            self._run(self, env)
-            self._write_back(params)
-        loss = env[g.outputs["loss"]]
-        self.env = []
+        loss = self.run_bound(bind_inputs(g, self.model, batch, self.optimizer, params,
+                                          buffers, self.input_specs),
+                              lambda: self._write_back(params))
         self.params = {}
         self.rng_saved = {}
         self.fresh_state = frozenset()
         if self.hooks_ran:
             # NOTE: the step was optimizer.step() for hooks, LR schedulers, EMA and loggers
             run_step_post_hooks(self.optimizer)
+        return loss
+
+    def run_bound(self, inputs: list[torch.Tensor], write_back) -> torch.Tensor:
+        """The plan over ``inputs`` (``graph.inputs``' tensors in order; the list is emptied,
+        so that the env holds the only references this step makes), ``write_back()`` once it
+        ran, then what is left of the env dropped: the loss. The part of a step that
+        ``latency_check`` times on synthetic inputs."""
+        g = self.graph
+        self.env = env = [None] * len(g.values)
+        for vid, t in zip(g.inputs, inputs):
+            env[vid] = t
+        inputs.clear()
+        with torch.no_grad():
+            self._run(self, env)
+            write_back()
+        loss = env[g.outputs["loss"]]
+        self.env = []
         return loss
 
     def _attach_grads(self) -> None:
