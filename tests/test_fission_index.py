@@ -91,5 +91,6 @@ def test_index_tensors_apart_are_offered_no_split():
     assert index_scatter(n, [(2, 3, 4, 5), (6,), (6,), (6, 2, 4)], [(2, 3, 4, 5)]) == []
     adjacent = [None, None, ValueRef(1), ValueRef(2)]
     n = _node("aten._unsafe_index.Tensor", adjacent, 3)
+    # NOTE: and the gathered rows themselves: a part gathers its rows i[a:b], j[a:b]
     assert [s.outputs[0].dim for s in index_gather(n, [(2, 3, 4, 5), (6,), (6,)],
-                                                   [(2, 3, 6)])] == [0, 1]
+                                                   [(2, 3, 6)])] == [0, 1, 2]

@@ -24,9 +24,9 @@ Example:
 
 from __future__ import annotations
 
-from .dim_types import Along, SizeArg, Split, arg_of
+from .dim_types import Along, Reduced, SizeArg, Split, arg_of
 
-__all__ = ["index_gather", "index_scatter", "new_zeros"]
+__all__ = ["MADE_ALIKE", "index_gather", "index_scatter", "new_zeros"]
 
 
 def _leading(indices) -> int | None:
@@ -41,18 +41,30 @@ def _leading(indices) -> int | None:
 
 
 def index_gather(node, ins, outs) -> list[Split]:
-    """index / _unsafe_index(x, indices): the dims before the index tensors follow."""
+    """index / _unsafe_index(x, indices): the dims before the index tensors follow; with 1-D
+    index tensors, also their rows (``x`` read whole)."""
     lead = _leading(arg_of(node, 1, "indices"))
     if lead is None:
         return []
     x, out, n_index = ins[0], outs[0], len(ins) - 1
-    return [Split((Along(d),) + (None,) * n_index, (Along(d),))
-            for d in range(lead) if x[d] == out[d] and x[d] >= 2]
+    splits = [Split((Along(d),) + (None,) * n_index, (Along(d),))
+              for d in range(lead) if x[d] == out[d] and x[d] >= 2]
+    rows = out[lead] if len(out) > lead else 0
+    # NOTE: rows gathered by 1-D index tensors (a relative position bias from its table, an
+    # embedding by index): a part gathers its own rows, reading the table whole
+    if rows >= 2 and all(len(i) == 1 and i[0] == rows for i in ins[1:]) \
+            and len(out) == len(x) - n_index + 1:
+        splits.append(Split((None,) + (Along(0),) * n_index, (Along(lead),),
+                            note="rows gathered in parts"))
+    return splits
 
 
 def index_scatter(node, ins, outs) -> list[Split]:
     """index_put / _unsafe_index_put(x, indices, values, accumulate): the dims before the index
-    tensors follow in ``x``, ``values`` and the result."""
+    tensors follow in ``x``, ``values`` and the result. Accumulating, the rows scattered may
+    be split too: 1-D index tensors and ``values`` along the indexed dim, each part adding
+    its rows into the result of the part before (``Reduced``: ``transform.fission_combine.
+    THREADED``), ``x`` read by the first part only."""
     lead = _leading(arg_of(node, 1, "indices"))
     if lead is None:
         return []
@@ -60,15 +72,34 @@ def index_scatter(node, ins, outs) -> list[Split]:
     n_index = len(ins) - 2
     if len(values) < lead:
         return []
-    return [Split((Along(d),) + (None,) * n_index + (Along(d),), (Along(d),))
-            for d in range(lead) if x[d] == out[d] == values[d] and x[d] >= 2]
+    splits = [Split((Along(d),) + (None,) * n_index + (Along(d),), (Along(d),))
+              for d in range(lead) if x[d] == out[d] == values[d] and x[d] >= 2]
+    rows = values[lead] if len(values) > lead else 0
+    # NOTE: a gather's gradient (a relative position bias table's, an embedding's by index):
+    # the rows to add arrive in parts from a region split along them; the whole [rows, ...]
+    # tensor of them need not exist
+    if (arg_of(node, 3, "accumulate", False) is True and rows >= 2
+            and all(len(i) == 1 and i[0] == rows for i in ins[1:-1])
+            and len(values) == len(x) - n_index + 1):
+        splits.append(Split((None,) + (Along(0),) * n_index + (Along(lead),), (Reduced(),),
+                            note="rows scattered in parts, each part adding into the last's"))
+    return splits
 
 
 def new_zeros(node, ins, outs) -> list[Split]:
     """new_zeros(x, size): a dim of the same size in ``x`` and the result follows ``x``'s part
-    (only its shape is read); the part's ``size`` says the part's rows."""
+    (only its shape is read); the part's ``size`` says the part's rows. Along any other dim
+    of ``x`` every part makes the same whole zeros (``MADE_ALIKE``): ``x`` gives only the
+    dtype and device."""
     x, out = ins[0], outs[0]
-    if len(x) != len(out):
-        return []
-    return [Split((Along(d),), (Along(d),), sizes=(SizeArg((1, d), ("out", 0), d),))
-            for d in range(len(out)) if x[d] == out[d] and out[d] >= 2]
+    follow = [Split((Along(d),), (Along(d),), sizes=(SizeArg((1, d), ("out", 0), d),))
+              for d in range(len(out)) if len(x) == len(out) and x[d] == out[d] and out[d] >= 2]
+    alike = [Split((Along(d),), (None,), note="the same zeros in every part")
+             for d in range(len(x)) if x[d] >= 2
+             and not (len(x) == len(out) and x[d] == out[d])]
+    return follow + alike
+
+
+# NOTE: ops whose output does not depend on their tensor operand's values or on which rows of
+# it a part has: every part that runs one makes the same tensor
+MADE_ALIKE = frozenset({"aten.new_zeros.default"})

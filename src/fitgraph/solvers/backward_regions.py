@@ -136,7 +136,13 @@ def copies_recipe(name: str, dim: int, share: float) -> Recipe:
 
     def forward(g: Graph, v: int, parts: int) -> Graph:
         return _forward_in_parts(g, g.values[v].name, dim, parts)
-    return _for_each_alike(name, rewrite, forward)
+    recipe = _for_each_alike(name, rewrite, forward)
+    # NOTE: the next looser trim of the same start (None: the untrimmed region), which the
+    # search tries once a path ends (``fission_backward._widened``)
+    looser = [s for s in SHARES if s < share]
+    recipe.share = share
+    recipe.wider = (lambda: copies_recipe(name, dim, max(looser))) if looser else None
+    return recipe
 
 
 def alike_split_recipe(name: str, dim: int, share: float) -> Recipe:

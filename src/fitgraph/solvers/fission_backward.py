@@ -140,6 +140,8 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
         again = path
         if path.sol.sim.peak_bytes > target:
             again = _replayed(path, graph, cm, deadline, t0, total, tried)
+        if again.sol.sim.peak_bytes > target:
+            again = _widened(again, graph, cm, deadline, t0, total, tried)
         if again is not path:
             # NOTE: in more parts the peak moves on (Falcon's from the attention to the MLP
             # backward of block 0): the rounds go on from there
@@ -188,6 +190,39 @@ def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total:
     if sol is None or sol.sim.peak_bytes >= final.sol.sim.peak_bytes:
         return final
     return _Path(g, sol, [*final.splits, what], final.recipes)
+
+
+def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,
+              tried: list[str]) -> _Path:
+    """``final`` with each region it re-makes in the backward widened to the next looser trim
+    (``backward_regions.copies_recipe``), one at a time, made again from ``start`` in up to
+    ``REPLAY_PARTS`` parts and planned: the lowest of those paths and ``final``.
+
+    NOTE: a round screens one trim of each start, the tightest first (a larger region copies
+    more), and a start once re-made is not offered again. On BEiT the tightest re-made the
+    attention's scores from ``add`` on, and its relative position bias (1 MiB a block, a
+    gather from a table) was recomputed whole and read in slices at the peak: the next trim
+    re-makes the gather in parts too."""
+    best = final
+    for i in range(len(final.recipes)):
+        wider = getattr(best.recipes[i], "wider", None)
+        if wider is None or time.perf_counter() > deadline:
+            continue
+        recipe = wider()
+        recipes = [*best.recipes[:i], recipe, *best.recipes[i + 1:]]
+        what = f"split {i + 1} re-made wider (share {recipe.share}) in up to {REPLAY_PARTS} parts"
+        g = start
+        try:
+            for r in recipes:
+                g = r(g, REPLAY_PARTS, deadline)
+        except (FissionError, CopyError, GraphError, StopIteration) as e:
+            tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
+            continue
+        sol = _least(g, cm, deadline, t0, total)
+        tried.append(f"{what}: planned " + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
+        if sol is not None and sol.sim.peak_bytes < best.sol.sim.peak_bytes:
+            best = _Path(g, sol, [*final.splits, what], recipes)
+    return best
 
 
 def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: list[str],

@@ -68,10 +68,11 @@ from __future__ import annotations
 from ..graph.analysis import new_storages, users, verify_graph
 from ..graph.dim_region import Region, adds_whole
 from ..graph.dim_rules import SHAPE_ONLY
+from ..graph.dim_rules_index import MADE_ALIKE
 from ..graph.dim_types import Along, Reduced
 from ..graph.dims import operands, part_args
 from ..graph.ir import Graph, Phase, contiguous_strides
-from .fission_combine import ACCUMULATE, PartsCombiner, part_role
+from .fission_combine import ACCUMULATE, THREADED, PartsCombiner, part_role
 from .fission_halo import HaloRows
 from .fission_halo_nodes import pad_rows, rows_view
 from .fission_meta import VIEW_TARGETS, Meta, dense_like, narrow, view_meta
@@ -168,7 +169,7 @@ class _Splitter(PartsCombiner):
             e = self.r.dims.get(v)
             # NOTE: an empty tensor (evaluation batch norm's saved statistics) is the same
             # whole tensor in every part: the last part's leaves
-            if e is None and g.values[v].numel:
+            if e is None and g.values[v].numel and not self._made_alike(v):
                 raise FissionError(f"{g.values[v].name} is produced whole by every part and "
                                    "read after the region: not supported")
         self.mean_weights: dict[int, int] = {}        # loss value -> its weight value
@@ -267,7 +268,8 @@ class _Splitter(PartsCombiner):
                                    "every part would write it again")
             if e is None:
                 if g.values[vid].producer in self.inside:
-                    if not g.values[vid].numel:  # NOTE: empty: every part made it alike
+                    if not g.values[vid].numel or self._made_alike(vid):
+                        # NOTE: empty, or zeros of a given size: every part made it alike
                         ins.append(self.part[(vid, i)])
                         continue
                     raise FissionError(f"{n.name} reads {g.values[vid].name} whole, but the "
@@ -308,16 +310,28 @@ class _Splitter(PartsCombiner):
         mutated = [ins[ops.index(v)] for v in n.mutates]
         flops = n.flops * self.rows.share(nid, i)
         o = n.outputs[0]
+        if n.target in THREADED and isinstance(split.outputs[0], Reduced) \
+                and not self._accumulated(o):
+            raise FissionError(f"{n.name}: its parts add into the one before's result, which "
+                               "is read inside the region: not supported")
         if i > 0 and n.target in ACCUMULATE and self._accumulated(o):
             acc = self.acc[o]
             target, args = ACCUMULATE[n.target], (_ref(acc),) + tuple(args)
             mutated = [acc]
             specs = [OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
                              storage=w.values[acc].storage, role=w.values[acc].role)]
+        elif i > 0 and n.target in THREADED and isinstance(split.outputs[0], Reduced):
+            # NOTE: the part adds its rows into the parts' result so far, in place: exactly
+            # the whole op's sums, whatever the first part's base was
+            acc = self.acc[o]
+            target, args = THREADED[n.target], (_ref(acc),) + tuple(args)[1:]
+            mutated = [acc]
+            specs = [OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
+                             storage=w.values[acc].storage, role=w.values[acc].role)]
         outs = w.add_node(f"{n.name}.part{i}", target, args, kwargs, specs, phase=n.phase,
                           module=n.module, device=self._device(n), mutates=tuple(mutated),
                           random=n.random, flops=flops, out_is_tuple=n.out_is_tuple)
-        if target in ACCUMULATE.values():
+        if target in ACCUMULATE.values() or target in THREADED.values():
             self.acc[o] = outs[0]
             return
         for j, (o, new) in enumerate(zip(n.outputs, outs)):
@@ -355,6 +369,12 @@ class _Splitter(PartsCombiner):
                        role=part_role(n.phase))
         return w.add_node(f"{v.name}.contiguous", "aten.contiguous.default", (_ref(vid),), {},
                           [spec], phase=n.phase, module=n.module, device=w.device_of(vid))[0]
+
+    def _made_alike(self, vid: int) -> bool:
+        """Whether every part makes ``vid`` whole and the same (zeros of a given size)."""
+        nid = self.g.values[vid].producer
+        return (nid in self.inside and self.g.nodes[nid].target in MADE_ALIKE
+                and self.r.dims.get(vid, 0) is None)
 
     def _device(self, n) -> str:
         vids = [o for o in n.outputs if o is not None] or list(n.inputs)

@@ -41,12 +41,16 @@ from .fission_order import FissionError
 from .fission_outer import inner_rows, unflattened
 from .fission_writer import OutSpec
 
-__all__ = ["ACCUMULATE", "PartsCombiner", "part_role"]
+__all__ = ["ACCUMULATE", "THREADED", "PartsCombiner", "part_role"]
 
 # NOTE: products whose partial sums a part adds in place into the first part's result
 # (``acc.addmm_(a, b)``): no second whole-size partial (a tied LM head's weight gradient is as
 # large as the embedding)
 ACCUMULATE = {"aten.mm.default": "aten.addmm_.default", "aten.bmm.default": "aten.baddbmm_.default"}
+# NOTE: scatters whose parts add their rows into the result so far in place (the first part's
+# base operand replaced by it): ``dim_rules_index.index_scatter``'s rows in parts
+THREADED = {"aten.index_put.default": "aten.index_put_.default",
+            "aten._unsafe_index_put.default": "aten.index_put_.default"}
 
 _HALF = ("bfloat16", "float16")
 
@@ -92,7 +96,7 @@ class PartsCombiner:
             elif self._accumulated(o):
                 if i == 0:
                     self.acc[o] = self.part[(o, 0)]
-                elif n.target not in ACCUMULATE:
+                elif n.target not in ACCUMULATE and n.target not in THREADED:
                     acc = self.acc[o]
                     spec = OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
                                    storage=w.values[acc].storage, role=w.values[acc].role)
