@@ -261,3 +261,19 @@ def test_a_timed_step_is_the_executors_whole_step_not_the_plan_alone(monkeypatch
     assert _timed(ex, _runner(g, cm), g) > 0
     assert seen == {"inputs": len(g.inputs), "written": len(g.outputs)}
     assert ex.env == []
+
+
+def test_a_ratio_too_close_to_the_limit_to_call_is_measured_on():
+    """T5's plan at 1.10 read 1.063 in 7 rounds (spread 8%) and 1.136 as the sweep timed it:
+    near the limit, rounds go on up to MAX_ROUNDS; far from it, they stop at ROUNDS."""
+    calls = []
+
+    def timed():
+        calls.append(1)
+        return 1.09
+
+    latency_check.paired(timed, lambda: 1.0, undecided=lambda m: abs(m - 1.1) < 0.04)
+    assert len(calls) == latency_check.WARMUP + latency_check.MAX_ROUNDS
+    calls.clear()
+    latency_check.paired(timed, lambda: 1.0, undecided=lambda m: abs(m - 1.5) < 0.04)
+    assert len(calls) == latency_check.WARMUP + latency_check.ROUNDS
