@@ -142,7 +142,19 @@ def copies_recipe(name: str, dim: int, share: float) -> Recipe:
     looser = [s for s in SHARES if s < share]
     recipe.share = share
     recipe.wider = (lambda: copies_recipe(name, dim, max(looser))) if looser else None
+    recipe.widens = lambda g: bool(looser) and _widens(g, name, dim, share, max(looser))
     return recipe
+
+
+def _widens(graph: Graph, name: str, dim: int, share: float, looser: float) -> bool:
+    """Whether the looser trim re-makes more forward nodes than ``share`` from value ``name``
+    (true where the start is not in ``graph``: made by an earlier split, let it be tried)."""
+    try:
+        v = _value(graph, name)
+    except FissionError:
+        return True
+    return set(_forward_nodes(graph, v, dim, looser)[0]) != set(_forward_nodes(graph, v, dim,
+                                                                               share)[0])
 
 
 def alike_split_recipe(name: str, dim: int, share: float) -> Recipe:
