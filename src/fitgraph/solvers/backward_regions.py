@@ -138,7 +138,7 @@ def copies_recipe(name: str, dim: int, share: float) -> Recipe:
         return _forward_in_parts(g, g.values[v].name, dim, parts)
     recipe = _for_each_alike(name, rewrite, forward)
     # NOTE: the next looser trim of the same start (None: the untrimmed region), which the
-    # search tries once a path ends (``fission_backward._widened``)
+    # search tries where its rounds stall (``fission_backward._widened``)
     looser = [s for s in SHARES if s < share]
     recipe.share = share
     recipe.wider = (lambda: copies_recipe(name, dim, max(looser))) if looser else None

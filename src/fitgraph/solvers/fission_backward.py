@@ -20,6 +20,8 @@ tensors' bytes, trimmed tightest first); the first ``SCREEN`` of a round (half o
 one trim of a start) are made and screened — the split graph priced with the current plan's
 drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
 peak); the one that lowers it most is kept, and rounds go on while one does and time is left.
+Where none does, each region the path re-makes is made again with its next looser trim (where
+that re-makes more nodes) and planned; a lower one is the round's gain (``_widened``).
 Where they end, the search goes on from the lowest of up to ``BRANCHES`` runners-up (tries
 planned below their round's start and not kept, and detours: tries at most ``DETOUR`` above it
 whose peak moved elsewhere, where a later split may cut it), and keeps the lowest peak of
