@@ -298,7 +298,6 @@ def eager_factor(base: Graph, cm, torch_forward_backward, optimizer_s: float,
     return paired(plan_s, lambda: torch_forward_backward() + optimizer_s, rounds)[0]
 
 
-
 def _unsettled(ratios: list[float]) -> bool:
     """Whether the middle half of the ratios spans more than ``SETTLED``: a busy machine
     (another process, frequency changes) spreads single rounds by tens of percent."""

@@ -310,21 +310,16 @@ class _Splitter(PartsCombiner):
         mutated = [ins[ops.index(v)] for v in n.mutates]
         flops = n.flops * self.rows.share(nid, i)
         o = n.outputs[0]
-        if n.target in THREADED and isinstance(split.outputs[0], Reduced) \
-                and not self._accumulated(o):
+        threaded = n.target in THREADED and isinstance(split.outputs[0], Reduced)
+        if threaded and not self._accumulated(o):
             raise FissionError(f"{n.name}: its parts add into the one before's result, which "
                                "is read inside the region: not supported")
-        if i > 0 and n.target in ACCUMULATE and self._accumulated(o):
+        if i > 0 and (threaded or n.target in ACCUMULATE) and self._accumulated(o):
             acc = self.acc[o]
-            target, args = ACCUMULATE[n.target], (_ref(acc),) + tuple(args)
-            mutated = [acc]
-            specs = [OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
-                             storage=w.values[acc].storage, role=w.values[acc].role)]
-        elif i > 0 and n.target in THREADED and isinstance(split.outputs[0], Reduced):
-            # NOTE: the part adds its rows into the parts' result so far, in place: exactly
-            # the whole op's sums, whatever the first part's base was
-            acc = self.acc[o]
-            target, args = THREADED[n.target], (_ref(acc),) + tuple(args)[1:]
+            # NOTE: a product adds into the accumulator (``addmm_``); a scatter adds its rows
+            # into the parts' result so far in place of its base, so the base is added once
+            target, args = ((THREADED[n.target], (_ref(acc),) + tuple(args)[1:]) if threaded
+                            else (ACCUMULATE[n.target], (_ref(acc),) + tuple(args)))
             mutated = [acc]
             specs = [OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
                              storage=w.values[acc].storage, role=w.values[acc].role)]
