@@ -132,3 +132,21 @@ def test_a_scatter_whose_result_is_read_in_the_region_is_refused():
     assert "twice" in {g.nodes[n].name for n in r.nodes}   # NOTE: a sum of partial sums
     with pytest.raises(FissionError, match="read inside the region"):
         split_region(g, r, 2)
+
+
+def test_the_split_step_peaks_where_the_simulator_says():
+    """Law 2 for the threaded scatter (``index_put_`` into the first part's result) and the
+    zeros every part makes: simulated peak = measured peak."""
+    import copy
+
+    from fitgraph.cost import ProfiledCostModel
+    from fitgraph.measure import measure_plan
+    from fitgraph.sim.simulate import simulate
+
+    model, x, g = _captured()
+    split = split_region(g, _along_query_rows(g), 4)
+    cm = ProfiledCostModel("cpu", progress=False)
+    cm.profile(split)
+    plan = fitgraph.eager_plan(split)
+    measured = measure_plan(split, plan, copy.deepcopy(model), x, repeats=0)
+    assert measured.peak_bytes == simulate(split, plan, cm).peak_bytes
