@@ -80,6 +80,7 @@ from .fission_order import FissionError, block_order, part_bounds, real_writes
 from .fission_outer import inner_part
 from .fission_rows import Rows, UnitRows
 from .fission_writer import GraphWriter, OutSpec, substitute_refs
+from .sums_in_place import sums_in_place
 
 __all__ = ["FissionError", "part_bounds", "split_region"]
 
@@ -211,7 +212,7 @@ class _Splitter(PartsCombiner):
         out = w.finish(meta)
         if verify:
             verify_graph(out)
-        return out
+        return sums_in_place(out, verify)
 
     def _input_part(self, vid: int, e: Along, rows: Rows, i: int, phase: Phase,
                     module: str) -> int:

@@ -1,0 +1,127 @@
+"""A weight gradient run in parts accumulates into the gradient so far, not beside it.
+
+A layer applied at several depths (ALBERT's one shared layer) sums one weight-gradient
+contribution per use: ``s = add(p, acc)``. A region that runs a use's backward in parts
+accumulated the parts' products in a whole accumulator ``acc`` that lived beside ``p`` through
+the region (three of ALBERT's, 0.75 MiB, at its smallest peak); ``transform.sums_in_place``
+accumulates into ``p`` itself."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from helpers import assert_split_like_eager
+from torch import nn
+
+import fitgraph
+from fitgraph.graph.dim_region import grow_region
+from fitgraph.graph.ir import GraphBuilder, Phase, Role
+from fitgraph.transform.fission import split_region
+from fitgraph.transform.sums_in_place import sums_in_place
+
+
+class Shared(nn.Module):
+    """One MLP applied ``depth`` times, as ALBERT shares its layer."""
+
+    def __init__(self, width: int = 16, depth: int = 3):
+        super().__init__()
+        self.up, self.down, self.depth = nn.Linear(width, 4 * width), nn.Linear(4 * width, width), depth
+
+    def forward(self, x):
+        for _ in range(self.depth):
+            x = x + self.down(torch.relu(self.up(x)))
+        return x
+
+
+def _split_middle_use():
+    """The shared model captured, and the backward of its middle use split along the tokens:
+    that use's weight-gradient products run in parts, and are added to the last use's
+    (the backward's first), made whole before."""
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(2, 32, 16)
+    g = fitgraph.capture(model, x, lambda m, b: m(b).square().mean())
+    relu_bw = [n.id for n in g.nodes if n.target == "aten.threshold_backward.default"]
+    outside = {n.id: "another use's" for n in g.nodes
+               if n.phase is not Phase.BACKWARD or not relu_bw[0] + 8 < n.id < relu_bw[2]}
+    r = grow_region(g, g.nodes[relu_bw[1]].outputs[0], 1, exclude=outside)
+    return model, x, g, split_region(g, r, 4)
+
+
+def _weight_sized(g, shape):
+    return [v for v in g.values if v.shape == shape and v.producer is not None
+            and g.nodes[v.producer].phase is Phase.BACKWARD]
+
+
+def test_the_parts_accumulate_into_the_running_sum_and_match_eager():
+    model, x, g, split = _split_middle_use()
+    # NOTE: a chain folded: its first part's product accumulates into the running sum, made
+    # by the last use's whole product
+    into = [n for n in split.nodes if n.target == "aten.addmm_.default"
+            and n.name.endswith(".part0")]
+    assert into and all(split.nodes[split.values[n.args[0].id].producer].name in ("mm_1", "mm_3")
+                        for n in into), [(n.name, n.args[0]) for n in into]
+    # NOTE: fewer weight-sized backward storages than without the fold
+    unfolded = _unfolded_split()
+    shape = tuple(model.up.weight.shape)
+    assert len({v.storage for v in _weight_sized(split, shape)}) < \
+        len({v.storage for v in _weight_sized(unfolded, shape)})
+    assert_split_like_eager(g, split, model, x)
+
+
+def _unfolded_split():
+    import fitgraph.transform.fission as fission
+
+    saved = fission.sums_in_place
+    fission.sums_in_place = lambda graph, verify=True: graph
+    try:
+        return _split_middle_use()[3]
+    finally:
+        fission.sums_in_place = saved
+
+
+def test_the_folded_split_peaks_where_the_simulator_says_and_lower():
+    """Law 2 for a chain written into the running sum; and the accumulator is gone from the
+    peak."""
+    from fitgraph.cost import ProfiledCostModel
+    from fitgraph.measure import measure_plan
+    from fitgraph.sim.simulate import simulate
+
+    model, x, g, split = _split_middle_use()
+    cm = ProfiledCostModel("cpu", progress=False)
+    peaks = []
+    for graph in (split, _unfolded_split()):
+        cm.profile(graph)
+        plan = fitgraph.eager_plan(graph)
+        measured = measure_plan(graph, plan, copy.deepcopy(model), x, repeats=0)
+        assert measured.peak_bytes == simulate(graph, plan, cm).peak_bytes
+        peaks.append(measured.peak_bytes)
+    assert peaks[0] <= peaks[1]
+
+
+def _chain_graph(base_readers: int = 1, base_first: bool = True):
+    b = GraphBuilder()
+    x, y, p0 = (b.add_input(n, (4, 4), "float32", Role.INPUT) for n in ("x", "y", "p0"))
+    bw = dict(phase=Phase.BACKWARD)
+
+    def base():
+        return b.add_node("aten.mul.Tensor", [p0, p0], [((4, 4), "float32")], name="p", **bw)[0]
+
+    p = base() if base_first else None
+    acc = b.add_node("aten.mm.default", [x, y], [((4, 4), "float32")], name="acc", **bw)[0]
+    acc1 = b.add_node("aten.addmm_.default", [acc, y, x], [((4, 4), "float32")],
+                      mutates=(acc,), alias_of={0: acc}, name="acc1", **bw)[0]
+    p = base() if p is None else p
+    outs = {}
+    for i in range(base_readers - 1):
+        outs[f"other{i}"] = b.add_node("aten.neg.default", [p], [((4, 4), "float32")],
+                                       name=f"other{i}", **bw)[0]
+    s = b.add_node("aten.add.Tensor", [p, acc1], [((4, 4), "float32")], name="s", **bw)[0]
+    return b.finish({"loss": s, **outs})
+
+
+def test_only_a_running_sum_made_before_the_chain_and_read_by_the_add_alone_is_folded():
+    assert [n.target for n in sums_in_place(_chain_graph()).nodes] == [
+        "aten.mul.Tensor", "aten.addmm_.default", "aten.addmm_.default"]
+    for g in (_chain_graph(base_readers=2), _chain_graph(base_first=False)):
+        assert sums_in_place(g) is g
