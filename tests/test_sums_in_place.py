@@ -4,7 +4,11 @@ A layer applied at several depths (ALBERT's one shared layer) sums one weight-gr
 contribution per use: ``s = add(p, acc)``. A region that runs a use's backward in parts
 accumulated the parts' products in a whole accumulator ``acc`` that lived beside ``p`` through
 the region (three of ALBERT's, 0.75 MiB, at its smallest peak); ``transform.sums_in_place``
-accumulates into ``p`` itself."""
+accumulates into ``p`` itself.
+
+And a product whose partial sums leave the region through views (attention's ``dV``, viewed
+back to ``[B, H, T, d]``) accumulates in place from part to part (``fission._direct_sums``), in
+place of a whole-size product per part added to the first's."""
 
 from __future__ import annotations
 
@@ -125,3 +129,57 @@ def test_only_a_running_sum_made_before_the_chain_and_read_by_the_add_alone_is_f
         "aten.mul.Tensor", "aten.addmm_.default", "aten.addmm_.default"]
     for g in (_chain_graph(base_readers=2), _chain_graph(base_first=False)):
         assert sums_in_place(g) is g
+
+
+# -- products whose partial sums leave through views ---------------------------------------
+
+
+def _attention_split(direct: bool = True):
+    """One attention block with a relative position bias (as BEiT's) split along the query
+    rows of its backward: ``dV = P^T dO`` and ``dK`` sum over the parts, then are viewed back
+    to ``[B, H, T, d]`` before they leave."""
+    from test_scatter_rows_in_parts import _along_query_rows, _captured
+
+    import fitgraph.transform.fission as fission
+
+    model, x, g = _captured(layers=1)
+    saved = fission._Splitter._direct_sums
+    if not direct:
+        def none(self, readers):
+            self.direct_roots, self.direct_views, self.direct_leaving = set(), set(), set()
+        fission._Splitter._direct_sums = none
+    try:
+        return model, x, g, split_region(g, _along_query_rows(g), 4)
+    finally:
+        fission._Splitter._direct_sums = saved
+
+
+def test_products_viewed_before_they_leave_accumulate_in_place_and_match_eager():
+    model, x, g, split = _attention_split()
+    batched = [n for n in split.nodes if n.target == "aten.baddbmm_.default"]
+    assert len(batched) == 2 * 3   # NOTE: dV and dK, parts 1-3 add into part 0's product
+    # NOTE: no part's whole-size product is made and then added to the accumulator
+    unsplit = _attention_split(direct=False)[3]
+
+    def adds(graph):
+        return [n for n in graph.nodes if n.target == "aten.add_.Tensor"]
+    assert len(adds(split)) == len(adds(unsplit)) - 2 * 3
+    assert_split_like_eager(g, split, model, x)
+
+
+def test_the_in_place_products_peak_where_the_simulator_says_and_lower():
+    from fitgraph.cost import ProfiledCostModel
+    from fitgraph.measure import measure_plan
+    from fitgraph.sim.simulate import simulate
+
+    model, x, _, split = _attention_split()
+    unsplit = _attention_split(direct=False)[3]
+    cm = ProfiledCostModel("cpu", progress=False)
+    peaks = []
+    for graph in (split, unsplit):
+        cm.profile(graph)
+        plan = fitgraph.eager_plan(graph)
+        measured = measure_plan(graph, plan, copy.deepcopy(model), x, repeats=0)
+        assert measured.peak_bytes == simulate(graph, plan, cm).peak_bytes
+        peaks.append(measured.peak_bytes)
+    assert peaks[0] <= peaks[1]

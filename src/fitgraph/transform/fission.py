@@ -13,7 +13,8 @@ before the next part starts:
   after its last write), or, for a partial result (``Reduced``), summed in place into the first
   part's output (weight gradients; products accumulate with ``addmm_``), or re-weighted once
   after the parts (a mean-reduced loss: ``sum(loss_i * w_i) / sum(w_i)``, skipping parts whose
-  weight is 0); views of those leave through ``as_strided``;
+  weight is 0); views of those leave through ``as_strided``; a partial sum the graph then adds
+  to a running sum nothing else reads is accumulated into that sum (``sums_in_place``);
 - size arguments are rewritten per part (``dims.part_args``); FLOPs scale with the part.
 
 The region's peak drops to about 1/k of its activations. Calling ``split_region`` again on the
@@ -190,6 +191,46 @@ class _Splitter(PartsCombiner):
                                            f"region (by {inner[0]}): they are positions in a "
                                            "part's own slice; not supported")
 
+        self._direct_sums(readers)
+
+    def _direct_sums(self, readers: dict[int, list[int]]) -> None:
+        """Products whose partial sums reach an accumulated output through views alone
+        (attention's ``dV = P^T dO``, viewed back to ``[B, H, T, d]``): every part's product
+        accumulates into the first part's in place (``baddbmm_``), and the views are made
+        once, by the first part. Else each part made a whole-size product and added it: two
+        whole tensors at once (BEiT's smallest peak held two of each).
+
+        ``direct_roots``: such products' outputs; ``direct_views``: the view nodes between;
+        ``direct_leaving``: the accumulated outputs they reach."""
+        g, inside = self.g, self.inside
+        self.direct_roots: set[int] = set()
+        self.direct_views: set[int] = set()
+        self.direct_leaving: set[int] = set()
+        for nid in self.r.nodes:
+            n = g.nodes[nid]
+            o = n.outputs[0] if n.outputs else None
+            e = self.r.splits[nid].outputs[0] if n.outputs else None
+            if (n.target not in ACCUMULATE or o is None or o in self.leaving
+                    or not isinstance(e, Reduced) or e.how != "sum" or e.overlap is not None):
+                continue
+            v, views = o, []
+            while not self._accumulated(v):
+                nxt = readers[v]
+                if len(nxt) != 1 or nxt[0] not in inside or v in self.leaving:
+                    break
+                u = g.nodes[nxt[0]]
+                ue = self.r.splits[u.id].outputs[0] if u.outputs else None
+                if (u.target not in VIEW_TARGETS or u.mutates or len(u.outputs) != 1
+                        or u.outputs[0] is None or not isinstance(ue, Reduced)
+                        or g.values[u.outputs[0]].storage != g.values[o].storage):
+                    break
+                views.append(u.id)
+                v = u.outputs[0]
+            if views and self._accumulated(v) and not any(u in inside for u in readers[v]):
+                self.direct_roots.add(o)
+                self.direct_views.update(views)
+                self.direct_leaving.add(v)
+
     # -- the rewrite ----------------------------------------------------------------------------
     def run(self, verify: bool = True) -> Graph:
         g, w = self.g, self.w
@@ -212,6 +253,8 @@ class _Splitter(PartsCombiner):
         out = w.finish(meta)
         if verify:
             verify_graph(out)
+        # NOTE: a weight gradient's parts accumulate into the running sum it is added to
+        # (ALBERT's shared layer: one whole accumulator per use beside the sum, at its peak)
         return sums_in_place(out, verify)
 
     def _input_part(self, vid: int, e: Along, rows: Rows, i: int, phase: Phase,
@@ -253,6 +296,8 @@ class _Splitter(PartsCombiner):
         n = g.nodes[nid]
         split = r.splits[nid]
         ops = operands(n)
+        if i > 0 and nid in self.direct_views:
+            return  # NOTE: the first part's views see every part's product (``_direct_sums``)
         if i > 0 and adds_whole(split):
             # NOTE: the first part added the whole tensor to its partial sum; the others pass
             # theirs on, and the parts' sum is the whole plus every partial sum
@@ -315,7 +360,8 @@ class _Splitter(PartsCombiner):
         if threaded and not self._accumulated(o):
             raise FissionError(f"{n.name}: its parts add into the one before's result, which "
                                "is read inside the region: not supported")
-        if i > 0 and (threaded or n.target in ACCUMULATE) and self._accumulated(o):
+        if i > 0 and (threaded or n.target in ACCUMULATE) and (
+                self._accumulated(o) or o in self.direct_roots):
             acc = self.acc[o]
             # NOTE: a product adds into the accumulator (``addmm_``); a scatter adds its rows
             # into the parts' result so far in place of its base, so the base is added once

@@ -93,9 +93,14 @@ class PartsCombiner:
                 continue
             if e.overlap is not None and o is not None:
                 self._add_overlapping(nid, j, o, e.overlap.dim, i, dev)
+            elif o in self.direct_roots:
+                if i == 0:
+                    self.acc[o] = self.part[(o, 0)]
             elif self._accumulated(o):
                 if i == 0:
                     self.acc[o] = self.part[(o, 0)]
+                elif o in self.direct_leaving:
+                    continue  # NOTE: its product accumulated in place (``_direct_sums``)
                 elif n.target not in ACCUMULATE and n.target not in THREADED:
                     acc = self.acc[o]
                     spec = OutSpec(f"{g.values[o].name}.acc{i}", w.meta(acc), g.values[o].dtype,
