@@ -87,20 +87,8 @@ def _unfolded_split():
 def test_the_folded_split_peaks_where_the_simulator_says_and_lower():
     """Law 2 for a chain written into the running sum; and the accumulator is gone from the
     peak."""
-    from fitgraph.cost import ProfiledCostModel
-    from fitgraph.measure import measure_plan
-    from fitgraph.sim.simulate import simulate
-
-    model, x, g, split = _split_middle_use()
-    cm = ProfiledCostModel("cpu", progress=False)
-    peaks = []
-    for graph in (split, _unfolded_split()):
-        cm.profile(graph)
-        plan = fitgraph.eager_plan(graph)
-        measured = measure_plan(graph, plan, copy.deepcopy(model), x, repeats=0)
-        assert measured.peak_bytes == simulate(graph, plan, cm).peak_bytes
-        peaks.append(measured.peak_bytes)
-    assert peaks[0] <= peaks[1]
+    model, x, _, split = _split_middle_use()
+    _assert_measured_as_simulated_and_lower(model, x, split, _unfolded_split())
 
 
 def _chain_graph(base_readers: int = 1, base_first: bool = True):
@@ -168,18 +156,23 @@ def test_products_viewed_before_they_leave_accumulate_in_place_and_match_eager()
 
 
 def test_the_in_place_products_peak_where_the_simulator_says_and_lower():
+    model, x, _, split = _attention_split()
+    _assert_measured_as_simulated_and_lower(model, x, split, _attention_split(direct=False)[3])
+
+
+def _assert_measured_as_simulated_and_lower(model, x, graph, before):
+    """Law 2 for ``graph`` and ``before`` (each one eager-order step measured against the
+    simulator); ``graph`` peaks no higher."""
     from fitgraph.cost import ProfiledCostModel
     from fitgraph.measure import measure_plan
     from fitgraph.sim.simulate import simulate
 
-    model, x, _, split = _attention_split()
-    unsplit = _attention_split(direct=False)[3]
     cm = ProfiledCostModel("cpu", progress=False)
     peaks = []
-    for graph in (split, unsplit):
-        cm.profile(graph)
-        plan = fitgraph.eager_plan(graph)
-        measured = measure_plan(graph, plan, copy.deepcopy(model), x, repeats=0)
-        assert measured.peak_bytes == simulate(graph, plan, cm).peak_bytes
+    for g in (graph, before):
+        cm.profile(g)
+        plan = fitgraph.eager_plan(g)
+        measured = measure_plan(g, plan, copy.deepcopy(model), x, repeats=0)
+        assert measured.peak_bytes == simulate(g, plan, cm).peak_bytes
         peaks.append(measured.peak_bytes)
     assert peaks[0] <= peaks[1]
