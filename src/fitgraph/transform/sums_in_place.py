@@ -183,32 +183,33 @@ def _views_after(graph: Graph, nodes: list[int], fresh: dict) -> int:
 
 def _chain(graph: Graph, read: int, add: int, accesses: dict, fresh: dict) -> list[int] | None:
     """The nodes that make the accumulator ``add`` reads as ``read`` (a creator, then at
-    least one in-place adder each writing the one before's value, then views), where its
-    storage is touched by them and ``add`` alone."""
+    least one in-place adder each writing the one before's value, and views of it anywhere
+    after the creator: fission views a product's first part as it leaves, ``_direct_sums``),
+    where its storage is touched by them and ``add`` alone."""
     st = graph.values[read].storage
     nodes = accesses[st]
     if len(nodes) < 3 or nodes[-1] != add:
         return None
-    nodes = nodes[:-1]
-    views = _views_after(graph, nodes, fresh)
-    creator, *writers = nodes[:len(nodes) - views]
-    if not writers:
-        return None
+    creator, *rest = nodes[:-1]
     c = graph.nodes[creator]
     if st not in fresh[creator] or c.mutates or c.random or len(c.outputs) != 1 \
             or c.phase is not Phase.BACKWARD:
         return None
     prev = c.outputs[0]
-    for wid in writers:
-        wn = graph.nodes[wid]
+    writers = []
+    for nid in rest:
+        wn = graph.nodes[nid]
+        if not wn.mutates and _views_after(graph, [nid], fresh):
+            continue
         if (wn.target not in _ADDS_INTO or wn.kwargs or wn.mutates != (prev,)
                 or not wn.args or wn.args[0] != ValueRef(prev) or len(wn.outputs) != 1):
             return None
         if any(isinstance(a, ValueRef) and a.id != prev and graph.values[a.id].storage == st
                for a in wn.args[1:]):
             return None
+        writers.append(nid)
         prev = wn.outputs[0]
-    return [creator, *writers]
+    return [creator, *writers] if writers else None
 
 
 def _running_sum(graph: Graph, read: int, add: Node, creator: int, accesses: dict,
