@@ -20,6 +20,7 @@ __all__ = [
     "new_storages",
     "node_storages_read",
     "output_storages",
+    "storage_accesses",
     "storage_last_use",
     "storage_producer",
     "topological_index",
@@ -114,6 +115,17 @@ def output_storages(graph: Graph) -> set[int]:
     keep = {graph.values[v].storage for v in graph.outputs.values()}
     keep |= {graph.values[v].storage for v in graph.inputs}
     return keep
+
+
+def storage_accesses(graph: Graph) -> dict[int, list[int]]:
+    """storage id -> ids of the nodes that read or make a value in it, in node order."""
+    accesses: dict[int, list[int]] = {}
+    for n in graph.nodes:
+        touched = {graph.values[v].storage for v in n.inputs}
+        touched |= {graph.values[o].storage for o in n.outputs if o is not None}
+        for st in touched:
+            accesses.setdefault(st, []).append(n.id)
+    return accesses
 
 
 def storage_last_use(graph: Graph) -> dict[int, int]:

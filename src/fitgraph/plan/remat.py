@@ -25,7 +25,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..graph.analysis import new_storages, output_storages
+from ..graph.analysis import new_storages, output_storages, storage_accesses
 from ..graph.ir import Graph, Phase
 from .instructions import Compute, Free, Instruction, Plan, Recompute
 
@@ -45,14 +45,8 @@ def inplace_chains(graph: Graph) -> dict[int, tuple[int, ...]]:
     recomputed as a unit, so its in-place writes are re-applied in order, once each."""
     fresh = new_storages(graph)
     creator = {s: nid for nid, ss in fresh.items() for s in ss}
-    accesses: dict[int, list[int]] = {}
-    for n in graph.nodes:
-        touched = {graph.values[v].storage for v in n.inputs}
-        touched |= {graph.values[o].storage for o in n.outputs if o is not None}
-        for st in touched:
-            accesses.setdefault(st, []).append(n.id)
     out: dict[int, tuple[int, ...]] = {}
-    for st, nodes in accesses.items():
+    for st, nodes in storage_accesses(graph).items():
         c = creator.get(st)
         if c is None or len(nodes) < 2 or nodes[0] != c:
             continue

@@ -193,10 +193,10 @@ def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total:
 
 
 def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,
-              tried: list[str], parts: int = PARTS) -> _Path:
+              tried: list[str]) -> _Path:
     """``final`` with each region it re-makes in the backward widened to the next looser trim
     (``backward_regions.copies_recipe``), one at a time, made again from ``start`` in up to
-    ``parts`` parts and planned: the lowest of those paths and ``final``.
+    ``PARTS`` parts and planned: the lowest of those paths and ``final``.
 
     NOTE: a round screens one trim of each start, the tightest first (a larger region copies
     more), and a start once re-made is not offered again. On BEiT the tightest re-made the
@@ -218,7 +218,7 @@ def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: 
         g = start
         try:
             for r in recipes:
-                g = r(g, parts, deadline)
+                g = r(g, PARTS, deadline)
         except (FissionError, CopyError, GraphError, StopIteration) as e:
             tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
             continue

@@ -93,13 +93,10 @@ class PartsCombiner:
                 continue
             if e.overlap is not None and o is not None:
                 self._add_overlapping(nid, j, o, e.overlap.dim, i, dev)
-            elif o in self.direct_roots:
+            elif self._accumulated(o) or o in self.direct_roots:
                 if i == 0:
                     self.acc[o] = self.part[(o, 0)]
-            elif self._accumulated(o):
-                if i == 0:
-                    self.acc[o] = self.part[(o, 0)]
-                elif o in self.direct_leaving:
+                elif o in self.direct_roots or o in self.direct_leaving:
                     continue  # NOTE: its product accumulated in place (``_direct_sums``)
                 elif n.target not in ACCUMULATE and n.target not in THREADED:
                     acc = self.acc[o]

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..graph.analysis import new_storages, verify_graph
+from ..graph.analysis import new_storages, storage_accesses, verify_graph
 from ..graph.ir import Graph, Node, Phase, ValueRef
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
@@ -125,12 +125,7 @@ def _write_creator(w: GraphWriter, graph: Graph, n: Node, f: _Fold) -> None:
 
 def _folds(graph: Graph) -> list[_Fold]:
     values = graph.values
-    accesses: dict[int, list[int]] = {}      # storage -> nodes touching it, in node order
-    for n in graph.nodes:
-        touched = {values[v].storage for v in n.inputs}
-        touched |= {values[o].storage for o in n.outputs if o is not None}
-        for st in touched:
-            accesses.setdefault(st, []).append(n.id)
+    accesses = storage_accesses(graph)
     fresh = new_storages(graph)
     outs = {values[v].storage for v in graph.outputs.values()}
     inputs = {values[v].storage for v in graph.inputs}
@@ -166,19 +161,14 @@ def _plain_add(graph: Graph, n: Node) -> bool:
                for v in n.inputs) and out.storage_offset == 0
 
 
-def _views_after(graph: Graph, nodes: list[int], fresh: dict) -> int:
-    """How many of ``nodes`` at the end are plain views (no allocation, no write, outputs in
-    the storage they read): ``t``/``view`` of a weight gradient before it is summed."""
-    k = 0
-    for nid in reversed(nodes):
-        n = graph.nodes[nid]
-        if fresh[nid] or n.mutates or n.random or len(n.inputs) != 1:
-            break
-        st = graph.values[n.inputs[0]].storage
-        if any(o is not None and graph.values[o].storage != st for o in n.outputs):
-            break
-        k += 1
-    return k
+def _is_view(graph: Graph, nid: int, fresh: dict) -> bool:
+    """A plain view: no allocation, no write, one input, outputs in the storage it reads
+    (``t``/``view`` of a weight gradient before it is summed)."""
+    n = graph.nodes[nid]
+    if fresh[nid] or n.mutates or n.random or len(n.inputs) != 1:
+        return False
+    st = graph.values[n.inputs[0]].storage
+    return all(o is None or graph.values[o].storage == st for o in n.outputs)
 
 
 def _chain(graph: Graph, read: int, add: int, accesses: dict, fresh: dict) -> list[int] | None:
@@ -199,7 +189,7 @@ def _chain(graph: Graph, read: int, add: int, accesses: dict, fresh: dict) -> li
     writers = []
     for nid in rest:
         wn = graph.nodes[nid]
-        if not wn.mutates and _views_after(graph, [nid], fresh):
+        if _is_view(graph, nid, fresh):
             continue
         if (wn.target not in _ADDS_INTO or wn.kwargs or wn.mutates != (prev,)
                 or not wn.args or wn.args[0] != ValueRef(prev) or len(wn.outputs) != 1):
@@ -221,7 +211,7 @@ def _running_sum(graph: Graph, read: int, add: Node, creator: int, accesses: dic
     if len(nodes) < 2 or nodes[-1] != add.id:
         return None
     producer = nodes[0]
-    if _views_after(graph, nodes[:-1], fresh) != len(nodes) - 2 or producer >= creator:
+    if producer >= creator or not all(_is_view(graph, nid, fresh) for nid in nodes[1:-1]):
         return None
     p = graph.nodes[producer]
     made = [o for o in p.outputs if o is not None and graph.values[o].storage == st]
