@@ -39,13 +39,13 @@ from .measure import _sync
 from .plan.instructions import Plan
 from .plan.verify import verify_plan
 from .sim.simulate import SimResult, simulate
-from .solvers import Problem, Solution, solve
+from .solvers import Problem, Solution, solve, solve_smallest
 from .transform.optimizer_in_backward import (
     OptimizerInBackwardError,
     optimizer_in_backward,
     why_not,
 )
-from .units import check_budget, check_latency_limit, format_bytes, parse_budget
+from .units import check_budget, check_latency_limit, format_bytes, is_smallest, parse_budget
 
 __all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
 
@@ -202,9 +202,12 @@ class TrainStep:
             verify_plan(graph, plan)
             sol = Solution(plan, simulate(graph, plan, cm), solver, 0.0)
         else:
-            budget = (None if self.budget is None
+            budget = (None if self.budget is None or is_smallest(self.budget)
                       else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
-            if self.latency_limit is not None and self.measure_latency and measures_here(cm):
+            if is_smallest(self.budget):
+                sol = solve_smallest(graph, cm, lambda p: solve(p, self.solver),
+                                     time_budget_s=self.time_budget, exact=self.exact)
+            elif self.latency_limit is not None and self.measure_latency and measures_here(cm):
                 sol = self._within_measured_limit(graph, cm, eager, batch)
             else:
                 sol = solve(Problem(graph, cm, budget_bytes=budget,
@@ -393,8 +396,8 @@ class TrainStep:
                 "off: " + p.graph.meta["optimizer_in_backward_off"]
                 if "optimizer_in_backward_off" in p.graph.meta else "on")
         return OptimizeReport(
-            solver=s.solver, budget_bytes=None if self.budget is None else parse_budget(
-                self.budget, eager_peak_bytes=p.eager.peak_bytes),
+            solver=s.solver, budget_bytes=None if self.budget is None or is_smallest(
+                self.budget) else parse_budget(self.budget, eager_peak_bytes=p.eager.peak_bytes),
             latency_limit=self.latency_limit, eager_peak_bytes=p.eager.peak_bytes,
             planned_peak_bytes=s.sim.peak_bytes, eager_step_s=p.eager.latency_s,
             planned_step_s=s.sim.latency_s, solve_s=s.solve_s, cost_model=self._cost().name,
@@ -433,8 +436,9 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              graph_breaks: str = "regions", measure_latency: bool = True) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
-    ``budget``: bytes, a size string ("12GiB", "800MB"), or a fraction of the eager peak (0.5);
-    or ``latency_limit``: a factor of the eager step time (1.10), then the peak is minimised
+    ``budget``: bytes, a size string ("12GiB", "800MB"), a fraction of the eager peak (0.5), or
+    ``"smallest"`` (the least peak the solver reaches: the search an infeasible budget runs,
+    its plan kept); or ``latency_limit``: a factor of the eager step time (1.10), then the peak is minimised
     within it. ``cost_model``: None measures ops on this machine (cached); a device name
     ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)

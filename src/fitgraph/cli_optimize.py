@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
                        "(or latency limit) and compare it with eager PyTorch, measured")
     p.add_argument("model")
     target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--budget", help="bytes, '800MB', '12GiB', '50%%' or a fraction 0.5")
+    target.add_argument("--budget", help="bytes, '800MB', '12GiB', '50%%', a fraction 0.5 or "
+                        "'smallest' (the least peak fitgraph reaches)")
     target.add_argument("--latency-limit", type=float, help="factor of eager step time (1.1)")
     p.add_argument("--config", default="small", choices=["small", "paper"])
     p.add_argument("--batch", type=int, default=None)

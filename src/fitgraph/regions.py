@@ -57,7 +57,7 @@ from .capture.errors import CaptureError
 from .compile_backend.report import BackendReport
 from .execute.meter import MemoryMeter
 from .measure import _sync, grad_bytes, resident_bytes
-from .units import format_bytes, parse_budget
+from .units import format_bytes, is_smallest, parse_budget
 
 __all__ = ["RegionsReport", "RegionsStep", "breaks_into_regions"]
 
@@ -342,7 +342,7 @@ class RegionsStep:
         """The budget where it is bytes (checked against the measured step); None for a
         fraction, which refers to each region's own eager peak."""
         if self.budget is None or isinstance(self.budget, float) or str(
-                self.budget).strip().endswith("%"):
+                self.budget).strip().endswith("%") or is_smallest(self.budget):
             return None
         return parse_budget(self.budget, eager_peak_bytes=1)
 

@@ -1,4 +1,5 @@
-"""Parse memory budgets: bytes, "12GiB", "800MB", "50%", or a fraction of the eager peak.
+"""Parse memory budgets: bytes, "12GiB", "800MB", "50%", a fraction of the eager peak, or
+"smallest" (the least peak fitgraph reaches: searched, it has no bytes before).
 
 Example:
     >>> from fitgraph.units import format_bytes, parse_budget
@@ -15,13 +16,26 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["check_budget", "check_latency_limit", "format_bytes", "parse_budget"]
+__all__ = ["SMALLEST", "check_budget", "check_latency_limit", "format_bytes", "is_smallest",
+           "parse_budget"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # NOTE: no training step fits in 1 KiB: an int this small is a percent or a size without its
 # unit ("--budget 50"), so it is refused with what was probably meant
 _LEAST_BYTES = 2**10
+# NOTE: the budget that asks for the least peak the solver reaches (``solvers.solve_smallest``)
+SMALLEST = "smallest"
+
+
+def is_smallest(budget) -> bool:
+    """Whether ``budget`` asks for the smallest peak ("smallest", any case).
+
+    Example:
+        >>> is_smallest("Smallest"), is_smallest("50%"), is_smallest(0.5)
+        (True, False, False)
+    """
+    return isinstance(budget, str) and budget.strip().lower() == SMALLEST
 
 
 def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
@@ -30,6 +44,9 @@ def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
     have meant."""
     if isinstance(budget, bool):
         raise TypeError("budget must be bytes, a fraction or a size string, not a bool")
+    if is_smallest(budget):
+        raise ValueError("budget 'smallest' is the least peak the solver reaches: it has no "
+                         "bytes before that search (solvers.solve_smallest)")
     if isinstance(budget, int):
         if budget <= 0:
             raise ValueError(f"budget {budget} bytes must be positive")
@@ -59,8 +76,8 @@ def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
         return max(1, int(percent / 100 * eager_peak_bytes))
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", text)
     if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"cannot read budget {budget!r}: use bytes, '12GiB', '800MB', '50%' "
-                         "or a fraction like 0.5")
+        raise ValueError(f"cannot read budget {budget!r}: use bytes, '12GiB', '800MB', '50%', "
+                         "a fraction like 0.5 or 'smallest'")
     if m.group(2) == "" and "." in m.group(1):
         return parse_budget(float(m.group(1)), eager_peak_bytes=eager_peak_bytes)
     return parse_budget(int(float(m.group(1)) * _UNITS[m.group(2)]),
@@ -68,8 +85,9 @@ def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
 
 
 def check_budget(budget: int | float | str | None) -> None:
-    """Raise the error ``parse_budget`` would, before any work (capture, profiling) is spent."""
-    if budget is not None:
+    """Raise the error ``parse_budget`` would, before any work (capture, profiling) is spent
+    ("smallest" is a budget too)."""
+    if budget is not None and not is_smallest(budget):
         parse_budget(budget, eager_peak_bytes=1)
 
 

@@ -13,8 +13,8 @@ eager steps around it, one thread, after warm-up), one AdamW step against eager'
 weights, state and RNG ("bitwise", "allclose" with its largest difference, or "MISMATCH"),
 checkpointing's measured peak and overhead (Hugging Face's ``gradient_checkpointing_enable()``,
 or per-block ``torch.utils.checkpoint``), fitgraph at that peak and its step time against
-checkpointing's (paired in the same rounds), the smallest peak fitgraph reaches (simulated, then
-planned for and measured) and the lower bound: weights + gradients + AdamW state + batch. Writes ``DIR/sweep.csv``,
+checkpointing's (paired in the same rounds), the smallest peak fitgraph reaches (``budget="smallest"``:
+simulated and measured) and the lower bound: weights + gradients + AdamW state + batch. Writes ``DIR/sweep.csv``,
 ``DIR/sweep.md`` and each model's log (``DIR/logs``); ``--report FILE`` writes the section for
 BENCHMARKS.md (machine, versions, command, table, errors grouped by cause).
 """
@@ -238,9 +238,9 @@ def report_section(rows: list[dict], command: str, wall_s: float, rounds: int) -
         f"numpy {numpy.__version__}. Command: `{command}` ({rounds} rounds; the models took "
         f"{wall_s / 60:.0f} min). Each model in its own process; peaks measured (allocator events + resident "
         "bytes); overheads paired with eager (median of the rounds); smallest peak: every "
-        "transformation allowed (fission's results allclose), simulated "
-        "(`BudgetInfeasible.smallest_peak_bytes`), then planned at that peak and measured in "
-        "one step against eager; lower bound = weights + gradients + AdamW "
+        "transformation allowed (fission's results allclose), planned with "
+        "`budget=\"smallest\"` (the search's own plan), simulated and measured in one step "
+        "against eager (a step by regions: each region at its least, measured); lower bound = weights + gradients + AdamW "
         "state + batch.",
         "",
         f"{len(ok)} of {len(rows)} models capture, plan and run with eager's results; "

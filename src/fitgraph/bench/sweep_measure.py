@@ -6,9 +6,9 @@ peak and the lower bound), capture, plan (``optimize(latency_limit=1.10)``), com
 AdamW step of the plan against eager from the same weights, optimizer state and RNG), ckpt
 (Hugging Face's ``gradient_checkpointing_enable()``, or per-block ``torch.utils.checkpoint``
 where the model has none), at-ckpt (fitgraph at checkpointing's measured peak, in bytes),
-smallest (the smallest peak fitgraph reaches, fission allowed: ``BudgetInfeasible.smallest_peak_bytes``
-of a budget one byte below the lower bound, which no plan can meet; simulated), smallest-run (a plan at
-that peak run once against eager: its measured peak and results), time (interleaved rounds, each timed step right after an eager one,
+smallest (``budget="smallest"``: the least peak fitgraph reaches, fission allowed, simulated;
+planned and run once against eager: its measured peak and results; for a step by regions each
+region at its least and the step's peak measured), time (interleaved rounds, each timed step right after an eager one,
 ``harness._time_rounds``). A stage that fails ends the row with its error; the checkpointing
 stages fail alone (their error goes to ``notes``), since the model itself ran.
 """
@@ -187,15 +187,17 @@ def _planned_system(label, model, opt, batch, loss_fn, **kw) -> tuple[_System, o
     return s, step
 
 
-def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float) -> None:
-    """Plan at the smallest peak found and run one step against eager from the same weights,
-    state and RNG: ``smallest_measured`` (its measured peak) and ``smallest_result``."""
+def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
+                  regions: bool) -> None:
+    """Plan at the smallest peak fitgraph reaches (``budget="smallest"``: every transformation,
+    fission included, its plan kept from the search) and run one step against eager from the
+    same weights, state and RNG: ``smallest_peak`` (simulated; for a step by regions, which
+    has no whole-step simulation, measured), ``smallest_measured`` and ``smallest_result``."""
     from ..api import optimize
 
     m_s, o_s = _copied(model, opt)
     twin_m, twin_o = _copied(model, opt)
-    step = optimize(m_s, batch, loss_fn, o_s, budget=int(row["smallest_peak"]),
-                    time_budget=time_budget)
+    step = optimize(m_s, batch, loss_fn, o_s, budget="smallest", time_budget=time_budget)
     torch.manual_seed(SEED)
     loss_e = compute_loss(twin_m, batch, loss_fn)
     loss_e.backward()
@@ -203,6 +205,16 @@ def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float) -> 
     torch.manual_seed(SEED)
     loss_s = step(batch)
     row["smallest_result"], detail = compare(loss_e, loss_s, twin_m, m_s)
+    if regions:
+        # NOTE: a step by regions measures its peak once compiling settled (second or third)
+        for _ in range(4):
+            if step.report().measured_peak_bytes is not None:
+                break
+            step(batch)
+        row["smallest_peak"] = step.report().measured_peak_bytes
+        row["notes"] += "smallest peak: each region at its least, measured; "
+    else:
+        row["smallest_peak"] = step.report().planned_peak_bytes
     row["smallest_measured"] = step.report().measured_peak_bytes
     if row["smallest_result"] == "MISMATCH":
         row["notes"] += f"the smallest plan's results differ: {detail}; "
@@ -230,19 +242,13 @@ def latency_tries(notes: dict) -> str:
     return "; ".join(out) or str(kept)
 
 
-class _NotSearched(Exception):
-    """The smallest peak is not searched for a step planned by regions."""
-
-
 def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
                   save: Callable[[dict], None] = lambda row: None) -> dict:
     """Measure sweep model ``name``; ``save(row)`` is called as each stage starts (the parent
     keeps the last one when this process dies). Errors end the row; nothing is raised."""
-    from ..api import optimize
     from ..capture.api import capture
     from ..capture.errors import CaptureError
     from ..regions import breaks_into_regions
-    from ..solvers import BudgetInfeasible
     from .sweep_models import build
 
     torch.set_num_threads(1)
@@ -345,28 +351,10 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         stage("smallest")
         t0 = time.perf_counter()
         try:
-            if regions:
-                raise _NotSearched
-            m_s, o_s = _copied(m_e, o_e)
-            # NOTE: every transformation, fission included: the smallest peak fitgraph reaches
-            # (results allclose, not bitwise; checked below)
-            # NOTE: one byte below the lower bound, which no plan meets (the optimizer step
-            # holds every gradient beside the weights, state and batch) but which is above
-            # what exists before the step, so every least-peak search runs
-            optimize(m_s, batch, loss_fn, o_s, budget=row["lower_bound"] - 1,
-                     time_budget=time_budget)
-            row["notes"] += "the lower bound was reported feasible; "
-        except BudgetInfeasible as e:
-            row["smallest_peak"] = e.smallest_peak_bytes
-        except _NotSearched:
-            row["notes"] += "smallest peak: not searched by regions; "
+            _run_smallest(row, m_e, o_e, batch, loss_fn, time_budget, regions)
+        except Exception as e:
+            row["notes"] += f"the smallest plan did not run: {error_text(e)}; "
         row["smallest_s"] = time.perf_counter() - t0
-        if row.get("smallest_peak"):
-            stage("smallest-run")
-            try:
-                _run_smallest(row, m_e, o_e, batch, loss_fn, time_budget)
-            except Exception as e:
-                row["notes"] += f"the smallest plan did not run: {error_text(e)}; "
         stage("time")
         for s in systems[1:]:
             s.optimizer.zero_grad(set_to_none=True)

@@ -30,9 +30,9 @@ import torch
 
 from ..capture.errors import CaptureError
 from ..graph.ir import Graph
-from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve
+from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve_smallest
 from ..solvers.collector import fewer_collections
-from ..units import check_budget, check_latency_limit, parse_budget
+from ..units import check_budget, check_latency_limit, is_smallest, parse_budget
 from .report import BackendReport
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -130,11 +130,15 @@ class FitgraphBackend:
             return FusedCostModel(self.cost_model)
         return self.cost_model
 
+    def _budget_bytes(self, eager: Solution) -> int | None:
+        """The budget in bytes for a graph whose eager plan is ``eager`` (None: a latency
+        limit, or "smallest", which has no bytes before its search)."""
+        if self.budget is None or is_smallest(self.budget):
+            return None
+        return parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes)
+
     def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution) -> Solution:
-        budget = (None if self.budget is None
-                  else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
-        problem = Problem(_banning(graph, banned), cm, budget_bytes=budget,
-                          latency_limit=self.latency_limit, time_budget_s=self.time_budget)
+        graph = _banning(graph, banned)
         fn = SOLVERS[self.solver]
         # NOTE: the forward must run whole before the backward (the tangents arrive then), and
         # the modules run in the captured order: a solver that can reorder is asked not to
@@ -144,7 +148,12 @@ class FitgraphBackend:
         keep_order = {k: False for k in ("reorder", "per_use") if k in params}
         try:
             with fewer_collections():  # NOTE: as solvers.solve runs every solver
-                return fn(problem, **keep_order)
+                if is_smallest(self.budget):
+                    return solve_smallest(graph, cm, lambda p: fn(p, **keep_order),
+                                          time_budget_s=self.time_budget)
+                return fn(Problem(graph, cm, budget_bytes=self._budget_bytes(eager),
+                                  latency_limit=self.latency_limit,
+                                  time_budget_s=self.time_budget), **keep_order)
         except BudgetInfeasible as e:
             raise _passthrough_infeasible()(e) from None
 
@@ -179,8 +188,7 @@ class FitgraphBackend:
         eager_split = split_joint(joint, jg) if schedule.recompute else split
         self.reports.append(BackendReport(
             solver=sol.solver if planned else "none",
-            budget_bytes=(None if self.budget is None else
-                          parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes)),
+            budget_bytes=self._budget_bytes(eager),
             latency_limit=self.latency_limit, nodes=len(jg.graph.nodes),
             forward_nodes=sum(n.op == "call_function" for n in jg.forward),
             eager_peak_bytes=eager.sim.peak_bytes, planned_peak_bytes=sol.sim.peak_bytes,
@@ -280,7 +288,8 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
     """A torch.compile backend that fits each compiled training graph in a memory budget.
 
     ``budget``: bytes, a size string ("800MB", "12GiB"), or a fraction of the simulated eager
-    peak of the compiled forward+backward graph (0.6, "60%"); or ``latency_limit``: a factor of
+    peak of the compiled forward+backward graph (0.6, "60%"), or "smallest" (each graph at
+    the least peak the solver reaches); or ``latency_limit``: a factor of
     the eager step time (1.2), then the peak is minimised within it; neither saves every value
     the backward reads (torch's default partition). ``solver``: a registered remat solver.
     ``time_budget``: seconds the solver may spend per graph. ``cost_model``: None measures ops

@@ -14,6 +14,7 @@ from . import (  # noqa: F401  (registers)
     rotor,
 )
 from .base import SOLVERS, BudgetInfeasible, EvaluatorMismatch, Problem, Solution, register, solve
+from .smallest import solve_smallest
 
 __all__ = ["SOLVERS", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solution", "register",
-           "solve"]
+           "solve", "solve_smallest"]

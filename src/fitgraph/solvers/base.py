@@ -24,7 +24,9 @@ __all__ = ["SOLVERS", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solut
 
 class BudgetInfeasible(RuntimeError):
     """No plan this solver can make peaks within the budget. ``smallest_peak_bytes`` is the
-    lowest peak it reached; ``dominated_by`` names what fills that peak."""
+    lowest peak it reached; ``dominated_by`` names what fills that peak; ``solution`` is the
+    plan at that peak where the solver kept it (else None), so that asking for the smallest
+    peak (``solvers.solve_smallest``) does not search again."""
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, dominated_by: str,
                  solver: str):
@@ -35,6 +37,7 @@ class BudgetInfeasible(RuntimeError):
         self.smallest_peak_bytes = smallest_peak_bytes
         self.dominated_by = dominated_by
         self.solver = solver
+        self.solution: Solution | None = None
 
 
 class EvaluatorMismatch(RuntimeError):

@@ -58,6 +58,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -483,8 +484,16 @@ def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig
         try:
             return plan_on(Problem(cur.graph, cm, budget_bytes=budget, time_budget_s=left)), None
         except BudgetInfeasible as e:
-            return None, BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by,
-                                          "fission")
+            err = BudgetInfeasible(budget, e.smallest_peak_bytes, e.dominated_by, "fission")
+            if e.solution is not None and cm is problem.cost_model:
+                # NOTE: the plan at that peak, on the split graph (priced by the problem's own
+                # costs: not a search's estimates)
+                if cur.graph is not problem.graph:
+                    verify_graph(cur.graph)
+                err.solution = dataclasses.replace(
+                    e.solution, solver="fission",
+                    graph=None if cur.graph is problem.graph else cur.graph)
+            return None, err
     factor = limit / cur.sim.latency_s
     if not config.remat or factor <= 1.0:
         return plain, None

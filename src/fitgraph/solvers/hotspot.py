@@ -207,14 +207,17 @@ def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
         raise EvaluatorMismatch(f"hotspot: the fast evaluator says peak {r.peak_bytes} latency "
                            f"{r.latency_s} but the simulator {sim.peak_bytes} {sim.latency_s}; "
                            "this is a bug in fitgraph.sim.remat_eval, please report it")
-    if problem.budget_bytes is not None and sim.peak_bytes > problem.budget_bytes:
-        raise BudgetInfeasible(problem.budget_bytes, sim.peak_bytes, dominated_by(sim), "hotspot")
     plan.meta["solver"] = "hotspot"
-    return Solution(plan, sim, "hotspot", time.perf_counter() - t0,
-                    notes={"dropped": len(r.nodes), "per_use": len(r.once),
-                           "recomputes": r.recomputes,
-                           "evaluations": search.evaluations, "timed_out": search.timed_out,
-                           "order": best.label, "eager_latency_s": eager.latency_s})
+    sol = Solution(plan, sim, "hotspot", time.perf_counter() - t0,
+                   notes={"dropped": len(r.nodes), "per_use": len(r.once),
+                          "recomputes": r.recomputes,
+                          "evaluations": search.evaluations, "timed_out": search.timed_out,
+                          "order": best.label, "eager_latency_s": eager.latency_s})
+    if problem.budget_bytes is not None and sim.peak_bytes > problem.budget_bytes:
+        err = BudgetInfeasible(problem.budget_bytes, sim.peak_bytes, dominated_by(sim), "hotspot")
+        err.solution = sol  # NOTE: the plan at the peak reported (solvers.smallest)
+        raise err
+    return sol
 
 
 def _reorder(g, search: Search, moves, blocks, best: Run) -> Run:

@@ -150,6 +150,8 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
     try:
         sol = solve_hotspot(sub)
     except BudgetInfeasible as e:
+        if e.solution is not None:  # NOTE: its plan runs on the rewrite
+            e.solution = dataclasses.replace(e.solution, graph=graph)
         return None, e, None
     return dataclasses.replace(sol, graph=graph, notes=dict(
         sol.notes, graph="compact_masks", latency_factor=factor)), None, None
@@ -256,6 +258,8 @@ def solve_auto(problem: Problem) -> Solution:
                 found = solve_fission(dataclasses.replace(on, time_budget_s=share),
                                       config=config, remat_alone=(hot, hot_err))
             except BudgetInfeasible as e:
+                if e.solution is not None and e.solution.graph is None and on is not problem:
+                    e.solution = dataclasses.replace(e.solution, graph=on.graph)
                 if fis_err is None or e.smallest_peak_bytes < fis_err.smallest_peak_bytes:
                     fis_err = e
                 continue
@@ -303,8 +307,23 @@ def solve_auto(problem: Problem) -> Solution:
             if least is not None and least.sim.peak_bytes < best.smallest_peak_bytes:
                 best = BudgetInfeasible(budget, least.sim.peak_bytes,
                                         dominated_by(least.sim), "auto")
-            raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
+            err = BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
                                    best.dominated_by, "auto")
+            kept = least if least is not None and least.sim.peak_bytes == err.smallest_peak_bytes \
+                else best.solution
+            if kept is not None:
+                # NOTE: the plan at the least peak rides on the error: a budget of "smallest"
+                # takes it as is (solvers.smallest), where planning again at its peak may
+                # not walk the same time-bound path (BEiT: 15.56 MiB found, 15.8 again)
+                err.solution = _as_auto(kept, notes, kept.solver, (
+                    f"the least peak found ({kept.solver} {_describe(kept)}); the budget "
+                    f"{budget / _MIB:,.1f} MiB is below it"), t0)
+            raise err
+    return _as_auto(win, notes, name, why, t0)
+
+
+def _as_auto(win: Solution, notes: dict, name: str, why: str, t0: float) -> Solution:
+    """``win`` as auto's answer: its notes with what each option reached, who won and why."""
     win.plan.meta["solver"] = "auto"
     notes = dict(win.notes, **notes, winner=name, why=why)
     return Solution(win.plan, win.sim, "auto", time.perf_counter() - t0, win.optimal, win.gap,
