@@ -319,11 +319,13 @@ class TrainStep:
     def _measured(self, planned: _Planned, batch: Any, run) -> torch.Tensor:
         """``run()``: its peak measured the first time, its time after."""
         if planned.measured_peak_bytes is None:
-            from .measure import grad_bytes, resident_bytes
+            from .measure import constant_bytes, grad_bytes, resident_bytes
 
-            # NOTE: what exists before the step (weights, batch, state, earlier .grad) plus the
-            # meter's peak above it; the first run of each plan is measured
-            before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
+            # NOTE: what exists before the step (weights, batch, state, earlier .grad, the
+            # graph's constants) plus the meter's peak above it; the first run of each plan is
+            # measured
+            before = (resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
+                      + constant_bytes(planned.graph))
             with MemoryMeter(self.device) as meter:
                 loss = run()
             planned.measured_peak_bytes = before + meter.peak_bytes

@@ -30,7 +30,8 @@ from .execute.meter import MemoryMeter
 from .graph.ir import Graph
 from .plan.instructions import Plan
 
-__all__ = ["StepMeasurement", "measure_eager", "measure_plan", "resident_bytes"]
+__all__ = ["StepMeasurement", "constant_bytes", "measure_eager", "measure_plan",
+           "resident_bytes"]
 
 WARMUP_STEPS = 1
 
@@ -68,6 +69,17 @@ def resident_bytes(model: torch.nn.Module, batch: Any,
         for st in optimizer.state.values():
             tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
     return _storages_bytes(tensors)
+
+
+def constant_bytes(graph: Graph) -> int:
+    """Bytes of the tensor constants a captured graph holds (``const:`` inputs: scalars that
+    Python numbers became, tables traced as constants): they exist before each step, held by
+    the graph, as the simulator counts them, where ``resident_bytes`` sees the model alone."""
+    others = {graph.values[v].storage for v, name in zip(graph.inputs, graph.input_names)
+              if not name.startswith("const:")}
+    held = {graph.values[v].storage for v, name in zip(graph.inputs, graph.input_names)
+            if name.startswith("const:")} - others
+    return sum(graph.storages[st].nbytes for st in held)
 
 
 def _run(step: Callable[[], Any], zero: Callable[[], None], repeats: int, device) -> tuple[
@@ -129,7 +141,7 @@ def measure_plan(graph: Graph, plan: Plan, model: torch.nn.Module, batch: Any,
     state (capture after a first step when using an optimizer)."""
     ex = Executor(graph, plan, model, optimizer)
     zero = _zeroer(model, optimizer)
-    res = resident_bytes(model, batch, optimizer)
+    res = resident_bytes(model, batch, optimizer) + constant_bytes(graph)
     peak, times = _run(lambda: ex(batch), zero, repeats, device)
     return StepMeasurement(res + peak, res, _median(times), times)
 
