@@ -21,6 +21,7 @@ from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Role
 from .calling import LossFn
 from .convert import fx_to_builder
+from .fold_tables import fold_constant_tables
 from .optimizer import add_optimizer_nodes, describe_optimizer
 from .tracer import trace_step
 
@@ -80,4 +81,6 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
             graph.values[vid].role = Role.OPTIMIZER_STATE
             graph.storages[graph.values[vid].storage].role = Role.OPTIMIZER_STATE
     verify_graph(graph)
-    return graph
+    # NOTE: a table built in place from nothing and read again in the backward (BEiT's
+    # relative position index) is a constant, as eager's cache holds it
+    return fold_constant_tables(graph)
