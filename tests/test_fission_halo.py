@@ -389,35 +389,3 @@ def test_a_partial_weight_gradient_needed_with_a_halo_is_refused_by_name():
     x = fixed.inputs[fixed.input_names.index("batch:0")]
     assert_same_as_eager(model, batch, _sum_of_squares,
                          split_region(fixed, grow_region(fixed, x, 2), 2))
-
-
-class ConvThenProjection(torch.nn.Module):
-    """A 1-D convolution stack along the time, then a linear projection of every frame (its
-    ``[B*T, C]`` rows merge the batch and the time): a speech model's feature encoder."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.convs = torch.nn.Sequential(torch.nn.Conv1d(1, 16, 5, stride=2), torch.nn.GELU(),
-                                         torch.nn.Conv1d(16, 16, 3, stride=2), torch.nn.GELU())
-        self.proj = torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.proj(self.convs(x).transpose(1, 2))
-
-
-def test_a_region_through_windows_ends_before_merged_rows():
-    """Split through windows and along the inner dim of a merged dim at once is not supported:
-    the region grown along the time ends at the projection and splits, where it grew into it
-    and the split raised FissionError (HuBERT's '20 nodes from gelu dim 2')."""
-    model, x = ConvThenProjection(), torch.randn(2, 1, 256)
-    loss_fn = lambda m, b: m(b).square().mean()  # noqa: E731
-    g = fitgraph.capture(model, x, loss_fn)
-    conv = next(n for n in g.nodes if n.target == "aten.convolution.default")
-    region = grow_region(g, conv.outputs[0], 2)
-    assert region.halo and not region.outers
-    projection = [n for n in g.nodes if n.target == "aten.mm.default"]
-    assert projection and not set(region.nodes) & {n.id for n in projection}
-    assert any("merged dim" in why for why in region.boundary.values()), region.boundary
-    split = split_region(g, region, 4)
-    assert_same_as_eager(model, x, loss_fn, split)

@@ -205,8 +205,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor,
-                    chosen)
+        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor)
         if isinstance(got, str):
             boundary[nid] = got
             continue
@@ -241,23 +240,18 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
 
 def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] | None,
           cache: dict, keep_length: bool = False,
-          floor: tuple[int, int, int] | None = None,
-          chosen: dict[int, Split] | None = None) -> tuple[Split, dict] | str:
-    """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not
-    (``chosen``: the splits of the nodes the region holds)."""
+          floor: tuple[int, int, int] | None = None) -> tuple[Split, dict] | str:
+    """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not."""
     opts = _options(graph, nid, cache)
     if isinstance(opts, str):
         return opts
-    coarser = mixed = False
+    coarser = False
     for split, table, ops in opts:
         got = _agree(table, dims, units, ops, batch_dep,
                      lambda s=split: _row_wise(graph, graph.nodes[nid], s))
         if got is _MISSING:
             continue
         ratio, extra = got
-        if _windows_and_outers(dims, table, extra, split, chosen or {}):
-            mixed = True  # NOTE: split_region cuts either through windows or merged rows
-            continue
         # NOTE: a region unit a fraction of the op's (a convolution in 2 groups of 16 channels
         # reached where the region's unit is a channel): the op's units are whole only if the
         # region's unit grows to one of them, for every value (RegNet: cut in 8 parts of 4
@@ -284,9 +278,6 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
                     units[vid] = u * whole
         return split, table
     node = graph.nodes[nid]
-    if mixed:
-        return ("would cut rows along the inner dim of a merged dim in a region split through "
-                "windows (a convolution's halo): the region ends before it")
     if coarser:
         return ("would cut the split axis coarser (a reshape ties it to a shorter dimension); "
                 "the region keeps its length")
@@ -392,21 +383,6 @@ def _agree(table: dict, dims: dict, units: dict, ops: set[int], batch_dep: set[i
         elif have != e:
             return _MISSING
     return (ratio, extra) if linked else _MISSING
-
-
-def _windows_and_outers(dims: dict, table: dict, extra: int, split: Split,
-                        chosen: dict[int, Split]) -> bool:
-    """Whether joining ``split`` (its value entries ``table``; ``extra``: the outer it adds to
-    them) leaves the region both read through windows and cut along the inner dim of a
-    merged dim, which ``transform.fission`` cannot split (its parts' rows are either haloed or
-    strided). NOTE: HuBERT's convolutions along the time, then its feature projection's
-    ``[B*T, C]`` rows: the region ends at the projection."""
-    outer = extra > 1 or any(isinstance(e, Along) and e.outer > 1
-                             for e in [*dims.values(), *table.values()])
-    if not outer:
-        return False
-    return any(_windowed(e) for s in [*chosen.values(), split]
-               for e in s.operands + s.outputs if e is not None)
 
 
 def _length_after(units: dict, new: list[Fraction], whole: int,

@@ -26,7 +26,8 @@ class BudgetInfeasible(RuntimeError):
     """No plan this solver can make peaks within the budget. ``smallest_peak_bytes`` is the
     lowest peak it reached; ``dominated_by`` names what fills that peak; ``solution`` is the
     plan at that peak where the solver kept it (else None), so that asking for the smallest
-    peak (``solvers.solve_smallest``) does not search again."""
+    peak (``solvers.solve_smallest``) does not search again; ``estimated``: that peak is a
+    search's estimate, no plan's."""
 
     def __init__(self, budget_bytes: int, smallest_peak_bytes: int, dominated_by: str,
                  solver: str):
@@ -38,6 +39,8 @@ class BudgetInfeasible(RuntimeError):
         self.dominated_by = dominated_by
         self.solver = solver
         self.solution: Solution | None = None
+        # NOTE: a peak priced by a search's estimates (fission's scaled costs), not a plan's
+        self.estimated = False
 
 
 class EvaluatorMismatch(RuntimeError):
