@@ -2,10 +2,10 @@
 
 A budget of the bytes that exist before the step starts (weights, optimizer state, batch) is
 one no plan meets: every solver then searches as low as it can and reports the least peak it
-found (``BudgetInfeasible``). ``auto`` keeps that plan on the error (``solution``), so it is
-returned as is, not searched for again at its peak (a time-bound search may not walk the
-same path twice). For a solver that does not keep it, the lower of its least-peak plan (a
-latency limit no plan reaches) and its plan at the peak it reported is returned.
+found (``BudgetInfeasible``), keeping the plan at that peak on the error (``solution``), which
+is returned as is, not searched for again at its peak (a time-bound search may not walk the
+same path twice). Where no plan was kept, the solver's least-peak plan (a latency limit no plan
+reaches) is returned.
 
 Example:
     >>> import torch, fitgraph
@@ -59,15 +59,11 @@ def solve_smallest(graph: Graph, cost_model: CostModel, solve_fn: Callable[[Prob
     why = f"searched below the resident bytes ({format_bytes(floor)})"
     if err.solution is not None:
         return _noted(err.solution, f"{why}: the least peak found, kept by the solver")
+    # NOTE: not planned again at the peak reported: an impossible budget costs the whole
+    # search again (split_backward's minutes), and a time-bound search need not reach it twice
     least = solve_fn(dataclasses.replace(problem, budget_bytes=None, latency_limit=_UNBOUNDED))
-    if least.sim.peak_bytes > err.smallest_peak_bytes:
-        try:
-            at = solve_fn(dataclasses.replace(problem, budget_bytes=err.smallest_peak_bytes))
-        except BudgetInfeasible as again:
-            at = again.solution
-        if at is not None and at.sim.peak_bytes < least.sim.peak_bytes:
-            return _noted(at, f"{why}: planned again at the least peak reported")
-    return _noted(least, f"{why}: the least-peak plan (a latency limit no plan reaches)")
+    return _noted(least, f"{why}: the least-peak plan (a latency limit no plan reaches; "
+                         f"{format_bytes(err.smallest_peak_bytes)} reported, its plan not kept)")
 
 
 def _noted(sol: Solution, how: str) -> Solution:
