@@ -45,7 +45,13 @@ from .transform.optimizer_in_backward import (
     optimizer_in_backward,
     why_not,
 )
-from .units import check_budget, check_latency_limit, format_bytes, is_smallest, parse_budget
+from .units import (
+    budget_bytes,
+    check_budget,
+    check_latency_limit,
+    format_bytes,
+    is_smallest,
+)
 
 __all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
 
@@ -202,8 +208,7 @@ class TrainStep:
             verify_plan(graph, plan)
             sol = Solution(plan, simulate(graph, plan, cm), solver, 0.0)
         else:
-            budget = (None if self.budget is None or is_smallest(self.budget)
-                      else parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes))
+            budget = budget_bytes(self.budget, eager_peak_bytes=eager.sim.peak_bytes)
             if is_smallest(self.budget):
                 sol = solve_smallest(graph, cm, lambda p: solve(p, self.solver),
                                      time_budget_s=self.time_budget, exact=self.exact)
@@ -398,8 +403,8 @@ class TrainStep:
                 "off: " + p.graph.meta["optimizer_in_backward_off"]
                 if "optimizer_in_backward_off" in p.graph.meta else "on")
         return OptimizeReport(
-            solver=s.solver, budget_bytes=None if self.budget is None or is_smallest(
-                self.budget) else parse_budget(self.budget, eager_peak_bytes=p.eager.peak_bytes),
+            solver=s.solver,
+            budget_bytes=budget_bytes(self.budget, eager_peak_bytes=p.eager.peak_bytes),
             latency_limit=self.latency_limit, eager_peak_bytes=p.eager.peak_bytes,
             planned_peak_bytes=s.sim.peak_bytes, eager_step_s=p.eager.latency_s,
             planned_step_s=s.sim.latency_s, solve_s=s.solve_s, cost_model=self._cost().name,

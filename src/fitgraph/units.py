@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["SMALLEST", "check_budget", "check_latency_limit", "format_bytes", "is_smallest",
-           "parse_budget"]
+__all__ = ["SMALLEST", "budget_bytes", "check_budget", "check_latency_limit", "format_bytes",
+           "is_smallest", "parse_budget"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -82,6 +82,18 @@ def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
         return parse_budget(float(m.group(1)), eager_peak_bytes=eager_peak_bytes)
     return parse_budget(int(float(m.group(1)) * _UNITS[m.group(2)]),
                         eager_peak_bytes=eager_peak_bytes)
+
+
+def budget_bytes(budget, *, eager_peak_bytes: int) -> int | None:
+    """``parse_budget``'s bytes; None where there are none to give: no budget, or "smallest".
+
+    Example:
+        >>> budget_bytes("50%", eager_peak_bytes=1000), budget_bytes("smallest", eager_peak_bytes=1)
+        (500, None)
+    """
+    if budget is None or is_smallest(budget):
+        return None
+    return parse_budget(budget, eager_peak_bytes=eager_peak_bytes)
 
 
 def check_budget(budget: int | float | str | None) -> None:

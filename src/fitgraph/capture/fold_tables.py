@@ -115,16 +115,18 @@ def _tables(graph: Graph) -> list[tuple[int, list[int]]]:
     creator = {st: nid for nid, ss in fresh.items() for st in ss}
     keep = {graph.values[v].storage for v in graph.outputs.values()}
     readers: dict[int, list[int]] = {}
+    writes: dict[int, list[int]] = {}   # NOTE: storage -> the nodes that write it in place
     for n in graph.nodes:
         for v in n.inputs:
             readers.setdefault(v, []).append(n.id)
+        for st in dict.fromkeys(graph.values[v].storage for v in n.mutates):
+            writes.setdefault(st, []).append(n.id)
     out = []
     for st, nodes in storage_accesses(graph).items():
         c = creator.get(st)
         if c not in free or st in keep:
             continue
-        writers = [nid for nid in nodes
-                   if any(graph.values[v].storage == st for v in graph.nodes[nid].mutates)]
+        writers = writes.get(st, [])
         if not writers or not all(w in free for w in writers):
             continue
         if not any(graph.nodes[nid].phase is Phase.BACKWARD for nid in nodes):
@@ -134,7 +136,7 @@ def _tables(graph: Graph) -> list[tuple[int, list[int]]]:
                      and graph.values[o].nbytes == graph.storages[st].nbytes), None)
         if base is None:
             continue
-        build = _closure(graph, [c, *writers], free)
+        build = _closure(graph, [c, *writers], free, fresh, writes)
         if build is None:
             continue
         inside = set(build)
@@ -148,15 +150,11 @@ def _tables(graph: Graph) -> list[tuple[int, list[int]]]:
     return out
 
 
-def _closure(graph: Graph, nodes: list[int], free: set[int]) -> list[int] | None:
+def _closure(graph: Graph, nodes: list[int], free: set[int], fresh: dict[int, list[int]],
+             writes: dict[int, list[int]]) -> list[int] | None:
     """``nodes`` and every node they read from, transitively, with every node that writes a
     storage they made (the coordinates BEiT shifts in place before it sums them), in order;
     None where one of them depends on more than constants, or writes a storage made elsewhere."""
-    fresh = new_storages(graph)
-    writers: dict[int, list[int]] = {}
-    for n in graph.nodes:
-        for v in n.mutates:
-            writers.setdefault(graph.values[v].storage, []).append(n.id)
     seen, todo = set(nodes), list(nodes)
     while todo:
         nid = todo.pop()
@@ -164,7 +162,7 @@ def _closure(graph: Graph, nodes: list[int], free: set[int]) -> list[int] | None
             return None
         n = graph.nodes[nid]
         more = [graph.values[v].producer for v in n.inputs]
-        more += [w for st in fresh[nid] for w in writers.get(st, ())]
+        more += [w for st in fresh[nid] for w in writes.get(st, ())]
         for p in more:
             if p is not None and p not in seen:
                 seen.add(p)

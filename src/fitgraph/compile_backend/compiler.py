@@ -32,7 +32,7 @@ from ..capture.errors import CaptureError
 from ..graph.ir import Graph
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve_smallest
 from ..solvers.collector import fewer_collections
-from ..units import check_budget, check_latency_limit, is_smallest, parse_budget
+from ..units import budget_bytes, check_budget, check_latency_limit, is_smallest
 from .report import BackendReport
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -130,13 +130,6 @@ class FitgraphBackend:
             return FusedCostModel(self.cost_model)
         return self.cost_model
 
-    def _budget_bytes(self, eager: Solution) -> int | None:
-        """The budget in bytes for a graph whose eager plan is ``eager`` (None: a latency
-        limit, or "smallest", which has no bytes before its search)."""
-        if self.budget is None or is_smallest(self.budget):
-            return None
-        return parse_budget(self.budget, eager_peak_bytes=eager.sim.peak_bytes)
-
     def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution) -> Solution:
         graph = _banning(graph, banned)
         fn = SOLVERS[self.solver]
@@ -151,7 +144,8 @@ class FitgraphBackend:
                 if is_smallest(self.budget):
                     return solve_smallest(graph, cm, lambda p: fn(p, **keep_order),
                                           time_budget_s=self.time_budget)
-                return fn(Problem(graph, cm, budget_bytes=self._budget_bytes(eager),
+                budget = budget_bytes(self.budget, eager_peak_bytes=eager.sim.peak_bytes)
+                return fn(Problem(graph, cm, budget_bytes=budget,
                                   latency_limit=self.latency_limit,
                                   time_budget_s=self.time_budget), **keep_order)
         except BudgetInfeasible as e:
@@ -188,7 +182,7 @@ class FitgraphBackend:
         eager_split = split_joint(joint, jg) if schedule.recompute else split
         self.reports.append(BackendReport(
             solver=sol.solver if planned else "none",
-            budget_bytes=self._budget_bytes(eager),
+            budget_bytes=budget_bytes(self.budget, eager_peak_bytes=eager.sim.peak_bytes),
             latency_limit=self.latency_limit, nodes=len(jg.graph.nodes),
             forward_nodes=sum(n.op == "call_function" for n in jg.forward),
             eager_peak_bytes=eager.sim.peak_bytes, planned_peak_bytes=sol.sim.peak_bytes,
