@@ -93,9 +93,12 @@ class RegionsReport:
                  "eagerly (what it saves for the backward is not planned):"]
         lines += [f"    - {b}" for b in self.graph_breaks]
         for i, r in enumerate(self.regions):
+            held = r.notes.get("hold_bytes")
             lines.append(f"  region {i}: peak {format_bytes(r.eager_peak_bytes)} -> "
                          f"{format_bytes(r.planned_peak_bytes)} (simulated), "
-                         f"{r.recomputed_nodes} recomputed")
+                         f"{r.recomputed_nodes} recomputed" + (
+                             "" if not held else
+                             f", planned with {format_bytes(held)} held by later regions"))
         if self.eager_saved_bytes is not None:
             lines.append(f"  saved for the backward: {format_bytes(self.regions_saved_bytes)} by "
                          f"the planned regions, {format_bytes(self.eager_saved_bytes)} by the "
@@ -107,6 +110,8 @@ class RegionsReport:
             lines.append(f"  latency limit {check['limit']}: kept {check['plan']}, forward and "
                          f"backward measured {check['measured']:.3f}x eager PyTorch's (planned "
                          f"for -> measured: {tries})")
+        if "boundary_holds" in self.notes:
+            lines.append(f"  {self.notes['boundary_holds']}")
         if "not_measured" in self.notes:
             lines.append(f"  step: not measured yet ({self.notes['not_measured']})")
         lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
@@ -233,6 +238,11 @@ class RegionsStep:
         self.regions_saved_bytes: int | None = None
         self.eager_saved_bytes: int | None = None
         self.step_times: list[float] = []
+        # NOTE: None until a step was measured; then the first plan's state while a second
+        # plan with boundary holds settles, () once decided (``_hold_across``)
+        self._held: dict | tuple | None = None
+        self._to_measure = True
+        self.hold_note: str | None = None
 
     def _compute_loss(self, batch: Any) -> torch.Tensor:
         return compute_loss(self.model, batch, self.loss_fn)
@@ -296,7 +306,8 @@ class RegionsStep:
             graphs = counters["stats"]["unique_graphs"]
             with _dynamo_quiet():
                 loss = self._run(batch)
-            self._breaks += Counter(counters["graph_break"]) - seen
+            if not isinstance(self._held, dict):  # NOTE: a second plan breaks alike
+                self._breaks += Counter(counters["graph_break"]) - seen
             compiled = counters["stats"]["unique_graphs"] - graphs
             self._settled = compiled == 0 and self._calls > 0
             self._calls += 1
@@ -304,15 +315,22 @@ class RegionsStep:
                 self._warned_recompiling = True
                 self._warn_recompiling()
             return loss
-        if self.measured_peak_bytes is None:
+        if self._to_measure:
+            self._to_measure = False
             before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
             saved = _SavedBytes()
-            with MemoryMeter(self.device) as meter, torch.autograd.graph.saved_tensors_hooks(
-                    saved.pack, saved.unpack):
-                loss = self._run(batch)
+            self.backend.forward_runs = []
+            try:
+                with MemoryMeter(self.device) as meter, \
+                        torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    loss = self._run(batch)
+                runs = self.backend.forward_runs
+            finally:
+                self.backend.forward_runs = None
             self.regions_saved_bytes, self.eager_saved_bytes = saved.totals()
             self.measured_peak_bytes = before + meter.peak_bytes
-            self._check_budget()
+            if not self._hold_across(runs):
+                self._check_budget()
             return loss
         _sync(self.device)
         t0 = time.perf_counter()
@@ -322,6 +340,52 @@ class RegionsStep:
         return loss
 
     step = __call__
+
+    @property
+    def settled(self) -> bool:
+        """Whether the regions' plan is final and its step measured: after the third call,
+        or the sixth where the regions were planned again with the bytes held across them."""
+        return not self._to_measure
+
+    # NOTE: plan the regions again with what the rest of the step holds (``boundary_hold``)
+    hold_across_regions = True
+
+    def _hold_across(self, runs: list[int]) -> bool:
+        """After a measured step: plan the regions again, each with the bytes the regions
+        that run inside its forward-to-backward window hold (``boundary_hold``), where that
+        may lower the step's peak: at the smallest budget, or at a bytes budget the step ran
+        over. True while that second plan is being compiled and measured; the plan measured
+        lower is kept (a second plan that does not help is dropped, its compiled graphs unused).
+        """
+        from .compile_backend.boundary_hold import holds_by_graph
+
+        if self._held is not None:  # NOTE: the second plan was measured: keep the lower one
+            first, self._held = self._held, ()
+            if first and self.measured_peak_bytes >= first["measured_peak_bytes"]:
+                self.__dict__.update(first)
+                self.hold_note = "planned again with the bytes held across regions: " \
+                    "measured no lower, the first plan kept"
+            elif first:
+                self.hold_note = (f"planned again with the bytes held across regions: "
+                                  f"measured {format_bytes(first['measured_peak_bytes'])} -> "
+                                  f"{format_bytes(self.measured_peak_bytes)}")
+            return False
+        limit = self._budget_bytes()
+        wanted = is_smallest(self.budget) or (limit is not None
+                                              and self.measured_peak_bytes > limit)
+        holds = holds_by_graph(self.backend.reports, runs) if wanted else {}
+        if not self.hold_across_regions or not holds:
+            self._held = ()
+            return False
+        self._held = {k: getattr(self, k) for k in (
+            "_loss", "backend", "measured_peak_bytes", "regions_saved_bytes",
+            "eager_saved_bytes", "_breaks")}
+        self.backend = self._backend(self.latency_limit, self.time_budget)
+        self.backend.boundary_holds = holds
+        self._loss = torch.compile(self._compute_loss, backend=self.backend)
+        # NOTE: the first plan's measurements stay in the report until the second's replace them
+        self._settled, self._calls, self._to_measure = False, 0, True
+        return True
 
     def _warn_recompiling(self) -> None:
         # NOTE: a guard that fails at every call makes Dynamo compile (and fitgraph.backend
@@ -357,16 +421,19 @@ class RegionsStep:
     def report(self) -> RegionsReport:
         breaks = [_first_line(r) + (f" (x{n})" if n > 1 else "")
                   for r, n in sorted(self._breaks.items())]
+        # NOTE: while a second plan settles, the report is the first plan's, as measured
+        backend = self._held["backend"] if isinstance(self._held, dict) else self.backend
         return RegionsReport(
-            reason=str(self.reason), graph_breaks=breaks, regions=list(self.backend.reports),
+            reason=str(self.reason), graph_breaks=breaks, regions=list(backend.reports),
             budget_bytes=self._budget_bytes(), measured_peak_bytes=self.measured_peak_bytes,
             regions_saved_bytes=self.regions_saved_bytes,
             eager_saved_bytes=self.eager_saved_bytes,
             measured_step_s=statistics.median(self.step_times) if self.step_times else None,
-            notes=({} if self._settled else {
+            notes=({} if self._settled or self.measured_peak_bytes is not None else {
                 "not_measured": f"each of the {self._calls} call(s) so far compiled: the step "
                                 "is measured at the first call that compiles nothing"})
-            | ({} if self.latency_check is None else {"latency_check": self.latency_check}))
+            | ({} if self.latency_check is None else {"latency_check": self.latency_check})
+            | ({} if self.hold_note is None else {"boundary_holds": self.hold_note}))
 
     def save(self, path: str) -> None:
         raise NotImplementedError("a step planned by regions cannot be saved: its regions are "

@@ -33,6 +33,7 @@ from ..graph.ir import Graph
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve_smallest
 from ..solvers.collector import fewer_collections
 from ..units import budget_bytes, check_budget, check_latency_limit, is_smallest
+from .boundary_hold import HoldCostModel, boundary_node, graph_key
 from .report import BackendReport
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -87,10 +88,16 @@ class FitgraphBackend:
         self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
         self.reports: list[BackendReport] = []
         self.inner = inner
+        # NOTE: set by a step by regions (``boundary_hold``): graph key -> bytes the rest of
+        # the step holds between this graph's forward and backward; and, while
+        # ``forward_runs`` is a list, the report index of each planned forward as it runs
+        self.boundary_holds: dict[str, int] = {}
+        self.forward_runs: list[int] | None = None
+        self._partitioned: int | None = None
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
 
-        self._compiler = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+        self._compiler = aot_autograd(fw_compiler=self._fw_compiler, bw_compiler=boxed_nop,
                                       partition_fn=self._partition,
                                       keep_inference_input_mutations=True)
         self.__name__ = "fitgraph"  # NOTE: Dynamo names the backend in its messages
@@ -99,6 +106,25 @@ class FitgraphBackend:
         if self.inner == "inductor":
             return _inductor_with_partition(self._partition, gm, example_inputs)
         return self._compiler(gm, example_inputs, **kwargs)
+
+    def _fw_compiler(self, gm: torch.fx.GraphModule, example_inputs: list):
+        """The forward as it is (``boxed_nop``), noting its report's index in
+        ``forward_runs`` each time it runs while that is a list (a step by regions reads the
+        order its regions run in)."""
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        run, index = boxed_nop(gm, example_inputs), self._partitioned
+        self._partitioned = None  # NOTE: an inference graph is compiled without a partition
+        if index is None:
+            return run
+
+        def forward(args):
+            if self.forward_runs is not None:
+                self.forward_runs.append(index)
+            return run(args)
+
+        forward._boxed_call = True
+        return forward
 
     @property
     def last_report(self) -> BackendReport:
@@ -130,7 +156,20 @@ class FitgraphBackend:
             return FusedCostModel(self.cost_model)
         return self.cost_model
 
-    def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution) -> Solution:
+    def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution,
+               hold: int = 0) -> Solution:
+        """The plan; with a ``hold`` (``boundary_hold``), planned with those bytes held at the
+        forward's end, and planned without where the budget cannot hold them too."""
+        if hold and (at := boundary_node(graph)) is not None:
+            try:
+                held = self._solve(graph, banned, HoldCostModel(cm, at, hold), eager)
+            except BudgetInfeasible:
+                return self._solve(graph, banned, cm, eager)
+            # NOTE: the report's peak and time are the region's own, without the hold
+            from ..sim.simulate import simulate
+
+            sim = simulate(held.graph_for(graph), held.plan, cm)
+            return dataclasses.replace(held, sim=sim, notes=held.notes | {"hold_bytes": hold})
         graph = _banning(graph, banned)
         fn = SOLVERS[self.solver]
         # NOTE: the forward must run whole before the backward (the tangents arrive then), and
@@ -174,7 +213,10 @@ class FitgraphBackend:
         cm = self._cost(jg.graph)
         eager = solve(Problem(jg.graph, cm, latency_limit=1.0), "eager")
         planned = self.budget is not None or self.latency_limit is not None
-        sol = self._solve(jg.graph, banned, cm, eager) if planned else eager
+        key = graph_key(joint.code, [getattr(n.meta.get("val"), "shape", None)
+                                     for n in joint.graph.find_nodes(op="placeholder")])
+        sol = (self._solve(jg.graph, banned, cm, eager, self.boundary_holds.get(key, 0))
+               if planned else eager)
         schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
         split = split_joint(joint, jg, schedule)
         _check_realized(jg, set(schedule.recompute), banned,
@@ -191,7 +233,10 @@ class FitgraphBackend:
             planned_saved_bytes=split.saved_bytes, saved_tensors=len(split.saved),
             recomputed_nodes=len(split.recomputed), recomputed=split.recomputed,
             solve_s=sol.solve_s if planned else 0.0, plan_s=time.perf_counter() - t0,
-            cost_model=getattr(cm, "name", type(cm).__name__), notes=dict(sol.notes)))
+            cost_model=getattr(cm, "name", type(cm).__name__),
+            notes=dict(sol.notes) | ({"budget": "smallest"} if is_smallest(self.budget) else {}),
+            resident_bytes=jg.graph.resident_bytes, graph_key=key))
+        self._partitioned = len(self.reports) - 1
         return split.fw, split.bw
 
 

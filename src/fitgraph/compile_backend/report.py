@@ -32,10 +32,13 @@ class BackendReport:
     solve_s: float
     plan_s: float                  # the whole partition: conversion, profiling, solve, split
     cost_model: str
-    notes: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)   # "hold_bytes": planned with a boundary hold
+    resident_bytes: int = 0        # what the joint graph's peak counts from: weights, inputs
+    graph_key: str = ""            # the graph's identity across compiles (``boundary_hold``)
 
     def __str__(self) -> str:
-        target = ("no budget: save everything" if self.budget_bytes is None
+        target = ("the smallest peak" if self.notes.get("budget") == "smallest" else
+                  "no budget: save everything" if self.budget_bytes is None
                   and self.latency_limit is None else
                   f"budget {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None
                   else f"latency limit {self.latency_limit:.2f}x eager")
