@@ -15,7 +15,12 @@ the backward, by the planned regions and by the code between them (unplanned).
 
 The budget applies to each region: a fraction of the region's own eager peak, or bytes for the
 region's peak; the step's peak (optimizer state and what the eager code keeps included) is
-measured at the first step after compiling settles (the second or third) and checked against a bytes budget, with a warning where it is over.
+measured at the first step after compiling settles (the second or third) and checked against a
+bytes budget. Where that step runs over a bytes budget, or the budget is "smallest", the
+regions are planned again once (``compile_backend.boundary_hold``): each with the bytes the
+regions inside its forward-to-backward window need, and for a bytes budget within what the rest
+of the step (weights, gradients, optimizer state, what earlier regions saved) leaves of it;
+the plan measured lower is kept, and a step still over the budget warns.
 
 A latency limit is checked by measurement at the first call: the regions' forward and backward
 timed against eager PyTorch's, planned again for a tighter limit where they run over, the
@@ -98,7 +103,10 @@ class RegionsReport:
                          f"{format_bytes(r.planned_peak_bytes)} (simulated), "
                          f"{r.recomputed_nodes} recomputed" + (
                              "" if not held else
-                             f", planned with {format_bytes(held)} held by later regions"))
+                             f", planned with {format_bytes(held)} held by later regions") + (
+                             "" if "share_bytes" not in r.notes else
+                             f", within {format_bytes(r.notes['share_bytes'])} of the step's "
+                             "budget"))
         if self.eager_saved_bytes is not None:
             lines.append(f"  saved for the backward: {format_bytes(self.regions_saved_bytes)} by "
                          f"the planned regions, {format_bytes(self.eager_saved_bytes)} by the "
@@ -242,6 +250,7 @@ class RegionsStep:
         # plan with boundary holds settles, () once decided (``_hold_across``)
         self._held: dict | tuple | None = None
         self._to_measure = True
+        self._resident_at_measure = 0
         self.hold_note: str | None = None
 
     def _compute_loss(self, batch: Any) -> torch.Tensor:
@@ -329,6 +338,7 @@ class RegionsStep:
                 self.backend.forward_runs = None
             self.regions_saved_bytes, self.eager_saved_bytes = saved.totals()
             self.measured_peak_bytes = before + meter.peak_bytes
+            self._resident_at_measure = before
             if not self._hold_across(runs):
                 self._check_budget()
             return loss
@@ -354,10 +364,11 @@ class RegionsStep:
         """After a measured step: plan the regions again, each with the bytes the regions
         that run inside its forward-to-backward window hold (``boundary_hold``), where that
         may lower the step's peak: at the smallest budget, or at a bytes budget the step ran
-        over. True while that second plan is being compiled and measured; the plan measured
-        lower is kept (a second plan that does not help is dropped, its compiled graphs unused).
-        """
-        from .compile_backend.boundary_hold import holds_by_graph
+        over, where each region then plans within what the rest of the step leaves of the
+        budget (``shares_by_graph``). True while that second plan is being compiled and
+        measured; the plan measured lower is kept (a second plan that does not help is
+        dropped, its compiled graphs unused)."""
+        from .compile_backend.boundary_hold import holds_by_graph, shares_by_graph
 
         if self._held is not None:  # NOTE: the second plan was measured: keep the lower one
             first, self._held = self._held, ()
@@ -371,17 +382,20 @@ class RegionsStep:
                                   f"{format_bytes(self.measured_peak_bytes)}")
             return False
         limit = self._budget_bytes()
-        wanted = is_smallest(self.budget) or (limit is not None
-                                              and self.measured_peak_bytes > limit)
-        holds = holds_by_graph(self.backend.reports, runs) if wanted else {}
-        if not self.hold_across_regions or not holds:
+        over = limit is not None and self.measured_peak_bytes > limit
+        reports = self.backend.reports
+        holds = holds_by_graph(reports, runs) if is_smallest(self.budget) or over else {}
+        # NOTE: a bytes budget is the step's: each region plans within what the rest of the
+        # step leaves of it (at first each region had the whole budget for its own peak)
+        shares = shares_by_graph(reports, runs, limit, self._resident_at_measure) if over else {}
+        if not self.hold_across_regions or not (holds or shares):
             self._held = ()
             return False
         self._held = {k: getattr(self, k) for k in (
             "_loss", "backend", "measured_peak_bytes", "regions_saved_bytes",
             "eager_saved_bytes", "_breaks")}
         self.backend = self._backend(self.latency_limit, self.time_budget)
-        self.backend.boundary_holds = holds
+        self.backend.boundary_holds, self.backend.step_shares = holds, shares
         self._loss = torch.compile(self._compute_loss, backend=self.backend)
         # NOTE: the first plan's measurements stay in the report until the second's replace them
         self._settled, self._calls, self._to_measure = False, 0, True

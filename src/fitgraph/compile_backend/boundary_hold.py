@@ -29,7 +29,7 @@ from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Node, Phase
 
 __all__ = ["HoldCostModel", "boundary_node", "graph_key", "holds_by_graph",
-           "holds_in_run_order"]
+           "holds_in_run_order", "shares_by_graph"]
 
 
 def boundary_node(graph: Graph) -> int | None:
@@ -108,6 +108,30 @@ def holds_by_graph(reports, runs: list[int]) -> dict[str, int]:
         if hold > 0 and reports[i].planned_saved_bytes > 0:
             key = reports[i].graph_key
             out[key] = max(out.get(key, 0), hold)
+    return out
+
+
+def shares_by_graph(reports, runs: list[int], limit: int, outside: int) -> dict[str, int]:
+    """Graph key -> the bytes of a step's bytes budget ``limit`` the graph may plan its own
+    peak within: the limit less ``outside`` (what the step keeps resident: weights, their
+    gradients, the optimizer state, the batch) plus the graph's own weights (its peak counts
+    them), less what the regions that ran before it saved for their backwards (``runs`` and
+    ``reports`` as in ``holds_by_graph``). A graph that ran more than once gets its least.
+
+    Example:
+        >>> from types import SimpleNamespace as R
+        >>> reps = [R(weight_bytes=10, planned_saved_bytes=30, graph_key="a"),
+        ...         R(weight_bytes=20, planned_saved_bytes=5, graph_key="b")]
+        >>> shares_by_graph(reps, [0, 1], limit=200, outside=100)
+        {'a': 110, 'b': 90}
+    """
+    out: dict[str, int] = {}
+    before = 0
+    for i in runs:
+        r = reports[i]
+        share = max(0, limit - outside + r.weight_bytes - before)
+        out[r.graph_key] = min(out.get(r.graph_key, share), share)
+        before += r.planned_saved_bytes
     return out
 
 

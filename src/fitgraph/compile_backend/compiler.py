@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from ..capture.errors import CaptureError
-from ..graph.ir import Graph
+from ..graph.ir import Graph, Role
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve_smallest
 from ..solvers.collector import fewer_collections
-from ..units import budget_bytes, check_budget, check_latency_limit, is_smallest
+from ..units import SMALLEST, budget_bytes, check_budget, check_latency_limit, is_smallest
 from .boundary_hold import HoldCostModel, boundary_node, graph_key
 from .report import BackendReport
 
@@ -92,6 +92,10 @@ class FitgraphBackend:
         # the step holds between this graph's forward and backward; and, while
         # ``forward_runs`` is a list, the report index of each planned forward as it runs
         self.boundary_holds: dict[str, int] = {}
+        # NOTE: and graph key -> bytes of a step's bytes budget this graph may use (the budget
+        # less what the rest of the step keeps resident), planned at the least peak where no
+        # plan fits
+        self.step_shares: dict[str, int] = {}
         self.forward_runs: list[int] | None = None
         self._partitioned: int | None = None
         from torch._dynamo.backends.common import aot_autograd
@@ -156,20 +160,32 @@ class FitgraphBackend:
             return FusedCostModel(self.cost_model)
         return self.cost_model
 
-    def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution,
-               hold: int = 0) -> Solution:
-        """The plan; with a ``hold`` (``boundary_hold``), planned with those bytes held at the
-        forward's end, and planned without where the budget cannot hold them too."""
+    def _solve(self, graph: Graph, banned: set[int], cm, eager: Solution, hold: int = 0,
+               share: int | None = None) -> Solution:
+        """The plan. With a ``hold`` (``boundary_hold``): planned with those bytes held at the
+        forward's end, and without where the budget cannot hold them too. With a ``share``
+        (a step by regions' bytes budget less what the rest of the step keeps resident):
+        planned within those bytes, at the least peak where no plan fits (the step's
+        measured peak then says so), never an error in the middle of a step."""
         if hold and (at := boundary_node(graph)) is not None:
             try:
-                held = self._solve(graph, banned, HoldCostModel(cm, at, hold), eager)
+                held = self._solve(graph, banned, HoldCostModel(cm, at, hold), eager,
+                                   share=share)
             except BudgetInfeasible:
-                return self._solve(graph, banned, cm, eager)
+                return self._solve(graph, banned, cm, eager, share=share)
             # NOTE: the report's peak and time are the region's own, without the hold
             from ..sim.simulate import simulate
 
             sim = simulate(held.graph_for(graph), held.plan, cm)
             return dataclasses.replace(held, sim=sim, notes=held.notes | {"hold_bytes": hold})
+        if share is not None:
+            try:
+                return self._plan(graph, banned, cm, eager, share)
+            except BudgetInfeasible as e:
+                return e.solution or self._plan(graph, banned, cm, eager, SMALLEST)
+        return self._plan(graph, banned, cm, eager, self.budget)
+
+    def _plan(self, graph: Graph, banned: set[int], cm, eager: Solution, budget) -> Solution:
         graph = _banning(graph, banned)
         fn = SOLVERS[self.solver]
         # NOTE: the forward must run whole before the backward (the tangents arrive then), and
@@ -180,11 +196,11 @@ class FitgraphBackend:
         keep_order = {k: False for k in ("reorder", "per_use") if k in params}
         try:
             with fewer_collections():  # NOTE: as solvers.solve runs every solver
-                if is_smallest(self.budget):
+                if is_smallest(budget):
                     return solve_smallest(graph, cm, lambda p: fn(p, **keep_order),
                                           time_budget_s=self.time_budget)
-                budget = budget_bytes(self.budget, eager_peak_bytes=eager.sim.peak_bytes)
-                return fn(Problem(graph, cm, budget_bytes=budget,
+                limit = budget_bytes(budget, eager_peak_bytes=eager.sim.peak_bytes)
+                return fn(Problem(graph, cm, budget_bytes=limit,
                                   latency_limit=self.latency_limit,
                                   time_budget_s=self.time_budget), **keep_order)
         except BudgetInfeasible as e:
@@ -215,7 +231,8 @@ class FitgraphBackend:
         planned = self.budget is not None or self.latency_limit is not None
         key = graph_key(joint.code, [getattr(n.meta.get("val"), "shape", None)
                                      for n in joint.graph.find_nodes(op="placeholder")])
-        sol = (self._solve(jg.graph, banned, cm, eager, self.boundary_holds.get(key, 0))
+        share = self.step_shares.get(key)
+        sol = (self._solve(jg.graph, banned, cm, eager, self.boundary_holds.get(key, 0), share)
                if planned else eager)
         schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
         split = split_joint(joint, jg, schedule)
@@ -234,8 +251,10 @@ class FitgraphBackend:
             recomputed_nodes=len(split.recomputed), recomputed=split.recomputed,
             solve_s=sol.solve_s if planned else 0.0, plan_s=time.perf_counter() - t0,
             cost_model=getattr(cm, "name", type(cm).__name__),
-            notes=dict(sol.notes) | ({"budget": "smallest"} if is_smallest(self.budget) else {}),
-            resident_bytes=jg.graph.resident_bytes, graph_key=key))
+            notes=dict(sol.notes) | ({"budget": "smallest"} if is_smallest(self.budget) else {})
+            | ({} if share is None else {"share_bytes": share}),
+            resident_bytes=jg.graph.resident_bytes, graph_key=key,
+            weight_bytes=_weight_bytes(jg.graph)))
         self._partitioned = len(self.reports) - 1
         return split.fw, split.bw
 
@@ -303,6 +322,12 @@ def _check_realized(jg, drop: set[int], banned: set[int], realized: set[int]) ->
         names = sorted(jg.fx_nodes[i].name for i in realized ^ drop)[:10]
         raise AssertionError(f"the backward recomputes {len(realized)} nodes, the plan "
                              f"{len(drop)}; differing: {names}; this is a fitgraph bug")
+
+
+def _weight_bytes(graph: Graph) -> int:
+    """Bytes of the graph's weights and buffers (inputs that outlive the step)."""
+    storages = (graph.storages[st] for st in graph.input_storages())
+    return sum(st.nbytes for st in storages if st.role in (Role.PARAMETER, Role.BUFFER))
 
 
 def _banning(graph: Graph, banned: set[int]) -> Graph:

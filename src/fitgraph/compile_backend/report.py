@@ -35,6 +35,7 @@ class BackendReport:
     notes: dict = field(default_factory=dict)   # "hold_bytes": planned with a boundary hold
     resident_bytes: int = 0        # what the joint graph's peak counts from: weights, inputs
     graph_key: str = ""            # the graph's identity across compiles (``boundary_hold``)
+    weight_bytes: int = 0          # of resident_bytes: weights and buffers
 
     def __str__(self) -> str:
         target = ("the smallest peak" if self.notes.get("budget") == "smallest" else
