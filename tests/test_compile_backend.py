@@ -234,3 +234,26 @@ def test_inductor_inner_compiles_the_planned_partition():
     assert r.planned_peak_bytes <= r.budget_bytes and r.planned_saved_bytes < r.eager_saved_bytes
     with pytest.raises(ValueError, match="inner="):
         fitgraph.backend(budget=0.7, inner="cudagraphs")
+
+
+def test_a_recompute_between_the_forward_and_the_first_backward_node_is_the_backwards():
+    """A plan that re-makes what the first backward node reads right before it (a region
+    planned with the bytes later regions hold at its forward's end drops those too) runs the
+    recompute in the backward module; one before the forward's last node cannot be split."""
+    from fitgraph.compile_backend.schedule import schedule_of
+    from fitgraph.graph.ir import GraphBuilder, Phase, Role
+    from fitgraph.plan.instructions import Compute, Free, Plan, Recompute
+
+    b = GraphBuilder()
+    x = b.add_input("x", (64,), "float32", Role.PARAMETER)
+    a = b.add_node("aten.relu.default", [x], [((64,), "float32")])[0]
+    y = b.add_node("aten.sin.default", [a], [((64,), "float32")])[0]
+    g = b.add_node("aten.mul.Tensor", [a, y], [((64,), "float32")], phase=Phase.BACKWARD)[0]
+    graph = b.finish({"out:0": y, "grad:0": g})
+    st_a = graph.values[a].storage
+    ok = Plan((Compute(0), Compute(1), Free((st_a,)), Recompute(0), Compute(2)))
+    schedule = schedule_of(graph, ok, "hotspot")
+    assert schedule.recompute == frozenset({0}) and 0 in schedule.bw_pos
+    inside = Plan((Compute(0), Free((st_a,)), Recompute(0), Compute(1), Compute(2)))
+    with pytest.raises(NotImplementedError, match="recomputes inside the forward"):
+        schedule_of(graph, inside, "hotspot")

@@ -45,7 +45,9 @@ def schedule_of(graph: Graph, plan: Plan, solver: str) -> Schedule:
         why = "a schedule that does not compute every node once"
     elif last_fw > first_bw:
         why = "backward nodes before the end of the forward"
-    elif any(isinstance(ins, Recompute) for ins in plan.instructions[:first_bw]):
+    elif any(isinstance(ins, Recompute) for ins in plan.instructions[:last_fw + 1]):
+        # NOTE: a recompute after the forward's last node, before the first backward one
+        # (it reads what the recompute makes), is the backward module's first work
         why = "recomputes inside the forward"
     elif len(set(recomputes)) != len(recomputes):
         why = "a node recomputed more than once"
