@@ -212,3 +212,24 @@ def test_a_bytes_budget_is_the_steps_when_planned_by_regions():
     r = step.report()
     assert step.settled and r.measured_peak_bytes <= budget, r
     assert any("planned again" in str(v) for v in r.notes.values()), r.notes
+
+
+def test_a_region_left_nothing_of_a_bytes_budget_plans_its_least_peak():
+    from fitgraph.compile_backend import backend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    be = backend(budget=10_000_000)
+    be.boundary_holds, be.step_shares = {}, {}
+    f = torch.compile(model, backend=be)
+    x = torch.randn(512, 64)
+    f(x).square().mean().backward()
+    key = be.last_report.graph_key
+    torch._dynamo.reset()
+    be2 = backend(budget=10_000_000)
+    be2.step_shares = {key: 0}
+    f2 = torch.compile(model, backend=be2)
+    f2(x).square().mean().backward()   # NOTE: no error in the middle of a step
+    r = be2.last_report
+    assert r.notes["share_bytes"] == 0
+    assert r.planned_peak_bytes <= be.last_report.planned_peak_bytes

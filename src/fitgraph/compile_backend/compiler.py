@@ -180,7 +180,8 @@ class FitgraphBackend:
             return dataclasses.replace(held, sim=sim, notes=held.notes | {"hold_bytes": hold})
         if share is not None:
             try:
-                return self._plan(graph, banned, cm, eager, share)
+                # NOTE: where the rest of the step leaves nothing, the least peak
+                return self._plan(graph, banned, cm, eager, share if share > 0 else SMALLEST)
             except BudgetInfeasible as e:
                 return e.solution or self._plan(graph, banned, cm, eager, SMALLEST)
         return self._plan(graph, banned, cm, eager, self.budget)
