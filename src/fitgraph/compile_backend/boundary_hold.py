@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..cost.base import NodeCost
+from ..cost.base import CostModelWrapper, NodeCost
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Node, Phase
 
@@ -40,26 +40,19 @@ def boundary_node(graph: Graph) -> int | None:
     return next((n.id for n in graph.nodes if n.phase is Phase.BACKWARD and fresh[n.id]), None)
 
 
-class HoldCostModel:
+class HoldCostModel(CostModelWrapper):
     """``base``'s costs, with ``hold_bytes`` more workspace at node ``node_id``; everything
     else is ``base``'s (``profile``, copies, the device's traits)."""
 
     def __init__(self, base, node_id: int, hold_bytes: int) -> None:
-        self.base, self.node_id, self.hold_bytes = base, node_id, int(hold_bytes)
+        super().__init__(base)
+        self.node_id, self.hold_bytes = node_id, int(hold_bytes)
 
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
         cost = self.base.node_cost(graph, node)
         if node.id != self.node_id:
             return cost
         return NodeCost(cost.seconds, cost.workspace_bytes + self.hold_bytes)
-
-    def copy_seconds(self, nbytes: int) -> float:
-        return self.base.copy_seconds(nbytes)
-
-    def __getattr__(self, name: str):
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 def holds_in_run_order(regions: list[tuple[int, int]]) -> list[int]:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 
 from ..graph.ir import Graph, Node
-from .base import NodeCost
+from .base import CostModelWrapper, NodeCost
 from .roofline import is_metadata_node
 
 __all__ = ["FusedCostModel", "is_fused"]
@@ -76,28 +76,18 @@ def is_fused(graph: Graph, node: Node) -> bool:
     return is_metadata_node(graph, node) or _pointwise(node.target)
 
 
-class FusedCostModel:
+class FusedCostModel(CostModelWrapper):
     """``base``'s costs with fused nodes (``is_fused``) free; everything else is ``base``'s
     (``profile``, copies, the device's traits)."""
 
     def __init__(self, base) -> None:
-        self.base = base
+        super().__init__(base)
         self.name = f"{base.name}, pointwise fused"
 
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
         if is_fused(graph, node):
             return _FREE
         return self.base.node_cost(graph, node)
-
-    def copy_seconds(self, nbytes: int) -> float:
-        return self.base.copy_seconds(nbytes)
-
-    def __getattr__(self, name: str):
-        # NOTE: ``profile``, ``copies_overlap``, ``host_memory_apart`` and the rest are the
-        # base model's: hasattr(cm, "profile") still tells a measured model apart
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
     def __repr__(self) -> str:
         return f"FusedCostModel({self.base!r})"
