@@ -47,7 +47,8 @@ def test_the_backend_simulates_what_its_graph_allocates():
                           nn.Conv1d(32, 32, 3, stride=2), nn.GELU())
     x = torch.randn(2, 1, 16000)
     be = fitgraph.backend(budget="smallest")
-    f = torch.compile(model, backend=be)
+    torch._dynamo.reset()  # NOTE: earlier compiles of Sequential's code would make shapes dynamic
+    f = torch.compile(model, backend=be, dynamic=False)
     out = f(x)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)

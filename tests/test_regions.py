@@ -221,14 +221,15 @@ def test_a_region_left_nothing_of_a_bytes_budget_plans_its_least_peak():
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     be = backend(budget=10_000_000)
     be.boundary_holds, be.step_shares = {}, {}
-    f = torch.compile(model, backend=be)
+    torch._dynamo.reset()  # NOTE: earlier compiles of Sequential's code would make shapes dynamic
+    f = torch.compile(model, backend=be, dynamic=False)
     x = torch.randn(512, 64)
     f(x).square().mean().backward()
     key = be.last_report.graph_key
     torch._dynamo.reset()
     be2 = backend(budget=10_000_000)
     be2.step_shares = {key: 0}
-    f2 = torch.compile(model, backend=be2)
+    f2 = torch.compile(model, backend=be2, dynamic=False)
     f2(x).square().mean().backward()   # NOTE: no error in the middle of a step
     r = be2.last_report
     assert r.notes["share_bytes"] == 0
