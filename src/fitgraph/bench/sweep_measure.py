@@ -187,6 +187,15 @@ def _planned_system(label, model, opt, batch, loss_fn, **kw) -> tuple[_System, o
     return s, step
 
 
+def _settle(step, batch, calls: int = 8) -> None:
+    """Run a step by regions until its plan is final and measured: compiling settles at the
+    second or third call, the sixth where it planned the regions again (boundary holds)."""
+    for _ in range(calls):
+        if step.settled:
+            return
+        step(batch)
+
+
 def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
                   regions: bool) -> None:
     """Plan at the smallest peak fitgraph reaches (``budget="smallest"``: every transformation,
@@ -206,12 +215,7 @@ def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
     loss_s = step(batch)
     row["smallest_result"], detail = compare(loss_e, loss_s, twin_m, m_s)
     if regions:
-        # NOTE: a step by regions measures its peak once compiling settled (second or third
-        # call; the sixth where it planned the regions again with boundary holds)
-        for _ in range(8):
-            if step.settled:
-                break
-            step(batch)
+        _settle(step, batch)
         row["smallest_peak"] = step.report().measured_peak_bytes
         row["notes"] += "smallest peak: each region at its least, measured; "
     else:
@@ -358,12 +362,9 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         row["smallest_s"] = time.perf_counter() - t0
         stage("time")
         if regions:   # NOTE: compiling (and planning again) belongs to no timed round
-            for st in (step, step_c if at_ckpt is not None else None):
-                for _ in range(8):
-                    if st is None or st.settled:
-                        break
-                    st(batch)
+            _settle(step, batch)
             if at_ckpt is not None:
+                _settle(step_c, batch)
                 row["peak_at_ckpt"] = step_c.report().measured_peak_bytes
         for s in systems[1:]:
             s.optimizer.zero_grad(set_to_none=True)
