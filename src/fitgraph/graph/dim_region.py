@@ -190,6 +190,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
     heap: list[int] = []
     first = None
     floor = (start, graph.values[start].shape[dim], min_length) if min_length else None
+    kinds = {"halo": False, "outer": False}   # NOTE: see _join's ``kinds``
 
     def offer(v: int) -> None:
         producer = graph.values[v].producer
@@ -205,7 +206,7 @@ def _grow(graph: Graph, start: int, dim: int, excluded: dict[int, str],
         if nid in excluded:
             boundary[nid] = excluded[nid]
             continue
-        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor)
+        got = _join(graph, nid, dims, units, batch_dep, index.options, keep_length, floor, kinds)
         if isinstance(got, str):
             boundary[nid] = got
             continue
@@ -240,18 +241,33 @@ def _options(graph: Graph, nid: int, cache: dict) -> list[tuple[Split, dict, set
 
 def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] | None,
           cache: dict, keep_length: bool = False,
-          floor: tuple[int, int, int] | None = None) -> tuple[Split, dict] | str:
-    """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not."""
+          floor: tuple[int, int, int] | None = None,
+          kinds: dict[str, bool] | None = None) -> tuple[Split, dict] | str:
+    """The first split of node ``nid`` that agrees with ``dims`` (assigned in place), or why not.
+
+    ``kinds`` (updated in place): whether the region so far reads through windows (``halo``)
+    and cuts the inner dim of a merged dim (``outer``); a split that would make it do both is
+    passed over (fission cannot run such a region), so the region stops there."""
     opts = _options(graph, nid, cache)
     if isinstance(opts, str):
         return opts
-    coarser = False
+    kinds = {"halo": False, "outer": False} if kinds is None else kinds
+    coarser = mixed = False
     for split, table, ops in opts:
         got = _agree(table, dims, units, ops, batch_dep,
                      lambda s=split: _row_wise(graph, graph.nodes[nid], s))
         if got is _MISSING:
             continue
         ratio, extra = got
+        # NOTE: HuBERT's convolutions along the time reach the feature projection's linear
+        # layer, whose rows are [batch x time]: grown through it, the whole region failed to
+        # split ("windows and the inner dim of a merged dim")
+        halo = kinds["halo"] or any(_windowed(e) for e in split.operands + split.outputs)
+        outer = kinds["outer"] or extra > 1 or any(
+            isinstance(e, Along) and e.outer > 1 for e in table.values())
+        if halo and outer:
+            mixed = True
+            continue
         # NOTE: a region unit a fraction of the op's (a convolution in 2 groups of 16 channels
         # reached where the region's unit is a channel): the op's units are whole only if the
         # region's unit grows to one of them, for every value (RegNet: cut in 8 parts of 4
@@ -276,8 +292,13 @@ def _join(graph: Graph, nid: int, dims: dict, units: dict, batch_dep: set[int] |
             for vid, u in units.items():
                 if u is not None:
                     units[vid] = u * whole
+        kinds["halo"], kinds["outer"] = halo, outer
         return split, table
     node = graph.nodes[nid]
+    if mixed:
+        return ("would cut the inner dim of a merged dim in a region that reads through "
+                "windows (a convolution along its time or space): fission runs neither with "
+                "the other")
     if coarser:
         return ("would cut the split axis coarser (a reshape ties it to a shorter dimension); "
                 "the region keeps its length")

@@ -83,7 +83,7 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
     """(what, kind (``COPIES`` or ``PLAIN``), the (value, dim) its region grows from (a
     re-made region: the forward one), its recipe) for the regions at ``best``'s peak,
     best-ranked first; ``recipe(graph, parts, deadline)`` makes the split graph."""
-    starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES)
+    starts = peak_starts(graph, best.plan, best.sim, MAX_STORAGES, peak_inputs=True)
     pc = best.sim.peak_instruction
     peak_node = getattr(best.plan[pc], "node", None) if pc >= 0 else None
     ranked = []

@@ -81,10 +81,11 @@ def _reach(starts: set[int], edges: dict, inside: set[int]) -> set[int]:
     return seen
 
 
-def peak_starts(graph: Graph, plan: Plan, sim: SimResult,
-                max_storages: int) -> list[tuple[int, int]]:
+def peak_starts(graph: Graph, plan: Plan, sim: SimResult, max_storages: int,
+                peak_inputs: bool = False) -> list[tuple[int, int]]:
     """(value, dim) starts: every dim (of size >= 2) of the largest storages made during the
-    step that are live at the peak, largest first, and of what the peak's node makes."""
+    step that are live at the peak, largest first, and of what the peak's node makes (and,
+    with ``peak_inputs``, of what it reads that the step made)."""
     first_value: dict[int, int] = {}
     for v in graph.values:
         first_value.setdefault(v.storage, v.id)
@@ -96,6 +97,15 @@ def peak_starts(graph: Graph, plan: Plan, sim: SimResult,
         if nid is not None:
             ranked += [graph.values[o].storage for o in graph.nodes[nid].outputs
                        if o is not None and graph.values[o].storage not in ranked]
+            if peak_inputs:
+                # NOTE: a node whose output splits only as a partial sum (a convolution's
+                # backward along the time: its input gradients overlap by the halo and add)
+                # is in no region grown from what it makes; one grown from its output
+                # gradient runs it in parts (HuBERT: 24.7 -> 23.2 MB, its workspace cut)
+                for v in graph.nodes[nid].inputs:
+                    st = graph.values[v].storage
+                    if st not in ranked and not graph.storages[st].role.resident:
+                        ranked.append(st)
     starts = []
     for st in ranked:
         v = graph.values[first_value[st]]
