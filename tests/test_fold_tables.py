@@ -75,7 +75,7 @@ def test_a_table_built_in_place_each_step_is_the_constant_a_cache_would_hold():
     assert not any(n.mutates for n in g.nodes if n.phase.value == "forward")
     assert not any(n.target == "aten.zeros.default" for n in g.nodes)
     key = folded[0].removeprefix("const:")
-    assert torch.equal(g.meta["constants"][key], relative_index(4))
+    assert torch.equal(g.meta["constants"][key].long(), relative_index(4))
     # NOTE: the graph of the model that caches its index: the same nodes
     cached = fitgraph.capture(BiasedBlocks(cached=True), X, _loss)
     assert [n.target for n in g.nodes] == [n.target for n in cached.nodes]
@@ -112,3 +112,32 @@ def test_a_table_read_by_the_forward_alone_or_built_from_the_batch_stays_in_the_
         g = fitgraph.capture(model, x, loss_fn)
         assert not any(n.startswith(f"const:{FOLDED_PREFIX}") for n in g.input_names)
         assert any(n.target == "aten.zeros.default" for n in g.nodes)
+
+
+def test_a_folded_index_table_is_held_as_int32_where_only_indices_read_it():
+    """Read as indices alone (the gather and its gradient's scatter), the table is int32: half
+    the bytes, resident for the whole step, with bitwise eager's results; read otherwise too
+    (arithmetic), it stays int64."""
+    built = BiasedBlocks(cached=False)
+    g = fitgraph.capture(built, X, _loss)
+    vid = next(v for v, n in zip(g.inputs, g.input_names) if n.startswith(f"const:{FOLDED_PREFIX}"))
+    table = g.values[vid]
+    assert table.dtype == "int32"
+    assert g.storages[table.storage].nbytes == relative_index(4).numel() * 4
+    assert all(v.dtype == "int32" for v in g.values if v.storage == table.storage)
+    a, b = copy.deepcopy(built), copy.deepcopy(built)
+    want = _loss(a, X)
+    want.backward()
+    got = execute(g, fitgraph.eager_plan(g), b, X)
+    assert torch.equal(got, want.detach())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    assert_simulator_tells_truth(g, built, X)
+
+    def also_added(m, x):
+        index = relative_index(4)
+        bias = m.tables[0][index.view(-1)].view(17, 17)
+        return (m(x) + bias.sum() + index.sum()).square().mean() + (bias * index).sum()
+
+    g = fitgraph.capture(built, X, also_added)
+    folded = [v for v, n in zip(g.inputs, g.input_names) if n.startswith(f"const:{FOLDED_PREFIX}")]
+    assert folded and all(g.values[v].dtype == "int64" for v in folded)

@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 from ..graph.analysis import new_storages, storage_accesses, verify_graph
-from ..graph.ir import Graph, Phase, Role
+from ..graph.ir import Graph, Phase, Role, ValueRef
 from ..transform.fission_meta import Meta
 from ..transform.fission_writer import GraphWriter
 
@@ -99,8 +99,66 @@ def fold_constant_tables(graph: Graph) -> Graph:
             w.copy_node(n)
     out = w.finish(dict(graph.meta, constants=consts))
     out = Graph(out.nodes, out.values, out.storages, inputs, names, out.outputs, out.meta)
+    for _, vid in made:
+        _narrow_index_table(out, vid)
     verify_graph(out)
     return out
+
+
+# NOTE: where each op reads indices: the one argument an int32 table may feed (torch takes
+# int32 indices as int64 ones, with the same results)
+INDEX_ARGS = {"aten.index.Tensor": 1, "aten._unsafe_index.Tensor": 1,
+              "aten.index_put.default": 1, "aten.index_put_.default": 1,
+              "aten._unsafe_index_put.default": 1, "aten.index_select.default": 2,
+              "aten.embedding.default": 1, "aten.embedding_dense_backward.default": 1}
+
+
+def _narrow_index_table(graph: Graph, vid: int) -> None:
+    """Stores the folded int64 table ``vid`` of ``graph`` as int32, in place, where its values
+    fit and every reader (through views) reads it as indices.
+
+    NOTE: BEiT's relative position index is [T*T] int64 (516 KiB at 257 tokens), resident for
+    the whole step; at the least peak a plan reaches, that is 3% of it. Read as indices by the
+    bias's gather and its gradient's scatter, int32 gives the same results at half the bytes."""
+    import torch
+
+    v = graph.values[vid]
+    name = graph.input_names[graph.inputs.index(vid)].removeprefix("const:")
+    table = graph.meta["constants"][name]
+    if (v.dtype != "int64" or not table.numel()
+            or table.min() < torch.iinfo(torch.int32).min
+            or table.max() > torch.iinfo(torch.int32).max):
+        return
+    st = v.storage
+    members = [u for u in graph.values if u.storage == st]
+    ids = {u.id for u in members}
+    for n in graph.nodes:
+        reads = [i for i in n.inputs if i in ids]
+        if not reads:
+            continue
+        aliases = all(o is None or graph.values[o].storage == st for o in n.outputs)
+        if aliases and not n.mutates:
+            continue   # NOTE: a view of the table: int32 too
+        pos = INDEX_ARGS.get(n.target)
+        if pos is None or not _only_at(n, ids, pos):
+            return
+    for u in members:
+        u.dtype = "int32"
+    graph.storages[st].nbytes //= 2
+    graph.meta["constants"][name] = table.to(torch.int32)
+
+
+def _only_at(node, ids: set[int], pos: int) -> bool:
+    """Whether the values ``ids`` appear in ``node``'s args at position ``pos`` only (nested
+    lists there included) and nowhere else."""
+    def refs(x) -> bool:
+        if isinstance(x, ValueRef):
+            return x.id in ids
+        if isinstance(x, (list, tuple)):
+            return any(refs(y) for y in x)
+        return False
+    return (not any(refs(a) for i, a in enumerate(node.args) if i != pos)
+            and not any(refs(a) for a in node.kwargs.values()))
 
 
 def _tables(graph: Graph) -> list[tuple[int, list[int]]]:
