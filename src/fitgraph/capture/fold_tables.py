@@ -133,8 +133,7 @@ def _narrow_index_table(graph: Graph, vid: int) -> None:
     members = [u for u in graph.values if u.storage == st]
     ids = {u.id for u in members}
     for n in graph.nodes:
-        reads = [i for i in n.inputs if i in ids]
-        if not reads:
+        if ids.isdisjoint(n.inputs):
             continue
         aliases = all(o is None or graph.values[o].storage == st for o in n.outputs)
         if aliases and not n.mutates:
