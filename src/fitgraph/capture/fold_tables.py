@@ -36,8 +36,8 @@ Example:
 
 from __future__ import annotations
 
-from ..graph.analysis import new_storages, storage_accesses, verify_graph
-from ..graph.ir import Graph, Phase, Role, ValueRef
+from ..graph.analysis import flatten_refs, new_storages, storage_accesses, verify_graph
+from ..graph.ir import Graph, Phase, Role
 from ..transform.fission_meta import Meta
 from ..transform.fission_writer import GraphWriter
 
@@ -132,32 +132,18 @@ def _narrow_index_table(graph: Graph, vid: int) -> None:
     st = v.storage
     members = [u for u in graph.values if u.storage == st]
     ids = {u.id for u in members}
-    for n in graph.nodes:
-        if ids.isdisjoint(n.inputs):
-            continue
-        aliases = all(o is None or graph.values[o].storage == st for o in n.outputs)
-        if aliases and not n.mutates:
+    for nid in storage_accesses(graph).get(st, ()):
+        n = graph.nodes[nid]
+        if all(o is None or graph.values[o].storage == st for o in n.outputs) and not n.mutates:
             continue   # NOTE: a view of the table: int32 too
         pos = INDEX_ARGS.get(n.target)
-        if pos is None or not _only_at(n, ids, pos):
+        elsewhere = [*(a for i, a in enumerate(n.args) if i != pos), n.kwargs]
+        if pos is None or ids.intersection(flatten_refs(elsewhere)):
             return
     for u in members:
         u.dtype = "int32"
     graph.storages[st].nbytes //= 2
     graph.meta["constants"][name] = table.to(torch.int32)
-
-
-def _only_at(node, ids: set[int], pos: int) -> bool:
-    """Whether the values ``ids`` appear in ``node``'s args at position ``pos`` only (nested
-    lists there included) and nowhere else."""
-    def refs(x) -> bool:
-        if isinstance(x, ValueRef):
-            return x.id in ids
-        if isinstance(x, (list, tuple)):
-            return any(refs(y) for y in x)
-        return False
-    return (not any(refs(a) for i, a in enumerate(node.args) if i != pos)
-            and not any(refs(a) for a in node.kwargs.values()))
 
 
 def _tables(graph: Graph) -> list[tuple[int, list[int]]]:
