@@ -62,11 +62,7 @@ def rounds(monkeypatch):
         # NOTE: where each plan peaks: elsewhere on the graphs named in ``moved``
         monkeypatch.setattr(fb, "_peak_at",
                             lambda graph, sol: "elsewhere" if graph in moved else "here")
-        monkeypatch.setattr(fb, "compact_masks", lambda g: "start")
-        for f in ("unshift_losses", "count_targets_apart", "collapse_view_chains",
-                  "stack_scatter_sums", "copy_saved_views", "elementwise_before_expands",
-                  "fold_constant_predicates"):
-            monkeypatch.setattr(fb, f, lambda g: g)
+        monkeypatch.setattr(fb, "prepared", lambda g: "start")
         s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60),
                               target_bytes=budget)
         planned = [t.split(": screened")[0] for t in s.notes["tried"] if ": screened" in t]

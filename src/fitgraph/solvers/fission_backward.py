@@ -31,7 +31,9 @@ Where a path's rounds end, its splits are made again from the start in ``REPLAY_
 (the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
-again) and its saved views copied out of packed projections (``copy_saved_views``). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
+again), its saved views copied out of packed projections (``copy_saved_views``) and the
+backward of a convolution that reads a concatenation run per operand
+(``transform.per_operand_convolution``). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
 get here.
 
 Example:
@@ -67,6 +69,7 @@ from ..transform.elementwise_expands import elementwise_before_expands
 from ..transform.fission import FissionError
 from ..transform.fission_loss import count_targets_apart
 from ..transform.fission_shift import unshift_losses
+from ..transform.per_operand_convolution import convolutions_per_operand
 from ..transform.recompute_copies import COPY_SUFFIX, CopyError
 from ..transform.saved_views import copy_saved_views
 from ..transform.scatter_sums import stack_scatter_sums
@@ -75,7 +78,7 @@ from .backward_regions import COPIES, PARTS, PLAIN, Recipe, candidates
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from .hotspot import solve_hotspot
 
-__all__ = ["split_backward"]
+__all__ = ["prepared", "split_backward"]
 
 # NOTE: candidates made and screened per round (half of each kind), and the best-screened
 # planned (each a hotspot solve: seconds)
@@ -124,9 +127,9 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     # the packed projection it views, which then dies in the forward
     # NOTE: and a mask made alike for every batch row (an expand) is made once and expanded,
     # as is a bidirectional mask (its ``q_idx >= 0``, true everywhere, folded)
-    graph = stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
-        compact_masks(copy_saved_views(elementwise_before_expands(fold_constant_predicates(
-            problem.graph))))))))
+    # NOTE: and a convolution that reads a concatenation runs its backward per operand, so the
+    # concatenation and its whole input gradient are not made in the backward
+    graph = prepared(problem.graph)
     total = problem.time_budget_s
     best = _least(graph, cm, deadline, t0, total)
     if best is None:
@@ -164,6 +167,13 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     return dataclasses.replace(best, solver="split_backward", notes=notes,
                                solve_s=time.perf_counter() - t0,
                                graph=None if graph is problem.graph else graph)
+
+
+def prepared(graph: Graph) -> Graph:
+    """``graph`` as split_backward reads it (see the notes in ``split_backward``)."""
+    return stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
+        compact_masks(copy_saved_views(elementwise_before_expands(fold_constant_predicates(
+            convolutions_per_operand(graph)))))))))
 
 
 def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,
