@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..graph.analysis import verify_graph
+from ..graph.analysis import flatten_refs, verify_graph
 from ..graph.ir import Graph, Node, ValueRef
 from .elementwise_expands import strides_kept
 from .fission_meta import Meta, dense_like, narrow
@@ -101,7 +101,7 @@ def convolutions_per_operand(graph: Graph) -> Graph:
     found: dict[int, _Operands | _Backward] = {}
     for n in graph.nodes:
         if n.target == CONVOLUTION:
-            p = _forward(graph, n, readers, written, outputs)
+            p = _forward(graph, n, written, outputs)
         elif n.target == CONV_BACKWARD:
             p = _backward(graph, n, readers, written, outputs)
         else:
@@ -115,8 +115,10 @@ def convolutions_per_operand(graph: Graph) -> Graph:
     for n in graph.nodes:
         out = n.outputs[0] if n.target == CAT else None
         if (out is not None and out not in outputs and graph.values[out].storage not in written
-                and all(r.id in found for r in readers.get(out, ()))):
-            skipped.add(n.id)   # NOTE: read per operand by every reader: no longer made
+                and all(r.id in found and flatten_refs((r.args, r.kwargs)).count(out) == 1
+                        for r in readers.get(out, ()))):
+            # NOTE: read per operand by every reader, and by none as another of its operands
+            skipped.add(n.id)
     w = GraphWriter(graph)
     for n in graph.nodes:
         p = found.get(n.id)
@@ -160,8 +162,7 @@ def _operands(graph: Graph, n: Node) -> _Operands | None:
                      tuple(sizes))
 
 
-def _forward(graph: Graph, n: Node, readers: dict[int, list[Node]], written: set[int],
-             outputs: set[int]) -> _Operands | None:
+def _forward(graph: Graph, n: Node, written: set[int], outputs: set[int]) -> _Operands | None:
     """The operands convolution ``n`` runs per (None: it does not qualify)."""
     if len(n.args) != 9:
         return None
