@@ -359,3 +359,27 @@ def test_blocks_sharing_a_tensor_sum_its_gradient_in_parts():
     assert sum(".part" in n.name and n.target == "aten.sum.dim_IntList"
                for n in split.nodes) >= 3 * 4   # NOTE: every block sums its parts
     assert_split_like_eager(g, split, model, x)
+
+
+def test_a_tensor_filled_in_place_is_not_copied_without_its_writes():
+    """A forward tensor made in parts is a buffer that in-place writes fill (fission's
+    ``new_empty_strided`` + ``copy_``): copied without those writes, the backward would read
+    it unwritten (HuBERT's first layer's weight gradient was wrong). Refused, naming the write;
+    copied with them, the backward reads the copies of both."""
+    from fitgraph.graph.ir import GraphBuilder, Role
+
+    b = GraphBuilder()
+    x = b.add_input("x", (4, 8), "float32", Role.PARAMETER)
+    buf = b.add_node("aten.zeros_like.default", [x], [((4, 8), "float32")])[0]
+    e = b.add_node("aten.exp.default", [x], [((4, 8), "float32")])[0]
+    filled = b.add_node("aten.add_.Tensor", [buf, e], [((4, 8), "float32")], mutates=(buf,),
+                        alias_of={0: buf})[0]
+    s = b.add_node("aten.sum.default", [filled], [((), "float32")])[0]
+    gx = b.add_node("aten.mul.Tensor", [s, filled], [((4, 8), "float32")],
+                    phase=Phase.BACKWARD)[0]
+    g = b.finish({"loss": s, "grad:x": gx})
+    with pytest.raises(CopyError, match="add_.*in place"):
+        recompute_copies(g, [0])
+    copied = recompute_copies(g, [0, 2])
+    assert [n.name for n in copied.nodes if n.phase is Phase.BACKWARD][:2] == [
+        g.nodes[0].name + ".re", g.nodes[2].name + ".re"]

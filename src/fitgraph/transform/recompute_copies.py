@@ -126,6 +126,7 @@ def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
         why = copyable(graph, nid, inside, fresh)
         if why:
             raise CopyError(why)
+    _check_writers_copied(graph, inside, fresh)
     first = first_reader(graph, inside)
     if first is None:
         raise CopyError("no backward node reads what the nodes make: nothing to re-make")
@@ -140,6 +141,25 @@ def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
+
+
+def _check_writers_copied(graph: Graph, inside: set[int], fresh: dict[int, list[int]]) -> None:
+    """Raise CopyError where a tensor the copies make is written in place by a node not copied.
+
+    NOTE: the copy would be read without that write: a forward tensor made in parts is a
+    ``new_empty_strided`` buffer that ``copy_`` nodes fill; re-made alone (HuBERT, a region
+    re-made along the time over one an earlier split re-made along the batch), the backward
+    read an unwritten buffer and the first layer's weight gradient was wrong."""
+    made = {st: nid for nid in inside for st in fresh.get(nid, ())}
+    for n in graph.nodes:
+        if n.id in inside:
+            continue
+        for v in n.mutates:
+            st = graph.values[v].storage
+            if st in made:
+                raise CopyError(f"{n.name} writes {graph.values[v].name} in place, which "
+                                f"{graph.nodes[made[st]].name} makes: its copy would be read "
+                                "without that write")
 
 
 def first_reader(graph: Graph, nodes: Iterable[int]) -> int | None:
