@@ -144,22 +144,32 @@ def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
 
 
 def _check_writers_copied(graph: Graph, inside: set[int], fresh: dict[int, list[int]]) -> None:
-    """Raise CopyError where a tensor the copies make is written in place by a node not copied.
+    """Raise CopyError where a tensor the copies make is read after a node not copied wrote it
+    in place: the copy would be read without that write.
 
-    NOTE: the copy would be read without that write: a forward tensor made in parts is a
-    ``new_empty_strided`` buffer that ``copy_`` nodes fill; re-made alone (HuBERT, a region
-    re-made along the time over one an earlier split re-made along the batch), the backward
-    read an unwritten buffer and the first layer's weight gradient was wrong."""
-    made = {st: nid for nid in inside for st in fresh.get(nid, ())}
+    NOTE: a forward tensor made in parts is a ``new_empty_strided`` buffer that ``copy_`` nodes
+    fill, and its readers read the buffer's own value after them. Re-made alone (HuBERT, a
+    region re-made along the time over one an earlier split re-made along the batch), the
+    backward read an unwritten buffer and the first layer's weight gradient was wrong. A
+    tensor read only up to the write (a dropout mask's blank, which the unpacking writes and
+    returns) is copied as before: its readers read what the write returns."""
+    made = {st for nid in inside for st in fresh.get(nid, ())}
+    first_write: dict[int, Node] = {}
     for n in graph.nodes:
-        if n.id in inside:
-            continue
-        for v in n.mutates:
-            st = graph.values[v].storage
-            if st in made:
-                raise CopyError(f"{n.name} writes {graph.values[v].name} in place, which "
-                                f"{graph.nodes[made[st]].name} makes: its copy would be read "
-                                "without that write")
+        if n.id not in inside:
+            for v in n.mutates:
+                if graph.values[v].storage in made:
+                    first_write.setdefault(graph.values[v].storage, n)
+    if not first_write:
+        return
+    for n in graph.nodes:
+        for v in n.inputs:
+            w = first_write.get(graph.values[v].storage)
+            p = graph.values[v].producer
+            if w is not None and n.id > w.id and p in inside:
+                raise CopyError(f"{n.name} reads {graph.values[v].name} after {w.name} writes it "
+                                f"in place, and {graph.nodes[p].name} would be copied without "
+                                "that write")
 
 
 def first_reader(graph: Graph, nodes: Iterable[int]) -> int | None:
