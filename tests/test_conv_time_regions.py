@@ -80,3 +80,27 @@ def test_backward_starts_include_the_peak_nodes_made_inputs():
     with_inputs = {v for v, _ in peak_starts(g, plan, sim, 0, peak_inputs=True)}
     assert not set(made) <= without
     assert set(made) <= with_inputs
+
+
+def test_a_forward_start_is_offered_at_every_trim_tightest_first():
+    """The copies recipe trims the forward region it grows from the start, not the region the
+    start came from: each trim is a candidate, the tightest ranked first. From HuBERT's second
+    convolution backward along the time (a region of two backward nodes, untrimmed) only the
+    untrimmed copy was offered, which re-made the first layer's output whole (1.45x -> 1.33x
+    the lower bound once the tightest was)."""
+    from fitgraph.solvers import Problem
+    from fitgraph.solvers.backward_regions import COPIES, SHARES, candidates
+    from fitgraph.solvers.fission_backward import prepared
+    from fitgraph.solvers.hotspot import solve_hotspot
+
+    model, batch = _case()
+    g = prepared(fitgraph.capture(model, batch, _loss))
+    best = solve_hotspot(Problem(g, RooflineCostModel(get_device("cpu-generic")),
+                                 latency_limit=1e9, time_budget_s=10))
+    shares: dict[str, list[float]] = {}
+    for what, kind, _, recipe in candidates(g, best):
+        if kind == COPIES:
+            shares.setdefault(what.split(" re-made")[0], []).append(recipe.share)
+    assert shares
+    for start, got in shares.items():
+        assert got == sorted(SHARES, reverse=True), (start, got)

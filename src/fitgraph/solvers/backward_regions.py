@@ -99,18 +99,23 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
         held -= held // _parts(r)
         v = graph.values[r.start[0]]
         start = _forward_start(graph, r)
-        if start is not None:
+        # NOTE: the copies recipe trims the forward region it grows from the start, not ``r``:
+        # every trim of it is a candidate. From HuBERT's second convolution backward along the
+        # time (a region of two backward nodes, untrimmed), only the untrimmed copy was
+        # offered, which re-made the first layer's 3.1 MiB output whole (26.4 MB); the
+        # tightest re-makes the second layer's output in parts alone (22.0 MB)
+        for copy_share in SHARES if start is not None else ():
             u = graph.values[start[0]]
-            key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], share)
+            key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], copy_share)
             if key not in seen:
                 seen.add(key)
                 what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
-                        f"parts, in every block alike (share {share})")
+                        f"parts, in every block alike (share {copy_share})")
                 # NOTE: ranked by what its largest tensors hold, the tightest region first:
                 # every share of one start holds them, and a larger region copies more
                 big = _held(graph, trimmed(graph, r, 1.0), best.sim, peak_node)
-                ranked.append((few, -(big - big // _parts(r)), -share, i, what, COPIES, start,
-                               copies_recipe(u.name, start[1], share)))
+                ranked.append((few, -(big - big // _parts(r)), -copy_share, i, what, COPIES,
+                               start, copies_recipe(u.name, start[1], copy_share)))
         what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
         alike = _alike_starts(graph, v.id)
         # NOTE: not from a part of an earlier split (its alikes are every block's parts)
