@@ -31,10 +31,10 @@ Where a path's rounds end, its splits are made again from the start in ``REPLAY_
 (the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
-again), its saved views copied out of packed projections (``copy_saved_views``) and the
-backward of a convolution that reads a concatenation run per operand
-(``transform.per_operand_convolution``). Results are allclose to eager's, as fission's (parts), so ``exact`` problems never
-get here.
+again), its saved views copied out of packed projections (``copy_saved_views``) and each
+convolution that reads a concatenation run once per operand, forward and backward
+(``transform.per_operand_convolution``). Results are allclose to eager's, as fission's (parts),
+so ``exact`` problems never get here.
 
 Example:
     >>> import torch, fitgraph
@@ -127,8 +127,8 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     # the packed projection it views, which then dies in the forward
     # NOTE: and a mask made alike for every batch row (an expand) is made once and expanded,
     # as is a bidirectional mask (its ``q_idx >= 0``, true everywhere, folded)
-    # NOTE: and a convolution that reads a concatenation runs its backward per operand, so the
-    # concatenation and its whole input gradient are not made in the backward
+    # NOTE: and a convolution that reads a concatenation runs once per operand, forward and
+    # backward: neither the concatenation nor its whole input gradient is made
     graph = prepared(problem.graph)
     total = problem.time_budget_s
     best = _least(graph, cm, deadline, t0, total)
