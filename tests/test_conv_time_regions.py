@@ -86,7 +86,7 @@ def test_a_forward_start_is_offered_at_every_trim_tightest_first():
     """The copies recipe trims the forward region it grows from the start, not the region the
     start came from: each trim is a candidate, the tightest ranked first. From HuBERT's second
     convolution backward along the time (a region of two backward nodes, untrimmed) only the
-    untrimmed copy was offered, which re-made the first layer's output whole (1.45x -> 1.33x
+    untrimmed copy was offered, which re-made the first layer's output whole (1.45x -> 1.34x
     the lower bound once the tightest was)."""
     from fitgraph.solvers import Problem
     from fitgraph.solvers.backward_regions import COPIES, SHARES, candidates

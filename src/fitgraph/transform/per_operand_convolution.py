@@ -21,8 +21,8 @@ sums over the same elements, grouped by the kernel per call (allclose, not promi
 used where fission is (``split_backward``).
 
 A convolution or its backward qualifies where its input is a ``cat`` along dim 1 of same-dtype
-operands of its rank, not transposed, with one group; a forward where each part makes the
-layout the graph records; a backward where its input gradient (if made) is read only by
+operands of its rank, not transposed, with one group (each part's output laid out like the
+whole op's, as fission's parts are); a backward where its input gradient (if made) is read only by
 ``slice`` nodes along dim 1 that each take exactly one operand's channels (as autograd spells
 the concatenation's backward), none written in place, and each of their readers makes, on meta
 tensors, the layouts the graph records when it reads the operand's own gradient.
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..graph.analysis import flatten_refs, verify_graph
+from ..graph.analysis import flatten_refs, users, verify_graph
 from ..graph.ir import Graph, Node, ValueRef
 from .elementwise_expands import strides_kept
 from .fission_meta import Meta, dense_like, narrow
@@ -92,10 +92,7 @@ def convolutions_per_operand(graph: Graph) -> Graph:
     """A copy of ``graph`` where each convolution (forward or backward) that reads a
     concatenation runs once per operand, and a concatenation no longer read is not made (see
     the module doc); ``graph`` itself where none qualifies."""
-    readers: dict[int, list[Node]] = {}
-    for n in graph.nodes:
-        for v in n.inputs:
-            readers.setdefault(v, []).append(n)
+    readers = users(graph)
     written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
     outputs = set(graph.outputs.values())
     found: dict[int, _Operands | _Backward] = {}
@@ -115,8 +112,9 @@ def convolutions_per_operand(graph: Graph) -> Graph:
     for n in graph.nodes:
         out = n.outputs[0] if n.target == CAT else None
         if (out is not None and out not in outputs and graph.values[out].storage not in written
-                and all(r.id in found and flatten_refs((r.args, r.kwargs)).count(out) == 1
-                        for r in readers.get(out, ()))):
+                and all(r in found and flatten_refs((graph.nodes[r].args,
+                                                       graph.nodes[r].kwargs)).count(out) == 1
+                        for r in readers[out])):
             # NOTE: read per operand by every reader, and by none as another of its operands
             skipped.add(n.id)
     w = GraphWriter(graph)
@@ -173,7 +171,7 @@ def _forward(graph: Graph, n: Node, written: set[int], outputs: set[int]) -> _Op
     return ops
 
 
-def _backward(graph: Graph, n: Node, readers: dict[int, list[Node]], written: set[int],
+def _backward(graph: Graph, n: Node, readers: dict[int, list[int]], written: set[int],
               outputs: set[int]) -> _Backward | None:
     """How backward ``n`` runs per operand (None: it does not qualify)."""
     if len(n.args) != 11:
@@ -187,11 +185,11 @@ def _backward(graph: Graph, n: Node, readers: dict[int, list[Node]], written: se
     if gi is not None:
         if gi in outputs or graph.values[gi].storage in written:
             return None
-        for r in readers.get(gi, ()):
-            k = _operand_slice(graph, r, gi, ops)
+        for r in readers[gi]:
+            k = _operand_slice(graph, graph.nodes[r], gi, ops)
             if k is None:
                 return None
-            slices[k].append(r.id)
+            slices[k].append(r)
     # NOTE: a part's fresh output is laid out like the whole op's (fission's rule,
     # ``fission_meta.dense_like``); meta kernels are not asked: on the CPU a channels-last
     # input makes a channels-last output, where the meta kernel makes a contiguous one
@@ -203,7 +201,8 @@ def _backward(graph: Graph, n: Node, readers: dict[int, list[Node]], written: se
     for k, group in enumerate(slices):
         for s in group:
             out = graph.nodes[s].outputs[0]
-            if not all(strides_kept(graph, r, out, metas[k].stride) for r in readers.get(out, ())):
+            if not all(strides_kept(graph, graph.nodes[r], out, metas[k].stride)
+                       for r in readers[out]):
                 return None
     gw = n.outputs[1] if mask[1] else None
     # NOTE: the weight gradient is concatenated back, a dense tensor: a step output must be
@@ -212,7 +211,8 @@ def _backward(graph: Graph, n: Node, readers: dict[int, list[Node]], written: se
     if gw is not None:
         dense = dense_like(graph.values[gw].shape, graph.values[gw].stride)
         if ((gw in outputs and graph.values[gw].stride != dense)
-                or not all(strides_kept(graph, r, gw, dense) for r in readers.get(gw, ()))):
+                or not all(strides_kept(graph, graph.nodes[r], gw, dense)
+                           for r in readers[gw])):
             return None
     return _Backward(ops, tuple(tuple(s) for s in slices), tuple(metas))
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..graph.analysis import new_storages, verify_graph
+from ..graph.analysis import new_storages, users, verify_graph
 from ..graph.ir import Graph, Node, Phase, Role
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
@@ -160,16 +160,15 @@ def _check_writers_copied(graph: Graph, inside: set[int], fresh: dict[int, list[
             for v in n.mutates:
                 if graph.values[v].storage in made:
                     first_write.setdefault(graph.values[v].storage, n)
-    if not first_write:
-        return
-    for n in graph.nodes:
-        for v in n.inputs:
-            w = first_write.get(graph.values[v].storage)
-            p = graph.values[v].producer
-            if w is not None and n.id > w.id and p in inside:
-                raise CopyError(f"{n.name} reads {graph.values[v].name} after {w.name} writes it "
-                                f"in place, and {graph.nodes[p].name} would be copied without "
-                                "that write")
+    readers = users(graph)
+    for nid in sorted(inside):
+        for v in graph.nodes[nid].outputs:
+            w = first_write.get(graph.values[v].storage) if v is not None else None
+            late = [r for r in readers[v] if r > w.id] if w is not None else []
+            if late:
+                raise CopyError(f"{graph.nodes[late[0]].name} reads {graph.values[v].name} "
+                                f"after {w.name} writes it in place, and "
+                                f"{graph.nodes[nid].name} would be copied without that write")
 
 
 def first_reader(graph: Graph, nodes: Iterable[int]) -> int | None:
