@@ -152,6 +152,41 @@ def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
     assert_split_like_eager(g, s, model, BATCH)
 
 
+class _MaskedLM(nn.Module):
+    """A masked-LM head whose loss is computed in the model's forward (as Hugging Face's)."""
+
+    def __init__(self, vocab=256):
+        super().__init__()
+        self.vocab = vocab
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.LayerNorm(32))
+        self.head = nn.Linear(32, vocab)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x))
+        return F.cross_entropy(logits.view(-1, self.vocab), labels.view(-1))
+
+
+def test_the_forward_loss_runs_in_parts_once_the_backward_reads_the_logits_copies():
+    """The backward's ``ones_like(loss)`` reads only the loss's shape: it does not keep the
+    loss whole, nor the log-probabilities assembled for it (ALBERT: 2 MiB at its least
+    peak); and the flattened tokens run in every part they have, not in the batch's two."""
+    from fitgraph.solvers.backward_regions import copies_recipe
+    from fitgraph.solvers.fission_backward import prepared
+
+    torch.manual_seed(0)
+    model = _MaskedLM()
+    x, y = torch.randn(2, 64, 32), torch.randint(0, 256, (2, 64))
+    y[:, ::3] = -100
+    g = prepared(fitgraph.capture(model, (x, y), lambda m, b: m(*b)))
+    head = [n for n in g.nodes if n.phase is Phase.FORWARD and n.target == "aten.addmm.default"]
+    s = copies_recipe(g.values[head[-1].outputs[0]].name, 0, 0.0)(g, 4, float("inf"))
+    fwd = [n for n in s.nodes if n.phase is Phase.FORWARD]
+    assert sum(n.target == "aten.nll_loss_forward.default" for n in fwd) == 4
+    assert sum(n.target == "aten._log_softmax.default" for n in fwd) == 4
+    assert not [n.name for n in fwd if n.target == "aten.new_empty_strided.default"]
+    assert_split_like_eager(g, s, model, (x, y))
+
+
 def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
     from fitgraph.graph.ir import GraphBuilder, Role
     from fitgraph.solvers.backward_regions import _linked

@@ -91,6 +91,32 @@ def test_the_folded_split_peaks_where_the_simulator_says_and_lower():
     _assert_measured_as_simulated_and_lower(model, x, split, _unfolded_split())
 
 
+def _split_first_use_after(split):
+    """``split`` with the first use's backward (the backward's last) split along the tokens
+    too: ``split_backward`` splits one block at a time, each folded as it is made."""
+    relu_bw = [n.id for n in split.nodes if n.target == "aten.threshold_backward.default"]
+    first = relu_bw[-1]
+    outside = {n.id: "another use's" for n in split.nodes
+               if n.phase is not Phase.BACKWARD or n.id < first - 1}
+    r = grow_region(split, split.nodes[first].outputs[0], 1, exclude=outside)
+    return split_region(split, r, 4)
+
+
+def test_a_later_split_accumulates_into_a_running_sum_an_earlier_fold_wrote():
+    model, x, g, split = _split_middle_use()
+    again = _split_first_use_after(split)
+    into = {n.name: again.values[n.args[0].id].name for n in again.nodes
+            if n.target == "aten.addmm_.default" and n.name.endswith(".part0")}
+    # NOTE: the first use's up-projection gradient (mm_10) adds into the middle use's folded
+    # chain (its last in-place part), not into an accumulator of its own
+    assert into.get("mm_10.part0", "").startswith("mm_7."), into
+    # NOTE: and the add of the two running sums is gone
+    adds = {n.name for n in split.nodes if n.target == "aten.add.Tensor"}
+    assert "add_12" in adds and "add_12" not in {n.name for n in again.nodes}
+    assert_split_like_eager(g, again, model, x)
+    _assert_measured_as_simulated_and_lower(model, x, again, again)
+
+
 def _chain_graph(base_readers: int = 1, base_first: bool = True, view_first: bool = False):
     b = GraphBuilder()
     x, y, p0 = (b.add_input(n, (4, 4), "float32", Role.INPUT) for n in ("x", "y", "p0"))

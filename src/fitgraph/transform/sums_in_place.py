@@ -204,17 +204,35 @@ def _chain(graph: Graph, read: int, add: int, accesses: dict, fresh: dict) -> li
 
 def _running_sum(graph: Graph, read: int, add: Node, creator: int, accesses: dict,
                  fresh: dict) -> int | None:
-    """The value that made the running sum ``add`` reads as ``read``: the one value its
-    producer makes in a storage read by views and ``add`` alone, made before ``creator``."""
+    """The value that holds the running sum ``add`` reads as ``read`` before ``creator``: its
+    storage is made by one node, then touched by views, by in-place adders (an earlier use's
+    chain folded into it) that run before ``creator``, and ``add`` alone; the last adder's
+    value, else the one its producer makes there.
+
+    NOTE: ``split_backward`` splits one block at a time, and each split is folded as it is
+    made: ALBERT's block 1 chain had been written into the running sum when block 0's was
+    split, and block 0's accumulators were then held whole beside it (0.5 MiB at its least
+    peak)."""
     st = graph.values[read].storage
     nodes = accesses.get(st, [])
     if len(nodes) < 2 or nodes[-1] != add.id:
         return None
     producer = nodes[0]
-    if producer >= creator or not all(_is_view(graph, nid, fresh) for nid in nodes[1:-1]):
+    if producer >= creator:
         return None
     p = graph.nodes[producer]
     made = [o for o in p.outputs if o is not None and graph.values[o].storage == st]
     if st not in fresh[producer] or p.mutates or len(made) != 1:
         return None
-    return made[0]
+    last = made[0]
+    for nid in nodes[1:-1]:
+        if _is_view(graph, nid, fresh):
+            continue
+        wn = graph.nodes[nid]
+        # NOTE: an adder may write through a view (``as_strided``: a chain's layout)
+        if (nid >= creator or wn.target not in _ADDS_INTO or len(wn.mutates) != 1
+                or graph.values[wn.mutates[0]].storage != st or len(wn.outputs) != 1
+                or graph.values[wn.outputs[0]].storage != st):
+            return None
+        last = wn.outputs[0]
+    return last
