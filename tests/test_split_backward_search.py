@@ -32,6 +32,13 @@ def _sol(peak: int) -> Solution:
     return Solution(plan=[], sim=_Sim(peak), solver="hotspot", solve_s=0.0)
 
 
+@pytest.fixture(autouse=True)
+def _nothing_to_fold(monkeypatch):
+    """The path's graph as made: no part's products to sum in place (see
+    ``test_the_path_with_its_products_summed_in_place_is_kept_where_lower``)."""
+    monkeypatch.setattr(fb, "products_folded", lambda graph: graph)
+
+
 @pytest.fixture
 def rounds(monkeypatch):
     """Runs split_backward on rounds of candidates: ``rounds[i]`` the (name, kind, peak) or
@@ -182,6 +189,15 @@ def test_the_search_stops_at_the_first_plan_within_the_budget(rounds):
 def test_a_budget_the_unsplit_plan_meets_makes_no_split(rounds):
     splits, peak, planned = rounds([[("a", "plain", 900)]], budget=1000)
     assert splits == [] and peak == 1000 and planned == []
+
+
+@pytest.mark.parametrize("folded_peak, kept", [(850, True), (950, False)])
+def test_the_path_with_its_products_summed_in_place_is_kept_where_lower(rounds, monkeypatch,
+                                                                         folded_peak, kept):
+    monkeypatch.setattr(fb, "products_folded", lambda graph: graph + "+folded")
+    splits, peak, _ = rounds([[("a", "plain", 900)]], again={"a+folded": folded_peak})
+    assert peak == (folded_peak if kept else 900)
+    assert (splits[-1] == "each part's products summed in place") is kept
 
 
 def test_a_budget_no_plan_meets_searches_every_path(rounds):

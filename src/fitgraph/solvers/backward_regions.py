@@ -32,6 +32,7 @@ from ..graph.dim_types import Reduced
 from ..graph.ir import Graph, Phase
 from ..sim.simulate import SimResult
 from ..transform.fission import FissionError, split_region
+from ..transform.products_into_sums import products_into_sums
 from ..transform.recompute_copies import (
     COPY_SUFFIX,
     CopyError,
@@ -39,11 +40,12 @@ from ..transform.recompute_copies import (
     first_reader,
     recompute_copies,
 )
+from ..transform.sums_in_place import sums_in_place
 from .base import Solution
 from .fission_regions import peak_starts, shared_regions, trimmed
 
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
-           "copies_recipe", "plain_recipe"]
+           "copies_recipe", "plain_recipe", "products_folded"]
 
 # NOTE: parts per split in the search's rounds: a block's attention an eighth at a time; the path
 # found is made again in more (``fission_backward.REPLAY_PARTS``)
@@ -265,6 +267,17 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
                 g = then(g, _value(g, other), parts)
         return g
     return make
+
+
+def products_folded(graph: Graph) -> Graph:
+    """``graph`` with each part's products summed into one tensor and those into the parts'
+    accumulators (``transform.products_into_sums``, then ``sums_in_place``): for a path's
+    graph once all its splits are made.
+
+    NOTE: folded as each block was split, the next block's region grew otherwise: the toy
+    attention of ``tests/test_products_into_sums.py`` kept its first layer's query and key
+    gradients whole (205 KB planned against 192 unfolded); folded once at the end, 172 KB."""
+    return sums_in_place(products_into_sums(graph))
 
 
 def _re_made(graph: Graph, name: str) -> bool:

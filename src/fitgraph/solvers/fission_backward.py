@@ -74,7 +74,7 @@ from ..transform.recompute_copies import COPY_SUFFIX, CopyError
 from ..transform.saved_views import copy_saved_views
 from ..transform.scatter_sums import stack_scatter_sums
 from ..transform.view_chains import collapse_view_chains
-from .backward_regions import COPIES, PARTS, PLAIN, Recipe, candidates
+from .backward_regions import COPIES, PARTS, PLAIN, Recipe, candidates, products_folded
 from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from .hotspot import solve_hotspot
 
@@ -162,6 +162,17 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
         # runner-up (its MLP re-made along the tokens) leads to three (1.39x -> 1.27x)
         path, others = others[0], others[1:]
     graph, best, done, _ = final
+    folded = products_folded(graph)
+    if folded is not graph:
+        # NOTE: summed in place once the path is made: folded as the path went, later splits
+        # grew otherwise (ALBERT's MLP re-made in parts kept two whole [512, 512] tensors once
+        # its attention ran in head parts). Planned in a plan's time, past the deadline where
+        # the search used it all
+        sol = _least(folded, cm, max(deadline, time.perf_counter() + _plan_s(total)), t0,
+                     total)
+        if sol is not None and sol.sim.peak_bytes < best.sim.peak_bytes:
+            graph, best = folded, sol
+            done = [*done, "each part's products summed in place"]
     notes = dict(best.notes, splits=done, tried=tried, least_peak_before=before,
                  masks="bits" if graph is not problem.graph else "as captured")
     return dataclasses.replace(best, solver="split_backward", notes=notes,

@@ -11,7 +11,10 @@ into the gradient so far instead (its input buffers).
 Here, where ``p`` is read by that ``add`` alone, the chain writes into ``p`` itself:
 ``p.addmm_(a0, b0); p.addmm_(a1, b1); ...`` (a chain made by another op: that op's result is
 added into ``p`` in place first), and the ``add`` is gone. The accumulator's storage no longer
-exists.
+exists. So too where ``p`` takes the chain in place, ``p.add_(acc)`` (fission sums a region's
+partial sums so, part by part) and nothing touches ``p`` from the chain's start to that add:
+every part's products then go into ``p``. A running sum that an earlier chain was written
+into takes a later chain after it.
 
 Values: ``p + a0 b0 + a1 b1 ...`` in that order, where the graph summed the products first:
 allclose, not bitwise, which is why only fission's (allclose) graphs get it. Only backward
@@ -129,24 +132,51 @@ def _folds(graph: Graph) -> list[_Fold]:
     fresh = new_storages(graph)
     outs = {values[v].storage for v in graph.outputs.values()}
     inputs = {values[v].storage for v in graph.inputs}
-    used: set[int] = set()
+    chains: set[int] = set()
+    sums: set[int] = set()
     folds: list[_Fold] = []
     for n in graph.nodes:
-        if n.phase is not Phase.BACKWARD or not _plain_add(graph, n):
+        if n.phase is not Phase.BACKWARD:
+            continue
+        if _plain_add(graph, n):
+            orders = ((n.inputs[1], n.inputs[0]), (n.inputs[0], n.inputs[1]))
+        elif _accumulating_add(graph, n):
+            orders = ((n.args[1].id, n.args[0].id),)
+        else:
             continue
         nbytes = graph.storages[values[n.outputs[0]].storage].nbytes
-        for acc, read in ((n.inputs[1], n.inputs[0]), (n.inputs[0], n.inputs[1])):
+        for acc, read in orders:
             chain = _chain(graph, acc, n.id, accesses, fresh)
-            base = None if chain is None else _running_sum(graph, read, n, chain[0], accesses,
-                                                           fresh)
-            touched = {values[acc].storage, values[read].storage}
-            if base is None or touched & (outs | inputs | used) or any(
-                    graph.storages[st].nbytes != nbytes for st in touched):
+            if chain is None:
                 continue
-            used |= touched
+            if n.mutates:
+                base = _accumulator(graph, read, n, chain[0], accesses, fresh)
+            else:
+                base = _running_sum(graph, read, n, chain[0], accesses, fresh)
+            st_acc, st_sum = values[acc].storage, values[read].storage
+            # NOTE: an accumulator takes one chain per part (fission's ``acc.add_(part)``)
+            if (base is None or st_acc in outs | inputs | chains | sums
+                    or st_sum in outs | inputs | chains | (set() if n.mutates else sums)
+                    or st_acc == st_sum or any(graph.storages[st].nbytes != nbytes
+                                               for st in (st_acc, st_sum))):
+                continue
+            chains.add(st_acc)
+            sums.add(st_sum)
             folds.append(_Fold(n.id, base, chain[0], acc))
             break
     return folds
+
+
+def _accumulating_add(graph: Graph, n: Node) -> bool:
+    """``acc.add_(x)`` of a distinct tensor of ``acc``'s layout and dtype, alpha 1 (fission
+    sums a region's partial sums so, part by part)."""
+    if (n.target != "aten.add_.Tensor" or n.kwargs or len(n.args) != 2 or len(n.inputs) != 2
+            or not all(isinstance(a, ValueRef) for a in n.args)
+            or n.mutates != (n.args[0].id,) or n.outputs[0] is None):
+        return False
+    acc, x = (graph.values[a.id] for a in n.args)
+    return (acc.shape == x.shape and acc.stride == x.stride and acc.dtype == x.dtype
+            and acc.storage_offset == 0 == x.storage_offset and acc.storage != x.storage)
 
 
 def _plain_add(graph: Graph, n: Node) -> bool:
@@ -185,20 +215,22 @@ def _chain(graph: Graph, read: int, add: int, accesses: dict, fresh: dict) -> li
     if st not in fresh[creator] or c.mutates or c.random or len(c.outputs) != 1 \
             or c.phase is not Phase.BACKWARD:
         return None
-    prev = c.outputs[0]
     writers = []
     for nid in rest:
         wn = graph.nodes[nid]
         if _is_view(graph, nid, fresh):
             continue
-        if (wn.target not in _ADDS_INTO or wn.kwargs or wn.mutates != (prev,)
-                or not wn.args or wn.args[0] != ValueRef(prev) or len(wn.outputs) != 1):
+        # NOTE: a writer may write through a view of the chain (``as_strided``: a product's
+        # layout, ``products_into_sums``)
+        into = wn.mutates[0] if len(wn.mutates) == 1 else None
+        if (wn.target not in _ADDS_INTO or wn.kwargs or into is None
+                or graph.values[into].storage != st or not wn.args
+                or wn.args[0] != ValueRef(into) or len(wn.outputs) != 1):
             return None
-        if any(isinstance(a, ValueRef) and a.id != prev and graph.values[a.id].storage == st
+        if any(isinstance(a, ValueRef) and a.id != into and graph.values[a.id].storage == st
                for a in wn.args[1:]):
             return None
         writers.append(nid)
-        prev = wn.outputs[0]
     return [creator, *writers] if writers else None
 
 
@@ -236,3 +268,18 @@ def _running_sum(graph: Graph, read: int, add: Node, creator: int, accesses: dic
             return None
         last = wn.outputs[0]
     return last
+
+
+def _accumulator(graph: Graph, acc: int, add: Node, creator: int, accesses: dict,
+                 fresh: dict) -> int | None:
+    """``acc`` where ``add`` adds a chain into it in place (``acc.add_(chain)``) and nothing
+    touches ``acc``'s storage from the chain's ``creator`` to ``add`` but views: the chain
+    can then write into ``acc`` from its start."""
+    st = graph.values[acc].storage
+    maker = graph.values[acc].producer
+    if maker is None or maker >= creator:
+        return None
+    between = [nid for nid in accesses.get(st, []) if creator < nid < add.id]
+    if not all(_is_view(graph, nid, fresh) for nid in between):
+        return None
+    return acc
