@@ -200,6 +200,12 @@ def test_the_path_with_its_products_summed_in_place_is_kept_where_lower(rounds, 
     assert (splits[-1] == "each part's products summed in place") is kept
 
 
+def test_a_path_within_the_budget_is_not_summed_in_place(rounds, monkeypatch):
+    monkeypatch.setattr(fb, "products_folded", lambda graph: graph + "+folded")
+    splits, peak, _ = rounds([[("a", "plain", 900)]], again={"a+folded": 850}, budget=950)
+    assert splits == ["a"] and peak == 900
+
+
 def test_a_budget_no_plan_meets_searches_every_path(rounds):
     splits, peak, _ = rounds([[("a", "plain", 900), ("b", "copies", 950)],
                               [("a2", "plain", 901)], [("b2", "plain", 800)]], budget=10)

@@ -30,6 +30,9 @@ every path. Given a ``target``, the search stops at the first plan within it
 Where a path's rounds end, its splits are made again from the start in ``REPLAY_PARTS`` parts
 (the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.
+The path kept has each part's products summed in place (``backward_regions.products_folded``:
+attention's input gradient in head parts makes one whole tensor per projection) and is planned
+again; that plan is kept where it is lower (and not tried where a target is met).
 The graph it returns has its dropout masks as bits (``compact_masks``: a copy must not draw
 again), its saved views copied out of packed projections (``copy_saved_views``) and each
 convolution that reads a concatenation run once per operand, forward and backward
@@ -162,7 +165,8 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
         # runner-up (its MLP re-made along the tokens) leads to three (1.39x -> 1.27x)
         path, others = others[0], others[1:]
     graph, best, done, _ = final
-    folded = products_folded(graph)
+    # NOTE: a budget met needs no lower peak: the search stopped at its first plan within it
+    folded = graph if best.sim.peak_bytes <= target else products_folded(graph)
     if folded is not graph:
         # NOTE: summed in place once the path is made: folded as the path went, later splits
         # grew otherwise (ALBERT's MLP re-made in parts kept two whole [512, 512] tensors once
