@@ -39,7 +39,7 @@ from ..graph.analysis import new_storages, storage_accesses, verify_graph
 from ..graph.ir import Graph, Phase, ValueRef
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
-from .sums_in_place import _ADDS_INTO, _FUSED, _is_view, _plain_add
+from .sums_in_place import _FUSED, _is_view, _plain_add, held_until
 
 __all__ = ["products_into_sums"]
 
@@ -141,22 +141,7 @@ def _dying(graph: Graph, x: int, add: int, product: int, accesses: dict,
     """The value holding ``x``'s storage when ``product`` runs, where that storage is made by
     one backward node before it, then touched by views, by in-place adders (an earlier fold's
     chain) before it, and last by ``add``."""
-    st = graph.values[x].storage
-    nodes = accesses.get(st, [])
-    if len(nodes) < 2 or nodes[-1] != add or nodes[0] >= product:
+    first = accesses.get(graph.values[x].storage, [None])[0]
+    if first is None or graph.nodes[first].phase is not Phase.BACKWARD:
         return None
-    p = graph.nodes[nodes[0]]
-    made = [o for o in p.outputs if o is not None and graph.values[o].storage == st]
-    if st not in fresh[p.id] or p.mutates or len(made) != 1 or p.phase is not Phase.BACKWARD:
-        return None
-    last = made[0]
-    for nid in nodes[1:-1]:
-        if _is_view(graph, nid, fresh):
-            continue
-        wn = graph.nodes[nid]
-        if (nid >= product or wn.target not in _ADDS_INTO or len(wn.mutates) != 1
-                or graph.values[wn.mutates[0]].storage != st or len(wn.outputs) != 1
-                or graph.values[wn.outputs[0]].storage != st):
-            return None
-        last = wn.outputs[0]
-    return last
+    return held_until(graph, x, add, product, accesses, fresh)

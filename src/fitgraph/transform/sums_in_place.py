@@ -245,24 +245,29 @@ def _running_sum(graph: Graph, read: int, add: Node, creator: int, accesses: dic
     made: ALBERT's block 1 chain had been written into the running sum when block 0's was
     split, and block 0's accumulators were then held whole beside it (0.5 MiB at its least
     peak)."""
-    st = graph.values[read].storage
+    return held_until(graph, read, add.id, creator, accesses, fresh)
+
+
+def held_until(graph: Graph, vid: int, last_reader: int, before: int, accesses: dict,
+               fresh: dict) -> int | None:
+    """The value holding ``vid``'s storage just before node ``before``, where that storage
+    is made by one node before it, then touched by views, by in-place adders (``_ADDS_INTO``,
+    perhaps through a view: a chain's layout) before it, and last by ``last_reader``: the last
+    adder's value, else the one its producer makes there; None otherwise."""
+    st = graph.values[vid].storage
     nodes = accesses.get(st, [])
-    if len(nodes) < 2 or nodes[-1] != add.id:
+    if len(nodes) < 2 or nodes[-1] != last_reader or nodes[0] >= before:
         return None
-    producer = nodes[0]
-    if producer >= creator:
-        return None
-    p = graph.nodes[producer]
+    p = graph.nodes[nodes[0]]
     made = [o for o in p.outputs if o is not None and graph.values[o].storage == st]
-    if st not in fresh[producer] or p.mutates or len(made) != 1:
+    if st not in fresh[p.id] or p.mutates or len(made) != 1:
         return None
     last = made[0]
     for nid in nodes[1:-1]:
         if _is_view(graph, nid, fresh):
             continue
         wn = graph.nodes[nid]
-        # NOTE: an adder may write through a view (``as_strided``: a chain's layout)
-        if (nid >= creator or wn.target not in _ADDS_INTO or len(wn.mutates) != 1
+        if (nid >= before or wn.target not in _ADDS_INTO or len(wn.mutates) != 1
                 or graph.values[wn.mutates[0]].storage != st or len(wn.outputs) != 1
                 or graph.values[wn.outputs[0]].storage != st):
             return None
