@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 from ..graph.analysis import new_storages, storage_accesses, verify_graph
 from ..graph.ir import Graph, Phase, ValueRef
-from .fission_meta import Meta
-from .fission_writer import GraphWriter, OutSpec
-from .sums_in_place import _FUSED, _is_view, _plain_add, held_until
+from .fission_writer import GraphWriter
+from .sums_in_place import _FUSED, _is_view, _plain_add, held_until, write_into
 
 __all__ = ["products_into_sums"]
 
@@ -67,22 +66,7 @@ def products_into_sums(graph: Graph, verify: bool = True) -> Graph:
     w = GraphWriter(graph)
     for n in graph.nodes:
         if n.id in by_product:
-            f = by_product[n.id]
-            out = graph.values[n.outputs[0]]
-            base = w.whole[f.into]
-            st = w.values[base].storage
-            meta = Meta(out.shape, out.stride, out.storage_offset)
-            kw = dict(phase=n.phase, module=n.module, device=w.storages[st].device)
-            spec = OutSpec(out.name, meta, out.dtype, storage=st, role=out.role)
-            if w.meta(base) != meta:
-                # NOTE: the product's layout in the tensor's storage: the add read both alike
-                base = w.add_node(f"{n.name}.into", "aten.as_strided.default",
-                                  (ValueRef(base), list(out.shape), list(out.stride),
-                                   out.storage_offset), {}, [spec], **kw)[0]
-            args, _ = w.remapped(n.args, n.kwargs)
-            w.whole[out.id] = w.add_node(n.name, _FUSED[n.target], (ValueRef(base), *args), {},
-                                         [spec], mutates=(base,), flops=n.flops, **kw)[0]
-            w.storage_map[out.storage] = st
+            write_into(w, graph, n, w.whole[by_product[n.id].into])
         elif n.id in by_add:
             f = by_add[n.id]
             s = graph.values[n.outputs[0]]

@@ -96,20 +96,27 @@ def sums_in_place(graph: Graph, verify: bool = True) -> Graph:
 
 
 def _write_creator(w: GraphWriter, graph: Graph, n: Node, f: _Fold) -> None:
-    """The chain's first node, writing into the running sum: fused where it is a product,
-    else made as before and added in place."""
+    """The chain's first node, writing into the running sum (``write_into``)."""
     base = w.whole[f.base]
-    out = graph.values[n.outputs[0]]
     s_role = graph.storages[graph.values[graph.nodes[f.add].outputs[0]].storage].role
     st = w.values[base].storage
     if w.storages[st].role != s_role:
         # NOTE: the running sum becomes the step's gradient where the add made an output
         w.storages[st] = dataclasses.replace(w.storages[st], role=s_role)
+    write_into(w, graph, n, base)
+
+
+def write_into(w: GraphWriter, graph: Graph, n: Node, base: int) -> None:
+    """Node ``n`` written into new value ``base``'s storage, in ``n``'s output layout
+    (``as_strided`` where ``base`` is laid out otherwise: the add read both alike): fused
+    where it is a product (``addmm_`` / ``baddbmm_``), else made as before and added in
+    place."""
+    out = graph.values[n.outputs[0]]
+    st = w.values[base].storage
     meta = Meta(out.shape, out.stride, out.storage_offset)
     kw = dict(phase=n.phase, module=n.module, device=w.storages[st].device)
     spec = OutSpec(out.name, meta, out.dtype, storage=st, role=out.role)
     if w.meta(base) != meta:
-        # NOTE: the chain's layout in the running sum's storage: the add read both alike
         base = w.add_node(f"{n.name}.into", "aten.as_strided.default",
                           (ValueRef(base), list(out.shape), list(out.stride), out.storage_offset),
                           {}, [spec], **kw)[0]
