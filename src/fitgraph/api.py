@@ -40,6 +40,7 @@ from .plan.instructions import Plan
 from .plan.verify import verify_plan
 from .sim.simulate import SimResult, simulate
 from .solvers import Problem, Solution, solve, solve_smallest
+from .solvers.grads_in_place import grads_in_place
 from .transform.optimizer_in_backward import (
     OptimizerInBackwardError,
     optimizer_in_backward,
@@ -219,6 +220,9 @@ class TrainStep:
                                     latency_limit=self.latency_limit,
                                     time_budget_s=self.time_budget, exact=self.exact),
                             self.solver)
+            # NOTE: activation backwards written over the gradients they read where those die
+            # there: the same kernels, bitwise, a lower peak (solvers.grads_in_place)
+            sol = grads_in_place(sol, graph, cm)
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
         planned = _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
         checked = sol.notes.get("latency_check") or {}
@@ -243,8 +247,10 @@ class TrainStep:
             share = self.time_budget if not tries else self.time_budget / 2 / (
                 latency_check.MAX_TRIES - 1)
             tries.append(limit)
-            return solve(Problem(graph, cm, latency_limit=limit, time_budget_s=share,
-                                 exact=self.exact), self.solver)
+            # NOTE: each try measured as it will run (solvers.grads_in_place)
+            return grads_in_place(solve(Problem(graph, cm, latency_limit=limit,
+                                                time_budget_s=share, exact=self.exact),
+                                        self.solver), graph, cm)
 
         torch_fb = (latency_check.torch_forward_backward(self.model, batch, self.loss_fn,
                                                          self.device)
