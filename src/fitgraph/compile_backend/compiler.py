@@ -214,7 +214,8 @@ class FitgraphBackend:
         from torch._functorch import partitioners as P
 
         from ..capture.joint import joint_to_graph
-        from .partition import must_save, split_joint
+        from ..solvers.grads_in_place import OUT_VARIANTS, grads_in_place
+        from .partition import must_save, split_joint, write_over
         from .schedule import schedule_of
 
         t0 = time.perf_counter()
@@ -235,8 +236,16 @@ class FitgraphBackend:
         share = self.step_shares.get(key)
         sol = (self._solve(jg.graph, banned, cm, eager, self.boundary_holds.get(key, 0), share)
                if planned else eager)
+        if planned and self.inner == "aot_eager":
+            # NOTE: activation backwards written over their dying gradients (bitwise); under
+            # inductor its own kernels decide where outputs go
+            sol = grads_in_place(sol, jg.graph, cm)
         schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
         split = split_joint(joint, jg, schedule)
+        if sol.graph is not None:
+            over = {jg.fx_nodes[n.id].name: OUT_VARIANTS[jg.graph.nodes[n.id].target]
+                    for n in sol.graph.nodes if n.target != jg.graph.nodes[n.id].target}
+            split = dataclasses.replace(split, bw=write_over(split.bw, over))
         _check_realized(jg, set(schedule.recompute), banned,
                         {ids[n] for n in jg.fx_nodes if n.name in set(split.recomputed)})
         eager_split = split_joint(joint, jg) if schedule.recompute else split

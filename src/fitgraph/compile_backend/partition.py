@@ -24,7 +24,7 @@ from ..capture.joint import JointGraph
 from ..graph.analysis import new_storages
 from .schedule import Schedule, in_plan_order
 
-__all__ = ["Split", "must_save", "saved_bytes", "saved_values", "split_joint"]
+__all__ = ["Split", "must_save", "saved_bytes", "saved_values", "split_joint", "write_over"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,35 @@ def split_joint(joint: fx.GraphModule, jg: JointGraph, schedule: Schedule | None
     # NOTE: getitems as early as possible, as default_partition does: frees unused outputs
     return Split(raise_getitems(fw), raise_getitems(bw), tuple(n.name for n in saved),
                  recomputed, saved_bytes(jg, saved))
+
+
+def write_over(bw: fx.GraphModule, rewritten: dict[str, tuple[str, str]]) -> fx.GraphModule:
+    """``bw`` with each node named in ``rewritten`` (fx name -> (out= overload, its keyword);
+    ``solvers.grads_in_place``'s choice on the IR) writing into the gradient it reads first.
+
+    NOTE: the IR said that gradient is touched last by this node in the plan's order, which
+    is the backward module's; a later reader here is a fitgraph bug (the simulated peak would
+    miss a tensor), never a gradient written over while still read."""
+    if not rewritten:
+        return bw
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    done = set()
+    for node in bw.graph.nodes:
+        if node.op != "call_function" or node.name not in rewritten:
+            continue
+        target, keyword = rewritten[node.name]
+        dy = node.args[0]
+        if (not isinstance(dy, fx.Node) or dy.op != "call_function"
+                or any(order[u] > order[node] for u in dy.users)):
+            raise AssertionError(f"fitgraph partition: {node.name} cannot write over "
+                                 f"{getattr(dy, 'name', dy)} (read later in the backward "
+                                 "module); this is a fitgraph bug")
+        ns, name, overload = target.split(".")
+        node.target = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        node.kwargs = {**node.kwargs, keyword: dy}
+        done.add(node.name)
+    if done != set(rewritten):
+        raise AssertionError(f"fitgraph partition: the backward module lacks "
+                             f"{sorted(set(rewritten) - done)[:5]}; this is a fitgraph bug")
+    bw.recompile()
+    return bw
