@@ -21,6 +21,7 @@ from torch._functorch import partitioners as P
 from torch._functorch.compile_utils import raise_getitems
 
 from ..capture.joint import JointGraph
+from ..execute.ops import resolve_target
 from ..graph.analysis import new_storages
 from .schedule import Schedule, in_plan_order
 
@@ -165,8 +166,7 @@ def write_over(bw: fx.GraphModule, rewritten: dict[str, tuple[str, str]]) -> fx.
             raise AssertionError(f"fitgraph partition: {node.name} cannot write over "
                                  f"{getattr(dy, 'name', dy)} (read later in the backward "
                                  "module); this is a fitgraph bug")
-        ns, name, overload = target.split(".")
-        node.target = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        node.target = resolve_target(target)
         node.kwargs = {**node.kwargs, keyword: dy}
         done.add(node.name)
     if done != set(rewritten):

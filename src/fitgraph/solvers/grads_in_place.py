@@ -173,6 +173,9 @@ def _rewritten(graph: Graph, plan: Plan, nids: list[int]) -> tuple[Graph, Plan]:
             st = into[st]
         return st
 
+    by_storage: dict[int, list[int]] = {}
+    for v in graph.values:
+        by_storage.setdefault(v.storage, []).append(v.id)
     for nid in nids:
         n = graph.nodes[nid]
         dy, o = graph.values[n.args[0].id], graph.values[n.outputs[0]]
@@ -181,10 +184,10 @@ def _rewritten(graph: Graph, plan: Plan, nids: list[int]) -> tuple[Graph, Plan]:
             **n.kwargs, keyword: ValueRef(dy.id)}, mutates=(dy.id,))
         base = values[dy.id]
         # NOTE: the output and its views (same storage) move, offsets kept relative to it
-        for v in graph.values:
-            if v.storage == o.storage:
-                values[v.id] = dataclasses.replace(v, storage=base.storage, storage_offset=(
-                    v.storage_offset - o.storage_offset + base.storage_offset))
+        for vid in by_storage[o.storage]:
+            v = graph.values[vid]
+            values[vid] = dataclasses.replace(v, storage=base.storage, storage_offset=(
+                v.storage_offset - o.storage_offset + base.storage_offset))
         into[o.storage] = dy.storage
         at[nid] = dy.storage
     instructions, pending = [], set()
