@@ -227,8 +227,9 @@ class RegionsStep:
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
                  time_budget: float, cost_model, clip_grad_norm: float | None,
-                 reason: CaptureError, measure_latency: bool = True) -> None:
+                 reason: CaptureError, measure_latency: bool = True, exact: bool = False) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.exact = exact
         self.clip_grad_norm, self.reason = clip_grad_norm, reason
         self.budget, self.latency_limit, self.time_budget = budget, latency_limit, time_budget
         self.cost_model = cost_model
@@ -262,8 +263,10 @@ class RegionsStep:
         from .compile_backend import backend
 
         _BACKENDS[0] += 1
-        # NOTE: hotspot (remat + reordering inside each region): bitwise, as eager
+        # NOTE: exact: hotspot (remat inside each region), bitwise as eager; else the whole
+        # portfolio (operator fission's parts too, allclose), as fitgraph.optimize plans
         return backend(budget=self.budget, latency_limit=latency_limit,
+                       solver="hotspot" if self.exact else "auto",
                        time_budget=time_budget, cost_model=self.cost_model)
 
     def _check_latency(self, batch: Any) -> None:

@@ -162,7 +162,8 @@ def joint_to_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
                 op=str(node.target))
         fx_nodes.append(node)
         _convert_op(cs, node, phase, module_path(node))
-    graph = cs.b.finish(outputs, meta={"constants": cs.constants, "source": "aot_autograd joint"})
+    graph = cs.b.finish(outputs, meta={"constants": cs.constants, "source": "aot_autograd joint",
+                                              "backward_after_forward": True})
     for key, vid in outputs.items():
         if key.startswith("out:") and graph.storages[graph.values[vid].storage].role is Role.GRADIENT:
             # NOTE: forward outputs are not gradients: they are what the model returns

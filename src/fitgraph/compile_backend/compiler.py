@@ -34,6 +34,7 @@ from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve
 from ..solvers.collector import fewer_collections
 from ..units import SMALLEST, budget_bytes, check_budget, check_latency_limit, is_smallest
 from .boundary_hold import HoldCostModel, boundary_node, graph_key
+from .emit import EmitError
 from .report import BackendReport
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -44,6 +45,9 @@ __all__ = ["INNER", "FitgraphBackend", "backend"]
 # NOTE: what runs the two halves: as they are (ATen kernels, the plan's memory exactly), or
 # compiled by inductor (fused kernels; the plan decides only what the forward saves)
 INNER = ("aot_eager", "inductor")
+# NOTE: solvers whose plans may run on a rewritten graph (operator fission's parts), realised by
+# modules written from the plan (compile_backend.emit) rather than torch's extraction
+REWRITING = frozenset({"auto", "fission"})
 
 
 @functools.cache
@@ -82,6 +86,9 @@ class FitgraphBackend:
             raise ValueError("give at most one of budget= and latency_limit=")
         if solver not in SOLVERS:
             raise KeyError(f"unknown solver {solver!r}; known: {sorted(SOLVERS)}")
+        if solver in REWRITING and inner != "aot_eager":
+            raise ValueError(f"solver={solver!r} plans rewritten graphs (operator fission), "
+                             "which fitgraph.backend runs with inner='aot_eager' only")
         check_budget(budget)  # NOTE: a malformed budget fails now, not at the first call
         check_latency_limit(latency_limit)
         self.budget, self.latency_limit = budget, latency_limit
@@ -187,7 +194,7 @@ class FitgraphBackend:
         return self._plan(graph, banned, cm, eager, self.budget)
 
     def _plan(self, graph: Graph, banned: set[int], cm, eager: Solution, budget) -> Solution:
-        graph = _banning(graph, banned)
+        graph = _banning(graph, banned, pinned=self.solver in REWRITING)
         fn = SOLVERS[self.solver]
         # NOTE: the forward must run whole before the backward (the tangents arrive then), and
         # the modules run in the captured order: a solver that can reorder is asked not to
@@ -195,17 +202,27 @@ class FitgraphBackend:
         # the backward module recomputes each saved-away node once: no drops per use
         params = inspect.signature(fn).parameters
         keep_order = {k: False for k in ("reorder", "per_use") if k in params}
+        if self.solver in REWRITING:
+            try:
+                return _emitted(self._run(graph, cm, eager, budget, fn, {}), graph, cm)
+            except BudgetInfeasible as e:
+                raise _passthrough_infeasible()(e) from None
+            except EmitError:
+                # NOTE: a plan the two modules cannot run (offloading, say): remat alone
+                fn, keep_order = SOLVERS["hotspot"], {"reorder": False, "per_use": False}
         try:
-            with fewer_collections():  # NOTE: as solvers.solve runs every solver
-                if is_smallest(budget):
-                    return solve_smallest(graph, cm, lambda p: fn(p, **keep_order),
-                                          time_budget_s=self.time_budget)
-                limit = budget_bytes(budget, eager_peak_bytes=eager.sim.peak_bytes)
-                return fn(Problem(graph, cm, budget_bytes=limit,
-                                  latency_limit=self.latency_limit,
-                                  time_budget_s=self.time_budget), **keep_order)
+            return self._run(graph, cm, eager, budget, fn, keep_order)
         except BudgetInfeasible as e:
             raise _passthrough_infeasible()(e) from None
+
+    def _run(self, graph: Graph, cm, eager: Solution, budget, fn, keep: dict) -> Solution:
+        with fewer_collections():  # NOTE: as solvers.solve runs every solver
+            if is_smallest(budget):
+                return solve_smallest(graph, cm, lambda p: fn(p, **keep),
+                                      time_budget_s=self.time_budget)
+            limit = budget_bytes(budget, eager_peak_bytes=eager.sim.peak_bytes)
+            return fn(Problem(graph, cm, budget_bytes=limit, latency_limit=self.latency_limit,
+                              time_budget_s=self.time_budget), **keep)
 
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
                    num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
@@ -215,6 +232,7 @@ class FitgraphBackend:
 
         from ..capture.joint import joint_to_graph
         from ..solvers.grads_in_place import OUT_VARIANTS, grads_in_place
+        from .emit import emit_split
         from .partition import must_save, split_joint, write_over
         from .schedule import schedule_of
 
@@ -240,15 +258,20 @@ class FitgraphBackend:
             # NOTE: activation backwards written over their dying gradients (bitwise); under
             # inductor its own kernels decide where outputs go
             sol = grads_in_place(sol, jg.graph, cm)
-        schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
-        split = split_joint(joint, jg, schedule)
-        if sol.graph is not None:
-            over = {jg.fx_nodes[n.id].name: OUT_VARIANTS[jg.graph.nodes[n.id].target]
-                    for n in sol.graph.nodes if n.target != jg.graph.nodes[n.id].target}
-            split = dataclasses.replace(split, bw=write_over(split.bw, over))
-        _check_realized(jg, set(schedule.recompute), banned,
-                        {ids[n] for n in jg.fx_nodes if n.name in set(split.recomputed)})
-        eager_split = split_joint(joint, jg) if schedule.recompute else split
+        if sol.notes.get("modules") == "emitted":
+            # NOTE: the plan's own nodes, in its order (a rewritten graph: compile_backend.emit)
+            split = emit_split(joint, sol.graph_for(jg.graph), sol.plan, num_fwd_outputs)
+            eager_split = split_joint(joint, jg)
+        else:
+            schedule = schedule_of(jg.graph, sol.plan, self.solver if planned else "eager")
+            split = split_joint(joint, jg, schedule)
+            if sol.graph is not None:
+                over = {jg.fx_nodes[n.id].name: OUT_VARIANTS[jg.graph.nodes[n.id].target]
+                        for n in sol.graph.nodes if n.target != jg.graph.nodes[n.id].target}
+                split = dataclasses.replace(split, bw=write_over(split.bw, over))
+            _check_realized(jg, set(schedule.recompute), banned,
+                            {ids[n] for n in jg.fx_nodes if n.name in set(split.recomputed)})
+            eager_split = split_joint(joint, jg) if schedule.recompute else split
         self.reports.append(BackendReport(
             solver=sol.solver if planned else "none",
             budget_bytes=budget_bytes(self.budget, eager_peak_bytes=eager.sim.peak_bytes),
@@ -319,6 +342,20 @@ def _partitioner_class() -> type:
     return PlannedPartition
 
 
+def _emitted(sol: Solution, graph: Graph, cm) -> Solution:
+    """``sol`` marked to run as modules written from its plan (``compile_backend.emit``):
+    the forward's nodes moved before the backward's where a reordering solver interleaved
+    them (simulated again), EmitError where the two modules cannot run it."""
+    from ..sim.simulate import simulate
+    from .emit import check_emittable, phased
+
+    g = sol.graph_for(graph)
+    plan = phased(g, sol.plan)
+    check_emittable(g, plan)
+    sim = sol.sim if plan is sol.plan else simulate(g, plan, cm)
+    return dataclasses.replace(sol, plan=plan, sim=sim, notes=sol.notes | {"modules": "emitted"})
+
+
 def _check_realized(jg, drop: set[int], banned: set[int], realized: set[int]) -> None:
     """The modules must recompute exactly the plan's nodes, and no random or impure one.
 
@@ -340,7 +377,7 @@ def _weight_bytes(graph: Graph) -> int:
     return sum(st.nbytes for st in storages if st.role in (Role.PARAMETER, Role.BUFFER))
 
 
-def _banning(graph: Graph, banned: set[int]) -> Graph:
+def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
     """The graph the solver sees: ``banned`` nodes marked as writing their own outputs.
 
     NOTE: fitgraph's plans may recompute random ops because its executor replays their RNG
@@ -350,6 +387,12 @@ def _banning(graph: Graph, banned: set[int]) -> Graph:
     accounting does not look at ``mutates``). Costs are unchanged: cache keys ignore it."""
     if not banned:
         return graph
+    if pinned:
+        # NOTE: a graph that transformations rewrite (operator fission) keeps its writes
+        # truthful (verify_graph): the ban is by name (plan.remat.recomputable), and the
+        # modules refuse a recomputed random node (compile_backend.emit)
+        return dataclasses.replace(graph, meta=graph.meta | {
+            "pinned": tuple(graph.nodes[i].name for i in sorted(banned))})
     nodes = [dataclasses.replace(n, mutates=tuple(dict.fromkeys(
         (*n.mutates, *(o for o in n.outputs if o is not None))))) if n.id in banned else n
         for n in graph.nodes]

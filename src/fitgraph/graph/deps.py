@@ -61,7 +61,20 @@ def dependencies(graph: Graph) -> dict[int, set[int]]:
     _guard_recomputes(graph, deps)
     if graph.meta.get("updates_after_backward"):
         _updates_after_gradients(graph, deps)
+    if graph.meta.get("backward_after_forward"):
+        _backward_after_forward(graph, deps)
     return deps
+
+
+def _backward_after_forward(graph: Graph, deps: dict[int, set[int]]) -> None:
+    """Every node of the backward waits for the whole forward: a compiled region's joint graph
+    (``capture.joint``) has the tangents as inputs, but autograd hands them over only once the
+    forward module has run, so no backward node can run earlier. Only the backward's first
+    nodes get the edges; the rest wait through them."""
+    forward = {n.id for n in graph.nodes if n.phase in _FORWARD}
+    for n in graph.nodes:
+        if n.phase not in _FORWARD and not deps[n.id] - forward:
+            deps[n.id].update(forward)
 
 
 def _updates_after_gradients(graph: Graph, deps: dict[int, set[int]]) -> None:

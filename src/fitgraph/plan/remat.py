@@ -105,7 +105,9 @@ def recomputable(graph: Graph) -> dict[int, str]:
     are side effects a recompute can skip (``recompute_without_writes``: BatchNorm's running
     statistics), ops whose output storage is written in place later or that read a
     storage written in place later (outside such a chain), optimizer updates, and ops whose
-    outputs are step outputs or views of resident storage. Optimizer updates do not count as
+    outputs are step outputs or views of resident storage, and nodes named in
+    ``graph.meta["pinned"]`` (a compiled region's random and impure ops, which its modules
+    cannot replay: ``compile_backend``). Optimizer updates do not count as
     later writes: ``graph.deps`` makes each wait for every recompute that may read its weight.
     """
     mutated_at: dict[int, list[int]] = {}
@@ -121,10 +123,13 @@ def recomputable(graph: Graph) -> dict[int, str]:
     fresh = new_storages(graph)
     chains = inplace_chains(graph)
     in_chain = {nid for ch in chains.values() for nid in ch}
+    pinned = set(graph.meta.get("pinned", ()))
     out: dict[int, str] = {}
     for n in graph.nodes:
         why = ""
-        if n.mutates and n.id not in in_chain and not recompute_without_writes(graph, n.id):
+        if n.name in pinned:
+            why = "pinned (its outputs are kept: graph.meta['pinned'])"
+        elif n.mutates and n.id not in in_chain and not recompute_without_writes(graph, n.id):
             why = "writes in place"
         elif n.phase is Phase.OPTIMIZER:
             why = "optimizer update"

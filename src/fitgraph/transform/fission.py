@@ -111,6 +111,12 @@ class _Splitter(PartsCombiner):
             why = "".join(f"; {graph.nodes[n].name}: {r}" for n, r in region.boundary.items())
             raise FissionError(f"the region is empty: nothing to split{why}")
         self.g, self.r, self.k = graph, region, k
+        if graph.meta.get("backward_after_forward") and len(
+                {graph.nodes[n].phase is Phase.BACKWARD for n in region.nodes}) > 1:
+            # NOTE: a compiled region's backward runs only once its whole forward has run
+            # (capture.joint): parts that interleave the two cannot run there
+            raise FissionError("the region spans the forward and the backward of a compiled "
+                               "graph, whose backward starts after its whole forward")
         if not region.halo:
             if region.length == 0:
                 raise FissionError("the region has no split axis in units: nothing says where "

@@ -59,6 +59,8 @@ def copyable(graph: Graph, nid: int, inside: set[int], fresh: dict[int, list[int
         return f"{n.name} runs in the {n.phase.value}, not the forward"
     if n.random:
         return f"{n.name} draws random numbers (compact dropout masks to bits first)"
+    if n.name in graph.meta.get("pinned", ()):
+        return f"{n.name} is pinned (never run again: graph.meta['pinned'])"
     outputs = set(graph.outputs.values())
     if any(o in outputs for o in n.outputs if o is not None):
         return f"{n.name} makes a step output"
