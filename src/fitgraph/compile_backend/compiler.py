@@ -408,7 +408,10 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
     peak of the compiled forward+backward graph (0.6, "60%"), or "smallest" (each graph at
     the least peak the solver reaches); or ``latency_limit``: a factor of
     the eager step time (1.2), then the peak is minimised within it; neither saves every value
-    the backward reads (torch's default partition). ``solver``: a registered remat solver.
+    the backward reads (torch's default partition). ``solver``: a registered solver; "auto"
+    (the portfolio, operator fission included: results allclose) runs its plans as modules
+    written from the plan (``compile_backend.emit``), needs ``inner="aot_eager"``, and falls
+    back to hotspot where a plan cannot run as a forward then a backward module (offloading).
     ``time_budget``: seconds the solver may spend per graph. ``cost_model``: None measures ops
     on this machine (cached), a device name ("a100-80gb") or ``DeviceSpec`` plans with a
     roofline model, or any CostModel. Random ops (dropout) are never recomputed, so gradients
