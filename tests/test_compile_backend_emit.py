@@ -51,7 +51,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 def test_fission_plans_run_in_a_compiled_region_with_eager_results_and_the_simulated_peak():
     torch.manual_seed(0)
-    model, x = _ConvStack(), torch.randn(2, 16000)
+    model, x = _ConvStack(), torch.randn(2, 8000)
     twin = copy.deepcopy(model)
     twin(x).backward()
     be = fitgraph.backend(budget="smallest", solver="auto", time_budget=10)
@@ -75,7 +75,7 @@ def test_fission_plans_run_in_a_compiled_region_with_eager_results_and_the_simul
 
 def test_hotspot_keeps_torchs_extraction_and_bitwise_results():
     torch.manual_seed(0)
-    model, x = _ConvStack(), torch.randn(2, 16000)
+    model, x = _ConvStack(), torch.randn(2, 8000)
     twin = copy.deepcopy(model)
     twin(x).backward()
     be = fitgraph.backend(budget="smallest", time_budget=10)
