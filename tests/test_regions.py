@@ -282,3 +282,28 @@ def test_regions_are_planned_with_operator_fission_unless_exact():
         if not exact:
             assert first.notes.get("splits"), first.notes
             assert first.planned_peak_bytes < 0.6 * first.eager_peak_bytes
+
+
+def test_a_region_plan_the_modules_cannot_run_falls_back_and_says_so():
+    """Law 6: a region whose joint graph has no forward-tagged node (it divides by the
+    ``.item()`` float, an input) cannot run as modules written from the plan; it is planned
+    with hotspot on torch's extraction, and its report says why."""
+    @torch._dynamo.disable
+    def eager_head(linear, h):
+        return linear(torch.tanh(h))
+
+    class EagerHead(ItemScaled):
+        def forward(self, x):
+            h = self.a(x)
+            return eager_head(self.b, h / (h.abs().mean() + 1).item())
+
+    model = EagerHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(0))
+    step = fitgraph.optimize(model, x, lambda m, b: m(b).square().mean(), opt,
+                             budget="smallest", graph_breaks="regions", time_budget=5)
+    for _ in range(3):
+        step(x)
+        opt.zero_grad(set_to_none=True)
+    notes = [r.notes.get("modules", "") for r in step.report().regions]
+    assert any("refused" in n and "hotspot" in n for n in notes), notes

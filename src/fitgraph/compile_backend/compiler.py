@@ -202,18 +202,25 @@ class FitgraphBackend:
         # the backward module recomputes each saved-away node once: no drops per use
         params = inspect.signature(fn).parameters
         keep_order = {k: False for k in ("reorder", "per_use") if k in params}
+        refused = None
         if self.solver in REWRITING:
             try:
                 return _emitted(self._run(graph, cm, eager, budget, fn, {}), graph, cm)
             except BudgetInfeasible as e:
                 raise _passthrough_infeasible()(e) from None
-            except EmitError:
-                # NOTE: a plan the two modules cannot run (offloading, say): remat alone
-                fn, keep_order = SOLVERS["hotspot"], {"reorder": False, "per_use": False}
+            except EmitError as e:
+                # NOTE: a plan the two modules cannot run (offloading, say): remat alone, and
+                # the report says why (law 6: no silent fallback)
+                fn, keep_order, refused = SOLVERS["hotspot"], {"reorder": False,
+                                                              "per_use": False}, str(e)
         try:
-            return self._run(graph, cm, eager, budget, fn, keep_order)
+            sol = self._run(graph, cm, eager, budget, fn, keep_order)
         except BudgetInfeasible as e:
             raise _passthrough_infeasible()(e) from None
+        if refused is None:
+            return sol
+        return dataclasses.replace(sol, notes=sol.notes | {
+            "modules": f"{self.solver}'s plan refused ({refused}): hotspot's, extracted"})
 
     def _run(self, graph: Graph, cm, eager: Solution, budget, fn, keep: dict) -> Solution:
         with fewer_collections():  # NOTE: as solvers.solve runs every solver

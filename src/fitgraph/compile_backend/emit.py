@@ -123,8 +123,8 @@ def check_emittable(graph: Graph, plan: Plan) -> None:
 class _Module:
     """One fx graph being written: values (IR id -> fx node) and the nodes run so far."""
 
-    def __init__(self, graph: Graph, joint: fx.GraphModule) -> None:
-        self.g, self.joint, self.fx = graph, joint, fx.Graph()
+    def __init__(self, graph: Graph) -> None:
+        self.g, self.fx = graph, fx.Graph()
         self.env: dict[int, fx.Node] = {}
         self.recomputed: list[str] = []
 
@@ -145,8 +145,6 @@ class _Module:
     def run(self, ins: Compute | Recompute) -> None:
         g, nid = self.g, ins.node
         node = g.nodes[nid]
-        if isinstance(ins, Recompute) and node.random:
-            raise EmitError(f"random {node.name} recomputed (its draw is not replayed here)")
         args = list(self.ref(node.args))
         if isinstance(ins, Recompute):
             for i in recompute_without_writes(g, nid):
@@ -167,14 +165,10 @@ class _Module:
             self.env[node.outputs[0]] = call
 
 
-def _reads(graph: Graph, ins: Compute | Recompute) -> list[int]:
-    return list(graph.nodes[ins.node].inputs)
-
-
 def emit_split(joint: fx.GraphModule, graph: Graph, plan: Plan, num_fwd_outputs: int) -> Split:
     """The forward and backward modules that run ``plan`` over ``graph`` (a rewrite of
     ``joint``'s IR: the same inputs by name, the same ``out:i``/``grad:i`` outputs).
-    EmitError where the plan cannot run as the two modules (see ``_split_at``)."""
+    ``check_emittable`` first: EmitError where the plan cannot run as the two modules."""
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
     at = _split_at(graph, plan)
@@ -186,7 +180,7 @@ def emit_split(joint: fx.GraphModule, graph: Graph, plan: Plan, num_fwd_outputs:
     out_node = next(iter(joint.graph.find_nodes(op="output")))
     joint_outs = list(out_node.args[0])
 
-    fw = _Module(graph, joint)
+    fw = _Module(graph)
     inputs: dict[int, tuple[str, str]] = {}
     for vid, label in zip(graph.inputs, graph.input_names):
         kind, _, name = label.partition(":")
@@ -212,7 +206,7 @@ def emit_split(joint: fx.GraphModule, graph: Graph, plan: Plan, num_fwd_outputs:
     saved: list[int] = []
     grads = {k: v for k, v in graph.outputs.items() if k.startswith("grad:")}
     for ins in bw_runs:
-        for vid in _reads(graph, ins):
+        for vid in graph.nodes[ins.node].inputs:
             kind = inputs.get(vid, ("",))[0]
             if vid not in made and kind not in ("tangent", "const") and vid not in saved:
                 saved.append(vid)
@@ -240,7 +234,7 @@ def emit_split(joint: fx.GraphModule, graph: Graph, plan: Plan, num_fwd_outputs:
         fw_out.meta["desc"] = list(descs[:num_fwd_outputs]) + [
             SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
 
-    bw = _Module(graph, joint)
+    bw = _Module(graph)
     for vid in saved:
         bw.env[vid] = bw.fx.placeholder(fw.env[vid].name)
     for ph in tangents:
