@@ -15,6 +15,16 @@ def _one_thread_and_private_cache(tmp_path_factory, monkeypatch):
     yield
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test. NOTE: every test that compiles new
+    modules needs it; Dynamo's per-code cache limit would otherwise make later compiles fall
+    back to eager silently."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def zoo_graphs():
     """(case, captured graph) of each ``helpers.DIM_ZOO`` model: what dimension rules and

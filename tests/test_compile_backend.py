@@ -21,13 +21,8 @@ from fitgraph.measure import resident_bytes
 SCALAR_SLACK_BYTES = 64
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # NOTE: every test compiles new modules; Dynamo's per-code cache limit would otherwise make
-    # later compiles fall back to eager silently
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+# NOTE: every test compiles new modules (``conftest.fresh_dynamo``)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def mlp(depth=6, width=256, dropout=True):

@@ -22,11 +22,8 @@ from fitgraph.plan.instructions import Compute, Offload, Plan
 SLACK_BYTES = 256
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+# NOTE: every test compiles new modules (``conftest.fresh_dynamo``)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _ConvStack(nn.Module):
