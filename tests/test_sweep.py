@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fitgraph.bench import sweep
-from fitgraph.bench.sweep_measure import compare
+from fitgraph.bench.sweep_measure import _settle, compare
 from fitgraph.bench.sweep_models import MODELS, TEST_MODELS, build, names
 
 # NOTE: one model per family, so a broken family shows in the default suite; all of them: slow
@@ -99,6 +99,32 @@ def test_compare_lets_a_noise_gradient_move_its_parameter_by_a_step():
         b.weight += 2e-4      # NOTE: a real gradient's parameter
     verdict, detail = compare(loss, loss.clone(), a, b)
     assert verdict == "MISMATCH" and "param weight" in detail
+
+
+def test_a_step_by_regions_is_settled_as_a_training_loop_runs_it():
+    """Each call of ``_settle`` starts with the gradients set to None, as every other system
+    of the sweep is measured: a step by regions accumulates into ``.grad`` as eager does, and
+    measured after a call that left them, its peak held two steps' gradients."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+
+    class Step:
+        optimizer, calls, seen = opt, 0, []
+
+        @property
+        def settled(self):
+            return self.calls >= 3
+
+        def __call__(self, batch):
+            self.seen.append([p.grad is None for p in model.parameters()])
+            self.calls += 1
+            model(batch).sum().backward()
+            opt.step()
+
+    step = Step()
+    step(torch.randn(2, 4))   # NOTE: the first call leaves .grad, as a step by regions does
+    _settle(step, torch.randn(2, 4))
+    assert step.calls == 3 and step.seen[1:] == [[True, True], [True, True]]
 
 
 def test_checks_name_each_failed_criterion():

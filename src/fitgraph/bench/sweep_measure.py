@@ -189,11 +189,27 @@ def _planned_system(label, model, opt, batch, loss_fn, **kw) -> tuple[_System, o
 
 def _settle(step, batch, calls: int = 8) -> None:
     """Run a step by regions until its plan is final and measured: compiling settles at the
-    second or third call, the sixth where it planned the regions again (boundary holds)."""
+    second or third call, the sixth where it planned the regions again (boundary holds).
+    Each call as a training loop makes it, its gradients zeroed first (set to None).
+
+    NOTE: a step by regions accumulates into ``.grad`` as eager PyTorch does; called again
+    without zeroing, its measured peak held the last step's gradients from the start as well
+    as its own (wav2vec2's smallest: 24.8 MB measured where a training loop's step peaks at
+    21.1, its 3.75 MB of gradients twice), where every other system of the sweep is measured
+    with its gradients set to None first (``harness._measure_memory``)."""
     for _ in range(calls):
         if step.settled:
             return
+        _zero_grads(step)
         step(batch)
+
+
+def _zero_grads(step) -> None:
+    if step.optimizer is not None:
+        step.optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in step.model.parameters():
+            p.grad = None
 
 
 def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
@@ -206,6 +222,8 @@ def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
 
     m_s, o_s = _copied(model, opt)
     twin_m, twin_o = _copied(model, opt)
+    for o in (o_s, twin_o):  # NOTE: one step of a training loop each, gradients zeroed first
+        o.zero_grad(set_to_none=True)
     step = optimize(m_s, batch, loss_fn, o_s, budget="smallest", time_budget=time_budget)
     torch.manual_seed(SEED)
     loss_e = compute_loss(twin_m, batch, loss_fn)
