@@ -45,6 +45,19 @@ def ctc_batch():
     return torch.randn(6, 30, 32, generator=g), targets, torch.full((6,), 30), lens
 
 
+@torch._dynamo.disable
+def _eager_head(linear, h):   # NOTE: torch.compile leaves it to eager PyTorch
+    return linear(torch.tanh(h))
+
+
+class EagerHead(ItemScaled):
+    """ItemScaled whose head (tanh, then the Linear) runs eagerly between compiled regions."""
+
+    def forward(self, x):
+        h = self.a(x)
+        return _eager_head(self.b, h / (h.abs().mean() + 1).item())
+
+
 def test_a_step_with_graph_breaks_runs_by_regions_with_eager_results():
     a = ItemScaled()
     b = copy.deepcopy(a)
@@ -91,15 +104,6 @@ def test_the_report_says_what_the_eager_code_between_regions_saves():
     the region that divides by the .item() float compiles: torch moves the backward's own copy
     of the division into the forward module, which fitgraph.backend once refused with "has no
     place in the plan"."""
-    @torch._dynamo.disable
-    def eager_head(linear, h):   # NOTE: torch.compile leaves it to eager PyTorch
-        return linear(torch.tanh(h))
-
-    class EagerHead(ItemScaled):
-        def forward(self, x):
-            h = self.a(x)
-            return eager_head(self.b, h / (h.abs().mean() + 1).item())
-
     model = EagerHead()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(256, 32)
@@ -288,15 +292,6 @@ def test_a_region_plan_the_modules_cannot_run_falls_back_and_says_so():
     """Law 6: a region whose joint graph has no forward-tagged node (it divides by the
     ``.item()`` float, an input) cannot run as modules written from the plan; it is planned
     with hotspot on torch's extraction, and its report says why."""
-    @torch._dynamo.disable
-    def eager_head(linear, h):
-        return linear(torch.tanh(h))
-
-    class EagerHead(ItemScaled):
-        def forward(self, x):
-            h = self.a(x)
-            return eager_head(self.b, h / (h.abs().mean() + 1).item())
-
     model = EagerHead()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(0))
