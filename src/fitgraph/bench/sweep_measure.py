@@ -200,16 +200,8 @@ def _settle(step, batch, calls: int = 8) -> None:
     for _ in range(calls):
         if step.settled:
             return
-        _zero_grads(step)
+        step.optimizer.zero_grad(set_to_none=True)   # NOTE: the sweep's steps hold an AdamW
         step(batch)
-
-
-def _zero_grads(step) -> None:
-    if step.optimizer is not None:
-        step.optimizer.zero_grad(set_to_none=True)
-    else:
-        for p in step.model.parameters():
-            p.grad = None
 
 
 def _run_smallest(row: dict, model, opt, batch, loss_fn, time_budget: float,
