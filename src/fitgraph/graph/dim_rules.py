@@ -101,6 +101,7 @@ RULES.update({
     "aten.squeeze.dims": vw.squeeze,
     "aten.squeeze.default": vw.squeeze,
     "aten.slice.Tensor": vw.slice_,
+    "aten.slice_backward.default": vw.slice_backward,
     "aten.select.int": vw.select,
     "aten.select_backward.default": vw.select_backward,
     "aten.split.Tensor": vw.split,

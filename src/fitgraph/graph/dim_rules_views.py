@@ -22,8 +22,8 @@ from math import lcm, prod
 
 from .dim_types import Along, SizeArg, Split, arg_of, norm_dim
 
-__all__ = ["cat", "expand", "identity_dims", "permute", "select", "select_backward", "slice_", "split",
-           "squeeze", "stack", "t", "transpose", "unbind", "unpack_bits", "unsqueeze", "view"]
+__all__ = ["cat", "expand", "identity_dims", "permute", "select", "select_backward", "slice_",
+           "slice_backward", "split", "squeeze", "stack", "t", "transpose", "unbind", "unpack_bits", "unsqueeze", "view"]
 
 Shape = tuple[int, ...]
 
@@ -200,6 +200,16 @@ def select_backward(node, ins, outs) -> list[Split]:
             i = o if o < d else o - 1
             splits.append(Split((Along(i),), (Along(o),), sizes=(SizeArg((1, o), ("out", 0), o),)))
     return splits
+
+
+def slice_backward(node, ins, outs) -> list[Split]:
+    """slice_backward(grad, input_sizes, dim, start, end, step): the gradient placed in zeros
+    of the input's size; every dim but the sliced one follows (HuBERT's positional convolution
+    drops its last frame: its backward, along the batch or the channels)."""
+    out = outs[0]
+    d = norm_dim(arg_of(node, 2, "dim"), len(out))
+    return [Split((Along(o),), (Along(o),), sizes=(SizeArg((1, o), ("out", 0), o),))
+            for o in range(len(out)) if o != d and out[o] >= 2]
 
 
 def slice_(node, ins, outs) -> list[Split]:
