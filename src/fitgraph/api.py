@@ -223,6 +223,12 @@ class TrainStep:
             # NOTE: activation backwards written over the gradients they read where those die
             # there: the same kernels, bitwise, a lower peak (solvers.grads_in_place)
             sol = grads_in_place(sol, graph, cm)
+        if graph.meta.get("user_checkpoints"):
+            # NOTE: law 5: said, not silent (capture.user_checkpoints)
+            sol.notes["user_checkpoints"] = (
+                f"{graph.meta['user_checkpoints']} torch.utils.checkpoint call(s) of the model "
+                "were traced as plain calls: the plan chooses what to recompute, and a budget "
+                "fraction refers to the step without them")
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
         planned = _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
         checked = sol.notes.get("latency_check") or {}

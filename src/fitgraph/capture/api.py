@@ -39,7 +39,9 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     ``steady_state``: the optimizer's state is an input of the update even where the optimizer
     has none yet (the graph of every step after the first; ``fitgraph.optimize`` plans it).
 
-    Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
+    The model's own ``torch.utils.checkpoint`` calls are traced as plain calls (the planner
+    chooses what to recompute; ``graph.meta["user_checkpoints"]`` counts them, see
+    ``capture.user_checkpoints``). Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
     is captured as if it lived on ``device`` (default cpu), so models bigger than this machine
     can be planned. Raises ``fitgraph.CaptureError`` naming the module and op for what cannot be
     captured.
@@ -75,6 +77,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         "clip_grad_norm": clip_grad_norm,
         "params_without_grad": no_grad,
         "capture_s": time.perf_counter() - t0,
+        "user_checkpoints": traced.checkpoints,
     }, inputs_first=True)
     for key, vid in graph.outputs.items():  # NOTE: finish renumbered the values
         if key.startswith("state:"):

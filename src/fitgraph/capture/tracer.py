@@ -29,6 +29,7 @@ from .calling import LossFn, compute_loss
 from .errors import CaptureError
 from .fake_mode import CaptureFakeMode
 from .trace_errors import translate
+from .user_checkpoints import plain_checkpoints
 
 __all__ = ["PhaseTracker", "TracedStep", "trace_step"]
 
@@ -71,7 +72,10 @@ class PhaseTracker:
             # NOTE: always_call hooks run while an exception unwinds: remember where it started
             self.error_module = self.module
         self.module_stack.pop()
-        if not self.module_stack:
+        # NOTE: a module called during the backward (torch.utils.checkpoint re-running its
+        # function) stays in the backward: labelled as the loss, the backward ops after it ran
+        # before their own inputs in the plan (a dependency cycle)
+        if not self.module_stack and self.phase is Phase.FORWARD:
             self.phase = Phase.LOSS
         self.mark()
 
@@ -148,6 +152,7 @@ class TracedStep:
     n_batch: int
     # NOTE: the mode that traced it: it gives a constant's fake twin, which the ops read
     fake_mode: FakeTensorMode | None = None
+    checkpoints: int = 0   # the model's torch.utils.checkpoint calls, traced as plain calls
 
 
 def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None):
@@ -261,7 +266,8 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         return loss, grads
 
     try:
-        with fake_mode, _module_hooks(model, tracker), _caches_cleared(model):
+        with (fake_mode, _module_hooks(model, tracker), _caches_cleared(model),
+              plain_checkpoints() as seen):
             gm = make_fx(step, tracing_mode="real", record_module_stack=False)(
                 f_params, f_buffers, f_leaves)
     except CaptureError:
@@ -269,5 +275,6 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     except Exception as e:  # NOTE: translate torch's tracing errors into one actionable error
         module = tracker.error_module if tracker.error_module is not None else tracker.module
         raise translate(e, module, model) from e
-    return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves), fake_mode)
+    return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves), fake_mode,
+                      seen.calls)
 
