@@ -129,9 +129,9 @@ def test_unsupported_optimizer_and_flags():
     m = nn.Linear(4, 1)
     with pytest.raises(CaptureError, match="RMSprop is not supported"):
         fitgraph.capture(m, X, lambda m, b: m(b).sum(), torch.optim.RMSprop(m.parameters()))
-    with pytest.raises(CaptureError, match="fused=False"):
+    with pytest.raises(CaptureError, match="differentiable=False"):
         fitgraph.capture(m, X, lambda m, b: m(b).sum(),
-                         torch.optim.Adam(m.parameters(), fused=True))
+                         torch.optim.Adam(m.parameters(), differentiable=True))
 
 
 def test_optimizer_with_foreign_parameter():

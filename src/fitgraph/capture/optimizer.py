@@ -30,9 +30,9 @@ __all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_
 # NOTE: hyperparameters a node reads from its param group; a snapshot goes into the graph so the
 # cost profiler can run the node without the optimizer object.
 _HYPER = {
-    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "fused"),
     "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
-             "decoupled_weight_decay"),
+             "decoupled_weight_decay", "fused"),
 }
 OPTIMIZER_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 # per-element FLOPs of one update, for the roofline model
@@ -62,12 +62,14 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
             "AdamW); capture without optimizer= and call optimizer.step() yourself",
             op=f"{type(optimizer).__name__}.step")
     for gi, group in enumerate(optimizer.param_groups):
-        for flag in ("fused", "capturable", "differentiable"):
+        # NOTE: fused=True is run as torch runs it, one parameter a call (its kernels are
+        # elementwise: the bits are eager's); these two change what a step is
+        for flag in ("capturable", "differentiable"):
             if group.get(flag):
                 raise CaptureError(
-                    f"param group {gi} has {flag}=True; fitgraph runs torch's single-tensor or "
-                    f"foreach update per parameter: construct the optimizer with {flag}=False "
-                    "(or None)",
+                    f"param group {gi} has {flag}=True; fitgraph runs torch's single-tensor, "
+                    f"foreach or fused update per parameter: construct the optimizer with "
+                    f"{flag}=False (or None)",
                     op=f"{type(optimizer).__name__}.step")
     return kind
 

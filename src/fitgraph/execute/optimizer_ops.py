@@ -1,8 +1,9 @@
 """Run one ``fitgraph.optimizer.*`` node: torch's own update for one parameter.
 
-The implementation is the one eager ``optimizer.step()`` picks: the group's ``foreach`` flag, or
-where it is None torch's default (the multi-tensor kernels for CUDA tensors, the single-tensor
-ones on the CPU), run on a one-parameter list: both are elementwise, so the bits are eager's.
+The implementation is the one eager ``optimizer.step()`` picks: the group's ``fused`` or
+``foreach`` flag, or where both are None torch's default (the multi-tensor kernels for CUDA
+tensors, the single-tensor ones on the CPU), run on a one-parameter list: all are elementwise,
+so the bits are eager's.
 
 Hyperparameters come from the live param group (so LR schedulers apply); missing state is created
 exactly as torch's lazy initialisation creates it.
@@ -98,7 +99,8 @@ class _Update:
     state: dict
     group: dict
     foreach: bool
-    made: torch.Tensor | None   # NOTE: SGD's fresh momentum buffer, filled after the update
+    made: torch.Tensor | None
+    fused: bool = False   # NOTE: SGD's fresh momentum buffer, filled after the update
 
     def created(self) -> tuple[torch.Tensor, ...]:
         have = self.node.kwargs["have"]
@@ -124,7 +126,8 @@ def _prepare(node: Node, param: torch.Tensor, grad: torch.Tensor, state_tensors:
                     f"but the graph was captured with {list(have)} (the first step creates "
                     "state): capture the step again")
     state.update(zip(have, state_tensors))
-    foreach = group.get("foreach")
+    fused = bool(group.get("fused"))
+    foreach = False if fused else group.get("foreach")
     if foreach is None:
         # NOTE: eager's default: on CUDA the foreach kernels, whose rounding differs from the
         # single-tensor ones (law 1 is bitwise)
@@ -134,7 +137,7 @@ def _prepare(node: Node, param: torch.Tensor, grad: torch.Tensor, state_tensors:
         for k in keys[1:]:
             state[k] = torch.zeros_like(param, memory_format=torch.preserve_format)
     made = state.get("momentum_buffer") if kind == "sgd" and keys and fresh else None
-    return _Update(node, kind, param, grad, state, group, bool(foreach), made)
+    return _Update(node, kind, param, grad, state, group, bool(foreach), made, fused)
 
 
 def _apply(run: list[_Update]) -> None:
@@ -143,7 +146,7 @@ def _apply(run: list[_Update]) -> None:
     ``denom``) from one parameter into the next, a transient the simulator prices per update
     would miss (tried: batching cut ~1 ms of a 50 ms ResNet step)."""
     first = run[0]
-    group, foreach = first.group, first.foreach
+    group, foreach, fused = first.group, first.foreach, first.fused or None
     params, grads = [u.param for u in run], [u.grad for u in run]
     if first.kind == "adam":
         beta1, beta2 = group["betas"]
@@ -151,7 +154,7 @@ def _apply(run: list[_Update]) -> None:
              [u.state["exp_avg_sq"] for u in run],
              [u.state["max_exp_avg_sq"] for u in run] if group["amsgrad"] else [],
              [u.state["step"] for u in run],
-             foreach=foreach, capturable=False, differentiable=False, fused=None,
+             foreach=foreach, capturable=False, differentiable=False, fused=fused,
              grad_scale=None, found_inf=None, has_complex=any(map(torch.is_complex, params)),
              decoupled_weight_decay=group.get("decoupled_weight_decay", False),
              amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
@@ -161,7 +164,7 @@ def _apply(run: list[_Update]) -> None:
     bufs = [u.state.get("momentum_buffer")] if u.node.kwargs["state_keys"] else []
     if u.made is not None:
         bufs = [None]  # NOTE: torch's first step: the buffer is a copy of the gradient
-    sgd(params, grads, bufs, has_sparse_grad=False, foreach=foreach, fused=None,
+    sgd(params, grads, bufs, has_sparse_grad=False, foreach=foreach, fused=fused,
         grad_scale=None, found_inf=None, weight_decay=group["weight_decay"],
         momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
         nesterov=group["nesterov"], maximize=group["maximize"])
