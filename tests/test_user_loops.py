@@ -251,3 +251,32 @@ def test_steady_state_graph_numbers_its_inputs_first_and_fission_runs_on_it():
     step = fitgraph.optimize(m, x, lf, torch.optim.AdamW(m.parameters()), latency_limit=1.1,
                              solver="fission", cost_model="cpu-generic", time_budget=10)
     assert torch.isfinite(step(x))
+
+
+# -- the model's modes --------------------------------------------------------------------------
+def test_a_step_after_eval_or_train_runs_the_modes_the_model_is_in():
+    """A plan captured in training mode (dropout drawn, batch norm's batch statistics) ran on
+    after ``model.eval()``, silently unlike eager (issue 25): the modes are part of the key a
+    plan is cached by, so the step is planned again for them, and again back in training."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.5), nn.BatchNorm1d(64),
+                             nn.Linear(64, 8))
+
+    def ce(m, b):
+        return nn.functional.cross_entropy(m(b[0]), b[1])
+
+    batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+    a, b = model(), model()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, batch, ce, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    for i, train in enumerate((True, False, False, True)):
+        for m, o in ((a, oa), (b, ob)):
+            m.train(train)
+            o.zero_grad(set_to_none=True)
+        la = eager_step(a, batch, ce, oa, seed=i)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(batch)), f"step {i} (train={train})"
+        assert_bitwise_equal_models(a, b, oa, ob)
+    assert len(step._plans) == 2

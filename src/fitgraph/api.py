@@ -160,6 +160,7 @@ class TrainStep:
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
         self._slots = ModelSlots(model)
+        self._modules = list(model.modules())
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self):
@@ -186,17 +187,24 @@ class TrainStep:
         return tuple(state_keys(kind, g) if kind in ("sgd", "adam") else ()
                      for g in self.optimizer.param_groups)
 
+    def _mode_key(self) -> tuple[int, ...]:
+        """The modules not in training mode, by index: a plan is captured in the modes the model
+        was in (dropout drawn or not, batch norm's batch or running statistics), and eager runs
+        the modes it is in now, so a step after ``model.eval()`` or ``train()`` plans again."""
+        return tuple(i for i, m in enumerate(self._modules) if not m.training)
+
     def _key(self, batch: Any) -> tuple:
-        """(batch structure and shapes, optimizer state keys): a plan is valid for one of each."""
+        """(batch structure and shapes, optimizer state keys, modules' modes): a plan is valid
+        for one of each."""
         leaves, spec = tree_flatten(batch)
         shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves)
-        return (str(spec), shapes), self._state_key()
+        return (str(spec), shapes), self._state_key(), self._mode_key()
 
     def _graph_key(self, graph: Graph) -> tuple:
         shapes = tuple((graph.values[v].shape, graph.values[v].dtype)
                        for v, name in zip(graph.inputs, graph.input_names)
                        if name.startswith("batch:"))
-        return (str(graph.meta["batch_spec"]), shapes), self._state_key()
+        return (str(graph.meta["batch_spec"]), shapes), self._state_key(), self._mode_key()
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
