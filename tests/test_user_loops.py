@@ -280,3 +280,52 @@ def test_a_step_after_eval_or_train_runs_the_modes_the_model_is_in():
         assert torch.equal(la, step(batch)), f"step {i} (train={train})"
         assert_bitwise_equal_models(a, b, oa, ob)
     assert len(step._plans) == 2
+
+
+def _small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def _ce(m, b):
+    return nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+SMALL_BATCH = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+
+
+def test_a_layer_frozen_and_unfrozen_between_steps_trains_as_in_eager():
+    """Fine-tuning that freezes a layer for some steps: the plan made with it trainable kept
+    updating it (silently unlike eager); now the step plans again for the parameters that
+    train."""
+    a, b = _small(), _small()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    for i, frozen in enumerate((False, True, True, False)):
+        for m, o in ((a, oa), (b, ob)):
+            m[0].requires_grad_(not frozen)
+            o.zero_grad(set_to_none=True)
+        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
+        assert torch.equal(la, step(SMALL_BATCH)), f"step {i} (frozen={frozen})"
+        assert_bitwise_equal_models(a, b, oa, ob)
+    assert len(step._plans) == 2
+
+
+def test_a_step_called_inside_autocast_runs_as_eager_does_there():
+    """``with torch.autocast(...): loss = step(batch)``: the plan made outside it failed
+    ("attempting to assign a gradient with dtype BFloat16..."); now the step is captured in
+    the caller's autocast and its graph runs with its own casts."""
+    a, b = _small(), _small()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    for i in range(3):
+        for o in (oa, ob):
+            o.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
+            lb = step(SMALL_BATCH)
+        assert torch.equal(la, lb), f"step {i}"
+        assert_bitwise_equal_models(a, b, oa, ob)
+    assert any(n.target == "aten._to_copy.default" for n in step.graph.nodes)

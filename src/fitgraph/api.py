@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .ambient import autocast_as, autocast_state, no_autocast, step_key
 from .capture.api import capture
 from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
@@ -160,7 +161,8 @@ class TrainStep:
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
         self._slots = ModelSlots(model)
-        self._modules = list(model.modules())
+        self._modules, self._params = list(model.modules()), list(model.parameters())
+        self._autocast: tuple = ()   # NOTE: the caller's autocast, captured in (fitgraph.ambient)
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self):
@@ -187,24 +189,20 @@ class TrainStep:
         return tuple(state_keys(kind, g) if kind in ("sgd", "adam") else ()
                      for g in self.optimizer.param_groups)
 
-    def _mode_key(self) -> tuple[int, ...]:
-        """The modules not in training mode, by index: a plan is captured in the modes the model
-        was in (dropout drawn or not, batch norm's batch or running statistics), and eager runs
-        the modes it is in now, so a step after ``model.eval()`` or ``train()`` plans again."""
-        return tuple(i for i, m in enumerate(self._modules) if not m.training)
-
     def _key(self, batch: Any) -> tuple:
-        """(batch structure and shapes, optimizer state keys, modules' modes): a plan is valid
-        for one of each."""
+        """(batch structure and shapes, optimizer state keys, the model's modes, trainable
+        parameters and autocast: ``ambient.step_key``): a plan is valid for one of each, and a
+        step after ``model.eval()``, a freeze or inside ``torch.autocast`` plans again."""
         leaves, spec = tree_flatten(batch)
         shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves)
-        return (str(spec), shapes), self._state_key(), self._mode_key()
+        return (str(spec), shapes), self._state_key(), step_key(self._modules, self._params)
 
     def _graph_key(self, graph: Graph) -> tuple:
         shapes = tuple((graph.values[v].shape, graph.values[v].dtype)
                        for v, name in zip(graph.inputs, graph.input_names)
                        if name.startswith("batch:"))
-        return (str(graph.meta["batch_spec"]), shapes), self._state_key(), self._mode_key()
+        return ((str(graph.meta["batch_spec"]), shapes), self._state_key(),
+                step_key(self._modules, self._params))
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
@@ -279,8 +277,9 @@ class TrainStep:
         # NOTE: the graph of every step but the first (optimizer state present): one plan for
         # the whole loop, made up front; the first step creates the state it reads
         # (``init_missing_state``), so a fraction budget refers to the steady-state step
-        graph = capture(self.model, batch, self.loss_fn, self.optimizer,
-                        clip_grad_norm=self.clip_grad_norm, steady_state=True)
+        with autocast_as(self._autocast):
+            graph = capture(self.model, batch, self.loss_fn, self.optimizer,
+                            clip_grad_norm=self.clip_grad_norm, steady_state=True)
         if self.optimizer is not None and has_step_pre_hooks(self.optimizer):
             # NOTE: a pre-hook reads every .grad before the first update, as in eager: no
             # update may be moved into the backward (graph.deps)
@@ -307,7 +306,10 @@ class TrainStep:
                 raise ValueError(f"batch shapes {key[0][1]} differ from the planned ones "
                                  f"{sorted(s[1] for s in shapes_seen)}; optimize(..., "
                                  "on_new_shape='replan') plans each new shape (cached)")
-            self._plans[key] = self._plan(batch)
+            # NOTE: captured in the caller's autocast; profiled, planned and run without it
+            self._autocast = autocast_state()
+            with no_autocast():
+                self._plans[key] = self._plan(batch)
         return self._plans[key]
 
     # -- running --------------------------------------------------------------------------------
@@ -315,6 +317,7 @@ class TrainStep:
         planned = self.plan_for(batch)
         self._last = self._key(batch)
         if planned.unverified:
+            self._autocast = autocast_state()
             self._verify(planned, batch)
         if planned.eager_pytorch:
             return self._measured(planned, batch, lambda: self._eager_step(batch))
@@ -337,9 +340,10 @@ class TrainStep:
         # NOTE: SGD's first update copies each gradient into a new momentum buffer (a
         # transient the steady-state plan does not hold): measure a later step instead
         sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
-        if sgd_first:
-            return planned.executor(batch, tensors)
-        return self._measured(planned, batch, lambda: planned.executor(batch, tensors))
+        with no_autocast():
+            if sgd_first:
+                return planned.executor(batch, tensors)
+            return self._measured(planned, batch, lambda: planned.executor(batch, tensors))
 
     def _measured(self, planned: _Planned, batch: Any, run) -> torch.Tensor:
         """``run()``: its peak measured the first time, its time after."""
