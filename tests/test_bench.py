@@ -56,6 +56,7 @@ def _label(r):
     return r.system if r.budget is None else f"{r.system} {r.budget:g}"
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_bench_every_system_a_row_errors_kept_and_the_report(tmp_path, monkeypatch):
     real = harness._compiled_step
 
@@ -221,6 +222,7 @@ def test_compact_masks_tradeoff_prints_a_row_per_setting(capsys):
     assert [r.split("|")[3].strip() for r in rows] == ["eager plan", "within 1.10x", "budget 50%"]
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_fitgraph_inductor_row_at_a_budget_and_at_inductors_peak():
     """fitgraph's plan compiled by inductor: a row per budget and one at each inductor peer's
     measured peak (asked for those bytes less the optimizer state), in the verdicts."""

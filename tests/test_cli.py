@@ -73,6 +73,7 @@ def test_optimize_infeasible_is_a_clear_error(capsys):
     assert "smallest peak it reaches" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_optimize_paper_simulated(capsys):
     assert main(["optimize", "bert-base", "--config", "paper", "--latency-limit", "1.1",
                  "--device-model", "a100-80gb", "--time-budget", "10"]) == 0

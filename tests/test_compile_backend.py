@@ -93,6 +93,7 @@ def test_mlp_with_dropout_bitwise_recomputes_and_reuses_the_graph():
     assert "saved for backward" in str(r) and "recomputed in the backward" in str(r)
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_gpt2_with_dropout_bitwise_and_lower_measured_peak_than_default_partition():
     case = zoo.build("gpt2", "small")
     be = fitgraph.backend(budget=0.7, time_budget=10)

@@ -46,6 +46,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_fission_plans_run_in_a_compiled_region_with_eager_results_and_the_simulated_peak():
     torch.manual_seed(0)
     model, x = _ConvStack(), torch.randn(2, 8000)

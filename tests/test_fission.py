@@ -345,6 +345,7 @@ def _mlp_case(depth: int = 2, classes: int = 1000, rows: int = 512):
     return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_remat_on_top_goes_below_what_fission_reaches_alone():
     # NOTE: batch norm keeps batch regions out of the layers: their saved activations are remat's
     torch.manual_seed(0)

@@ -83,6 +83,7 @@ def gpt2():
     return case, model, g
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_gpt2_roofline_hidden_offloads_replace_recompute(gpt2):
     _, _, g = gpt2
     cm = RooflineCostModel(get_device("rtx3090"))

@@ -38,7 +38,9 @@ print(json.dumps({"seconds": secs, "nodes": len(g.nodes),
 """
 
 
-@pytest.mark.parametrize("name,batch,seq", [("bert-large", 64, 512), ("gpt2-xl", 8, 1024)])
+# NOTE: GPT-2 XL (~20 s) in ``make test-slow``
+@pytest.mark.parametrize("name,batch,seq", [("bert-large", 64, 512),
+                                            pytest.param("gpt2-xl", 8, 1024, marks=pytest.mark.slow)])
 def test_paper_capture_is_fast_and_small(name, batch, seq):
     r = subprocess.run([sys.executable, "-c", PROBE, name, str(batch), str(seq)],
                        capture_output=True, text=True, timeout=300)

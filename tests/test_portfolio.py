@@ -168,6 +168,7 @@ def test_optimize_defaults_to_auto_and_runs_the_split_graph(tmp_path):
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_auto_offloads_where_device_memory_is_apart_and_never_on_the_cpu():
     """On a GPU model joint (remat + offload) joins the portfolio and wins where copies hide;
     on the CPU, whose host is the same RAM, offloading frees nothing and is never tried."""

@@ -256,6 +256,7 @@ class _SpeechFront(nn.Module):
         return self.head(h / (h.abs().mean() + 1).item())
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_regions_are_planned_with_operator_fission_unless_exact():
     """By default each region gets the whole portfolio: the conv stack runs in parts along
     the time (its modules written from the plan), with eager's results (allclose); with

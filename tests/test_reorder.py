@@ -57,7 +57,9 @@ def test_dependencies_order_inplace_writes_and_random_ops():
         respects_dependencies(g, order, deps)
 
 
-@pytest.mark.parametrize("name,strategy", [("llama", "strict"), ("resnet50", "strict")])
+# NOTE: Llama (~20 s) in ``make test-slow``; ResNet's branches by default
+@pytest.mark.parametrize("name,strategy", [pytest.param("llama", "strict", marks=pytest.mark.slow),
+                                           ("resnet50", "strict")])
 def test_reordered_step_is_bitwise_eager_and_simulated_exactly(name, strategy):
     case = zoo.build(name, "small")
     a, b = case.model, copy.deepcopy(case.model)

@@ -135,6 +135,7 @@ def test_checks_name_each_failed_criterion():
     assert sweep.checks(dict(row, status="capture error")) == ""
 
 
+@pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too
 def test_the_harness_writes_a_row_per_model_even_when_one_crashes(tmp_path):
     out = tmp_path / "out"
     report = tmp_path / "section.md"
@@ -151,6 +152,17 @@ def test_the_harness_writes_a_row_per_model_even_when_one_crashes(tmp_path):
     text = report.read_text()
     assert "test-segfault" in text and "crashed: signal 11" in text and "Command:" in text
     assert (out / "sweep.md").read_text().count("\n| test-") == 2
+
+
+def test_a_model_that_kills_its_process_is_a_row_of_the_report(tmp_path):
+    """The default tier's share of the test above: a crash is a row, the run goes on."""
+    out = tmp_path / "out"
+    rc = sweep.main(["--models", "test-segfault", "--rounds", "1", "--out", str(out),
+                     "--report", str(tmp_path / "section.md"), "--timeout", "120"])
+    assert rc == 0
+    (row,) = csv.DictReader(open(out / "sweep.csv"))
+    assert row["status"] == "crashed: signal 11 (SIGSEGV)" and row["stage"] == "eager"
+    assert "crashed: signal 11" in (tmp_path / "section.md").read_text()
 
 
 @pytest.mark.slow
