@@ -329,3 +329,82 @@ def test_a_step_called_inside_autocast_runs_as_eager_does_there():
         assert torch.equal(la, lb), f"step {i}"
         assert_bitwise_equal_models(a, b, oa, ob)
     assert any(n.target == "aten._to_copy.default" for n in step.graph.nodes)
+
+
+# -- Python values the step reads ---------------------------------------------------------------
+KL_WEIGHT = 0.0
+
+
+def _annealed_loss(m, b):
+    out = m(b[0])
+    return nn.functional.cross_entropy(out, b[1]) + KL_WEIGHT * out.square().mean()
+
+
+class _Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.temperature = nn.Linear(32, 8), 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature
+
+
+def test_a_loss_weight_annealed_between_steps_is_read_at_every_step():
+    """A global loss weight changed between steps (KL annealing) was a constant of the plan
+    (silently other losses from the second step); now the step plans again, and says why."""
+    global KL_WEIGHT
+    a, b = _small(), _small()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, SMALL_BATCH, _annealed_loss, ob, latency_limit=1.3,
+                             time_budget=2, measure_latency=False)
+    try:
+        for i, weight in enumerate((0.0, 0.5, 0.5, 0.0)):
+            KL_WEIGHT = weight
+            for o in (oa, ob):
+                o.zero_grad(set_to_none=True)
+            la = eager_step(a, SMALL_BATCH, _annealed_loss, oa, seed=i)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                lb = step(SMALL_BATCH)
+            assert torch.equal(la, lb), f"step {i} (weight {weight})"
+            said = [str(w.message) for w in seen if "KL_WEIGHT" in str(w.message)]
+            assert bool(said) == (i == 1), said   # NOTE: only where a new value is planned
+        assert_bitwise_equal_models(a, b, oa, ob)
+    finally:
+        KL_WEIGHT = 0.0
+    assert len(step._plans) == 2
+
+
+def test_a_module_attribute_changed_between_steps_is_read_at_every_step():
+    a, b = _Tempered(), _Tempered()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    for i in range(3):
+        a.temperature = b.temperature = 1.0 + i
+        for o in (oa, ob):
+            o.zero_grad(set_to_none=True)
+        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(la, step(SMALL_BATCH)), f"step {i}"
+    assert_bitwise_equal_models(a, b, oa, ob)
+
+
+def test_a_value_the_forward_changes_itself_is_named_not_planned_again():
+    class Counting(_Tempered):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x)
+
+    m = Counting()
+    m.calls = 0
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="forward changes Counting.calls"):
+        step = fitgraph.optimize(m, SMALL_BATCH, _ce, opt, latency_limit=1.3, time_budget=2,
+                                 measure_latency=False)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        step(SMALL_BATCH)
+    assert len(step._plans) == 1
