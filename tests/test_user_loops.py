@@ -408,3 +408,48 @@ def test_a_value_the_forward_changes_itself_is_named_not_planned_again():
         opt.zero_grad(set_to_none=True)
         step(SMALL_BATCH)
     assert len(step._plans) == 1
+
+
+# -- hooks and wrappers -------------------------------------------------------------------------
+def test_a_parameters_gradient_hook_is_part_of_the_step():
+    """``weight.register_hook(lambda g: g * 0.5)`` was ignored (``autograd.grad`` runs no leaf
+    hook), silently training otherwise than eager; it is traced into the step now."""
+    def model():
+        m = _small()
+        m[0].weight.register_hook(lambda g: g * 0.5)
+        m[2].bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        return m
+
+    a, b = model(), model()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    for i in range(3):
+        for o in (oa, ob):
+            o.zero_grad(set_to_none=True)
+        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
+        assert torch.equal(la, step(SMALL_BATCH))
+        assert_bitwise_equal_models(a, b, oa, ob)
+
+
+def test_a_post_accumulate_grad_hook_is_a_clear_error():
+    m = _small()
+    m[2].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(fitgraph.CaptureError, match="2.weight has a post-accumulate-grad hook"):
+        fitgraph.optimize(m, SMALL_BATCH, _ce, torch.optim.AdamW(m.parameters()),
+                          latency_limit=1.3, time_budget=2, graph_breaks="error")
+
+
+def test_a_model_wrapped_by_torch_compile_is_planned_whole_and_says_so():
+    a, b = _small(), _small()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    with pytest.warns(UserWarning, match="wrapped by torch.compile"):
+        step = fitgraph.optimize(torch.compile(b), SMALL_BATCH, _ce, ob, latency_limit=1.3,
+                                 time_budget=2, measure_latency=False)
+    assert isinstance(step, api.TrainStep) and step.model is b
+    for i in range(2):
+        for o in (oa, ob):
+            o.zero_grad(set_to_none=True)
+        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
+        assert torch.equal(la, step(SMALL_BATCH))
+    assert_bitwise_equal_models(a, b, oa, ob)

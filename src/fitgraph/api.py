@@ -496,6 +496,20 @@ class TrainStep:
             pickle.dump(blob, f)
 
 
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(model)`` wraps (it shares its parameters), with a warning:
+    fitgraph captures and plans it whole, where the wrapper's dynamo would break the capture
+    into regions; the compiled kernels are not what runs."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ != "OptimizedModule" or not isinstance(inner, torch.nn.Module):
+        return model
+    warnings.warn("fitgraph: the model is wrapped by torch.compile; fitgraph plans and runs the "
+                  "module it wraps (model._orig_mod, the same parameters) with its own plan, "
+                  "not the compiled kernels (for those: torch.compile(model, backend="
+                  "fitgraph.backend(...)))", stacklevel=3)
+    return inner
+
+
 def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              optimizer: torch.optim.Optimizer | None = None, budget=None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
@@ -555,6 +569,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     check_latency_limit(latency_limit)
     if graph_breaks not in ("regions", "error"):
         raise ValueError("graph_breaks must be 'regions' or 'error'")
+    model = _uncompiled(model)
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,

@@ -127,6 +127,20 @@ def _hook_backward(loss: torch.Tensor, tracker: PhaseTracker) -> None:
         stack.extend(nf for nf, _ in fn.next_functions)
 
 
+def _leaf_hooks(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's own gradient hooks (``param.register_hook``), run on its gradient as
+    autograd runs them before accumulating it into ``.grad``, in order, a hook's result
+    replacing the gradient: traced into the step (``autograd.grad`` runs none of them)."""
+    hooks = getattr(param, "_backward_hooks", None)
+    if grad is None or not hooks:
+        return grad
+    for hook in list(hooks.values()):
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad
+
+
 def _obey_layout(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
     """What autograd's AccumulateGrad stores as a fresh ``.grad``: the gradient itself when its
     strides match the parameter's, else a copy laid out like the parameter. Done in the graph so
@@ -228,6 +242,14 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     if not params:
         raise CaptureError("the model has no parameter with requires_grad=True; nothing to "
                            "train", module="")
+    hooked = next((n for n, p in params.items() if getattr(p, "_post_accumulate_grad_hooks",
+                                                           None)), None)
+    if hooked is not None:
+        raise CaptureError(f"parameter {hooked} has a post-accumulate-grad hook "
+                           "(register_post_accumulate_grad_hook), which a planned step does "
+                           "not run (it runs no Python): remove it, and for an update in the "
+                           "backward pass optimizer_in_backward=True",
+                           module=hooked.rpartition(".")[0], op="post_accumulate_grad_hook")
     buffers = dict(model.named_buffers())
     buffers.update({n: p for n, p in model.named_parameters() if not p.requires_grad})
     leaves, spec = tree_flatten(batch)
@@ -259,6 +281,7 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         _hook_backward(loss, tracker)
         tracker.mark(Phase.BACKWARD, "")
         grads = torch.autograd.grad(loss, [p[n] for n in names], allow_unused=True)
+        grads = [_leaf_hooks(g, params[n]) for g, n in zip(grads, names)]
         grads = [_obey_layout(g, p[n]) for g, n in zip(grads, names)]
         tracker.mark(Phase.OPTIMIZER, "")
         if clip_grad_norm is not None:
