@@ -144,6 +144,10 @@ def test_optimizer_with_foreign_parameter():
 def test_non_tensor_batch_leaf():
     with pytest.raises(CaptureError, match="batch leaf 1 is a str"):
         fitgraph.capture(nn.Linear(4, 1), (X, "hello"), lambda m, b: m(b[0]).sum())
+    m = nn.Linear(4, 1)
+    with pytest.raises(CaptureError, match="batch leaf 1 is a int"):   # NOTE: it was an
+        fitgraph.optimize(m, (X, 3), lambda m, b: m(b[0]).sum() * b[1],  # AttributeError
+                          torch.optim.AdamW(m.parameters()), latency_limit=1.3, time_budget=1)
 
 
 def test_execute_rejects_other_shapes_and_structures():

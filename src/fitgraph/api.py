@@ -198,7 +198,10 @@ class TrainStep:
         parameters and autocast: ``ambient.step_key``): a plan is valid for one of each, and a
         step after ``model.eval()``, a freeze or inside ``torch.autocast`` plans again."""
         leaves, spec = tree_flatten(batch)
-        shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves)
+        # NOTE: a leaf that is no tensor keys by its value: capture then names it (CaptureError)
+        shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                       if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
+                       for t in leaves)
         return ((str(spec), shapes), self._state_key(), step_key(self._modules, self._params),
                 values(self._py))
 
