@@ -294,20 +294,32 @@ def _ce(m, b):
 SMALL_BATCH = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
 
 
+def _planned_twins(make=_small, loss=_ce, wrap=lambda m: m):
+    """Two models made alike, AdamW each, the second's step planned: (a, b, oa, ob, step)."""
+    a, b = make(), make()
+    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
+    step = fitgraph.optimize(wrap(b), SMALL_BATCH, loss, ob, latency_limit=1.3, time_budget=2,
+                             measure_latency=False)
+    return a, b, oa, ob, step
+
+
+def _both_step(a, oa, ob, step, i, loss=_ce):
+    """Step ``i`` of eager (``a``) and of the planned ``step``: (eager's loss, the step's)."""
+    for o in (oa, ob):
+        o.zero_grad(set_to_none=True)
+    return eager_step(a, SMALL_BATCH, loss, oa, seed=i), step(SMALL_BATCH)
+
+
 def test_a_layer_frozen_and_unfrozen_between_steps_trains_as_in_eager():
     """Fine-tuning that freezes a layer for some steps: the plan made with it trainable kept
     updating it (silently unlike eager); now the step plans again for the parameters that
     train."""
-    a, b = _small(), _small()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
-                             measure_latency=False)
+    a, b, oa, ob, step = _planned_twins()
     for i, frozen in enumerate((False, True, True, False)):
-        for m, o in ((a, oa), (b, ob)):
+        for m in (a, b):
             m[0].requires_grad_(not frozen)
-            o.zero_grad(set_to_none=True)
-        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
-        assert torch.equal(la, step(SMALL_BATCH)), f"step {i} (frozen={frozen})"
+        la, lb = _both_step(a, oa, ob, step, i)
+        assert torch.equal(la, lb), f"step {i} (frozen={frozen})"
         assert_bitwise_equal_models(a, b, oa, ob)
     assert len(step._plans) == 2
 
@@ -316,16 +328,10 @@ def test_a_step_called_inside_autocast_runs_as_eager_does_there():
     """``with torch.autocast(...): loss = step(batch)``: the plan made outside it failed
     ("attempting to assign a gradient with dtype BFloat16..."); now the step is captured in
     the caller's autocast and its graph runs with its own casts."""
-    a, b = _small(), _small()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
-                             measure_latency=False)
+    a, b, oa, ob, step = _planned_twins()
     for i in range(3):
-        for o in (oa, ob):
-            o.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
-            lb = step(SMALL_BATCH)
+            la, lb = _both_step(a, oa, ob, step, i)
         assert torch.equal(la, lb), f"step {i}"
         assert_bitwise_equal_models(a, b, oa, ob)
     assert any(n.target == "aten._to_copy.default" for n in step.graph.nodes)
@@ -354,19 +360,13 @@ def test_a_loss_weight_annealed_between_steps_is_read_at_every_step():
     """A global loss weight changed between steps (KL annealing) was a constant of the plan
     (silently other losses from the second step); now the step plans again, and says why."""
     global KL_WEIGHT
-    a, b = _small(), _small()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    step = fitgraph.optimize(b, SMALL_BATCH, _annealed_loss, ob, latency_limit=1.3,
-                             time_budget=2, measure_latency=False)
+    a, b, oa, ob, step = _planned_twins(loss=_annealed_loss)
     try:
         for i, weight in enumerate((0.0, 0.5, 0.5, 0.0)):
             KL_WEIGHT = weight
-            for o in (oa, ob):
-                o.zero_grad(set_to_none=True)
-            la = eager_step(a, SMALL_BATCH, _annealed_loss, oa, seed=i)
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                lb = step(SMALL_BATCH)
+                la, lb = _both_step(a, oa, ob, step, i, _annealed_loss)
             assert torch.equal(la, lb), f"step {i} (weight {weight})"
             said = [str(w.message) for w in seen if "KL_WEIGHT" in str(w.message)]
             assert bool(said) == (i == 1), said   # NOTE: only where a new value is planned
@@ -377,18 +377,13 @@ def test_a_loss_weight_annealed_between_steps_is_read_at_every_step():
 
 
 def test_a_module_attribute_changed_between_steps_is_read_at_every_step():
-    a, b = _Tempered(), _Tempered()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
-                             measure_latency=False)
+    a, b, oa, ob, step = _planned_twins(_Tempered)
     for i in range(3):
         a.temperature = b.temperature = 1.0 + i
-        for o in (oa, ob):
-            o.zero_grad(set_to_none=True)
-        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert torch.equal(la, step(SMALL_BATCH)), f"step {i}"
+            la, lb = _both_step(a, oa, ob, step, i)
+        assert torch.equal(la, lb), f"step {i}"
     assert_bitwise_equal_models(a, b, oa, ob)
 
 
@@ -414,21 +409,16 @@ def test_a_value_the_forward_changes_itself_is_named_not_planned_again():
 def test_a_parameters_gradient_hook_is_part_of_the_step():
     """``weight.register_hook(lambda g: g * 0.5)`` was ignored (``autograd.grad`` runs no leaf
     hook), silently training otherwise than eager; it is traced into the step now."""
-    def model():
+    def hooked():
         m = _small()
         m[0].weight.register_hook(lambda g: g * 0.5)
         m[2].bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
         return m
 
-    a, b = model(), model()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
-    step = fitgraph.optimize(b, SMALL_BATCH, _ce, ob, latency_limit=1.3, time_budget=2,
-                             measure_latency=False)
+    a, b, oa, ob, step = _planned_twins(hooked)
     for i in range(3):
-        for o in (oa, ob):
-            o.zero_grad(set_to_none=True)
-        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
-        assert torch.equal(la, step(SMALL_BATCH))
+        la, lb = _both_step(a, oa, ob, step, i)
+        assert torch.equal(la, lb)
         assert_bitwise_equal_models(a, b, oa, ob)
 
 
@@ -441,15 +431,10 @@ def test_a_post_accumulate_grad_hook_is_a_clear_error():
 
 
 def test_a_model_wrapped_by_torch_compile_is_planned_whole_and_says_so():
-    a, b = _small(), _small()
-    oa, ob = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b))
     with pytest.warns(UserWarning, match="wrapped by torch.compile"):
-        step = fitgraph.optimize(torch.compile(b), SMALL_BATCH, _ce, ob, latency_limit=1.3,
-                                 time_budget=2, measure_latency=False)
+        a, b, oa, ob, step = _planned_twins(wrap=torch.compile)
     assert isinstance(step, api.TrainStep) and step.model is b
     for i in range(2):
-        for o in (oa, ob):
-            o.zero_grad(set_to_none=True)
-        la = eager_step(a, SMALL_BATCH, _ce, oa, seed=i)
-        assert torch.equal(la, step(SMALL_BATCH))
+        la, lb = _both_step(a, oa, ob, step, i)
+        assert torch.equal(la, lb)
     assert_bitwise_equal_models(a, b, oa, ob)

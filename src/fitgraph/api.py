@@ -39,7 +39,7 @@ from .graph.ir import Graph
 from .measure import _sync
 from .plan.instructions import Plan
 from .plan.verify import verify_plan
-from .python_values import changed, python_refs, values
+from .python_values import StepValues
 from .sim.simulate import SimResult, simulate
 from .solvers import Problem, Solution, solve, solve_smallest
 from .solvers.grads_in_place import grads_in_place
@@ -162,10 +162,9 @@ class TrainStep:
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
         self._slots = ModelSlots(model)
-        named = list(model.named_modules())
-        self._modules, self._params = [m for _, m in named], list(model.parameters())
+        self._modules, self._params = list(model.modules()), list(model.parameters())
         # NOTE: Python values the step reads as constants (fitgraph.python_values)
-        self._py = python_refs(self._modules, [n for n, _ in named], loss_fn)
+        self._values = StepValues(model, loss_fn)
         self._autocast: tuple = ()   # NOTE: the caller's autocast, captured in (fitgraph.ambient)
 
     # -- planning -------------------------------------------------------------------------------
@@ -203,14 +202,14 @@ class TrainStep:
                        if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
                        for t in leaves)
         return ((str(spec), shapes), self._state_key(), step_key(self._modules, self._params),
-                values(self._py))
+                self._values.now())
 
     def _graph_key(self, graph: Graph) -> tuple:
         shapes = tuple((graph.values[v].shape, graph.values[v].dtype)
                        for v, name in zip(graph.inputs, graph.input_names)
                        if name.startswith("batch:"))
         return ((str(graph.meta["batch_spec"]), shapes), self._state_key(),
-                step_key(self._modules, self._params), values(self._py))
+                step_key(self._modules, self._params), self._values.now())
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
@@ -314,44 +313,14 @@ class TrainStep:
                 raise ValueError(f"batch shapes {key[0][1]} differ from the planned ones "
                                  f"{sorted(s[1] for s in shapes_seen)}; optimize(..., "
                                  "on_new_shape='replan') plans each new shape (cached)")
-            self._say_python_changes(key)
+            self._values.say_changed(self._plans, key)
             # NOTE: captured in the caller's autocast; profiled, planned and run without it
             self._autocast = autocast_state()
             with no_autocast():
                 planned = self._plan(batch)
-            key = self._forget_what_the_forward_changed(key)
+            self._plans, key = self._values.forget_forward_changes(self._plans, key)
             self._plans[key] = planned
         return self._plans[key]
-
-    def _say_python_changes(self, key: tuple) -> None:
-        """Law 5: a plan made again because a Python value the step reads changed says so."""
-        for k in self._plans:
-            if k[:3] == key[:3] and k[3] != key[3]:
-                what = ", ".join(changed(self._py, k[3], key[3]))
-                warnings.warn(f"fitgraph: {what} changed since the step was planned: planning "
-                              "it again (the step reads it as a constant; as a tensor — a "
-                              "buffer, or a part of the batch — one plan serves every value)",
-                              stacklevel=4)
-                return
-
-    def _forget_what_the_forward_changed(self, key: tuple) -> tuple:
-        """Values the capture itself changed (a forward's counter) are not the caller's: they
-        would change at every call. Untracked from now on, with a warning; ``key`` without
-        them."""
-        now = values(self._py)
-        gone = {i for i, (a, b) in enumerate(zip(key[3], now)) if a != b}
-        if not gone:
-            return key
-        warnings.warn("fitgraph: the model's forward changes "
-                      f"{', '.join(self._py[i].label for i in sorted(gone))}; the planned "
-                      "step runs no Python, so it stays as the capture left it", stacklevel=4)
-        self._py = [r for i, r in enumerate(self._py) if i not in gone]
-
-        def keep(k: tuple) -> tuple:
-            return (*k[:3], tuple(v for i, v in enumerate(k[3]) if i not in gone))
-
-        self._plans = {keep(k): p for k, p in self._plans.items()}
-        return keep(key)
 
     # -- running --------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Ref", "changed", "python_refs", "values"]
+__all__ = ["Ref", "StepValues", "changed", "python_refs", "values"]
 
 _SCALARS = (bool, int, float)
 _GONE = object()
@@ -129,3 +130,44 @@ def _names(code: types.CodeType) -> list[str]:
         if isinstance(c, types.CodeType):
             out += _names(c)
     return list(dict.fromkeys(out))
+
+
+class StepValues:
+    """The values one training step tracks (``python_refs`` of ``model`` and ``loss_fn``), for
+    a cache of plans keyed by tuples whose last element is ``now()``."""
+
+    def __init__(self, model: Any, loss_fn: Callable | None) -> None:
+        named = list(model.named_modules())
+        self.refs = python_refs([m for _, m in named], [n for n, _ in named], loss_fn)
+
+    def now(self) -> tuple:
+        return values(self.refs)
+
+    def say_changed(self, plans: dict, key: tuple) -> None:
+        """Law 5: where a plan is made again because a tracked value changed (a key of
+        ``plans`` equal to ``key`` but in its values), warn, naming it."""
+        for k in plans:
+            if k[:-1] == key[:-1] and k[-1] != key[-1]:
+                what = ", ".join(changed(self.refs, k[-1], key[-1]))
+                warnings.warn(f"fitgraph: {what} changed since the step was planned: planning "
+                              "it again (the step reads it as a constant; as a tensor — a "
+                              "buffer, or a part of the batch — one plan serves every value)",
+                              stacklevel=4)
+                return
+
+    def forget_forward_changes(self, plans: dict, key: tuple) -> tuple[dict, tuple]:
+        """Values that changed since ``key`` was taken, by the capture itself (a forward's
+        counter), are not the caller's: they would change at every call. Untracked from now on,
+        with a warning; (``plans``, ``key``) keyed without them."""
+        gone = {i for i, (a, b) in enumerate(zip(key[-1], self.now())) if a != b}
+        if not gone:
+            return plans, key
+        warnings.warn("fitgraph: the model's forward changes "
+                      f"{', '.join(self.refs[i].label for i in sorted(gone))}; the planned "
+                      "step runs no Python, so it stays as the capture left it", stacklevel=4)
+        self.refs = [r for i, r in enumerate(self.refs) if i not in gone]
+
+        def keep(k: tuple) -> tuple:
+            return (*k[:-1], tuple(v for i, v in enumerate(k[-1]) if i not in gone))
+
+        return {keep(k): p for k, p in plans.items()}, keep(key)
