@@ -438,3 +438,32 @@ def test_a_model_wrapped_by_torch_compile_is_planned_whole_and_says_so():
         la, lb = _both_step(a, oa, ob, step, i)
         assert torch.equal(la, lb)
     assert_bitwise_equal_models(a, b, oa, ob)
+
+
+def test_a_data_parallel_wrapper_is_planned_as_its_module():
+    with pytest.warns(UserWarning, match="wrapped by nn.DataParallel"):
+        a, b, oa, ob, step = _planned_twins(wrap=nn.DataParallel)
+    la, lb = _both_step(a, oa, ob, step, 0)
+    assert torch.equal(la, lb)
+    assert_bitwise_equal_models(a, b, oa, ob)
+
+
+def test_a_distributed_data_parallel_model_is_a_clear_error():
+    """DDP averages gradients across processes by autograd hooks a planned step does not run:
+    it failed with "fx node _record_function_enter_new is used as a tensor"."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        m = nn.parallel.DistributedDataParallel(_small())
+        with pytest.raises(fitgraph.CaptureError, match="wrapped by DistributedDataParallel"):
+            fitgraph.optimize(m, SMALL_BATCH, _ce, torch.optim.AdamW(m.parameters()),
+                              latency_limit=1.3, time_budget=2)
+    finally:
+        dist.destroy_process_group()
