@@ -467,3 +467,22 @@ def test_a_distributed_data_parallel_model_is_a_clear_error():
                               latency_limit=1.3, time_budget=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_that_draws_from_pythons_random_is_a_clear_error():
+    """``if random.random() < 0.5: flip`` in the loss was traced with one draw, repeated at
+    every step by the plan (silently unlike eager); it is a CaptureError now, and capture
+    leaves Python's generator where it was."""
+    import random
+
+    def augmented(m, b):
+        x = b[0].flip(-1) if random.random() < 0.5 else b[0]
+        return _ce(m, (x, b[1]))
+
+    m = _small()
+    random.seed(3)
+    before = random.getstate()
+    with pytest.raises(fitgraph.CaptureError, match="draws from Python's random module"):
+        fitgraph.optimize(m, SMALL_BATCH, augmented, torch.optim.AdamW(m.parameters()),
+                          latency_limit=1.3, time_budget=2)
+    assert random.getstate() == before

@@ -28,6 +28,7 @@ from ..graph.ir import Phase
 from .calling import LossFn, compute_loss
 from .errors import CaptureError
 from .fake_mode import CaptureFakeMode
+from .host_rng import no_host_draws
 from .trace_errors import translate
 from .user_checkpoints import plain_checkpoints
 
@@ -289,8 +290,8 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
         return loss, grads
 
     try:
-        with (fake_mode, _module_hooks(model, tracker), _caches_cleared(model),
-              plain_checkpoints() as seen):
+        with (no_host_draws(), fake_mode, _module_hooks(model, tracker),
+              _caches_cleared(model), plain_checkpoints() as seen):
             gm = make_fx(step, tracing_mode="real", record_module_stack=False)(
                 f_params, f_buffers, f_leaves)
     except CaptureError:
