@@ -486,3 +486,18 @@ def test_a_step_that_draws_from_pythons_random_is_a_clear_error():
         fitgraph.optimize(m, SMALL_BATCH, augmented, torch.optim.AdamW(m.parameters()),
                           latency_limit=1.3, time_budget=2)
     assert random.getstate() == before
+
+
+def test_a_step_that_seeds_torch_is_a_clear_error():
+    """``torch.manual_seed`` in the loss (the same dropout masks every step, in eager) ran once
+    at capture: the plan drew new masks each step, silently."""
+    def seeded(m, b):
+        torch.manual_seed(0)
+        return _ce(m, (nn.functional.dropout(b[0], 0.5), b[1]))
+
+    m = _small()
+    before = torch.get_rng_state()
+    with pytest.raises(fitgraph.CaptureError, match="seeds torch's random generator"):
+        fitgraph.optimize(m, SMALL_BATCH, seeded, torch.optim.AdamW(m.parameters()),
+                          latency_limit=1.3, time_budget=2)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -1,12 +1,16 @@
-"""Python's and NumPy's global random generators, which a traced step must not draw from.
+"""Python's and NumPy's global random generators, which a traced step must not draw from, and
+torch's, which it must not seed.
 
 A step that draws from ``random`` or ``numpy.random`` (an augmentation ``if random.random() <
 0.5: x = x.flip(-1)`` in the forward or the loss) is traced with one draw: the plan would take
 that branch, or use that number, at every step, where eager draws again each time (silently
 other results). Torch's own generator is another matter: its draws are ops of the graph, which
-the plan makes as eager does. ``no_host_draws`` wraps a trace: it puts both generators back as
-they were (capture leaves the caller's random streams untouched) and, where the trace drew from
-one, raises a CaptureError saying what to do.
+the plan makes as eager does, on fake tensors while tracing, so its state does not move then;
+where it moved, the step seeded it (``torch.manual_seed`` in a forward, to draw the same masks
+each step), which a plan, running no Python, would not do again. ``no_host_draws`` wraps a
+trace: it puts the generators back as they were (capture leaves the caller's random streams
+untouched) and, where the trace drew from one or seeded torch's, raises a CaptureError saying
+what to do.
 
 Example:
     >>> import random
@@ -26,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+
+import torch
 
 from .errors import CaptureError
 
@@ -47,16 +53,25 @@ def no_host_draws() -> Iterator[None]:
     np_random = _numpy_random()
     py_state = random.getstate()
     np_state = np_random.get_state() if np_random is not None else None
+    torch_state = torch.get_rng_state()
     try:
         yield
         drew = [name for name, moved in (
             ("Python's random module", random.getstate() != py_state),
             ("numpy.random", np_random is not None and _moved(np_random.get_state(), np_state)),
         ) if moved]
+        seeded = not torch.equal(torch.get_rng_state(), torch_state)
     finally:
         random.setstate(py_state)
         if np_random is not None:
             np_random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+    if seeded:
+        raise CaptureError("the step seeds torch's random generator (torch.manual_seed or "
+                           "set_rng_state in the forward or the loss): a plan runs no Python, so "
+                           "it would not seed it again at every step as eager does; seed outside "
+                           "the step, or pass a torch.Generator's draws in the batch",
+                           module="", op="torch.manual_seed")
     if drew:
         raise CaptureError(f"the step draws from {' and '.join(drew)}: a plan would repeat the "
                            "one draw made when it was captured at every step, where eager draws "
