@@ -451,6 +451,7 @@ def test_a_data_parallel_wrapper_is_planned_as_its_module():
 def test_a_distributed_data_parallel_model_is_a_clear_error():
     """DDP averages gradients across processes by autograd hooks a planned step does not run:
     it failed with "fx node _record_function_enter_new is used as a tensor"."""
+    import datetime
     import socket
 
     import torch.distributed as dist
@@ -459,7 +460,7 @@ def test_a_distributed_data_parallel_model_is_a_clear_error():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
     try:
         m = nn.parallel.DistributedDataParallel(_small())
         with pytest.raises(fitgraph.CaptureError, match="wrapped by DistributedDataParallel"):

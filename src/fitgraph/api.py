@@ -201,15 +201,19 @@ class TrainStep:
         shapes = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
                        if isinstance(t, torch.Tensor) else (type(t).__name__, repr(t))
                        for t in leaves)
-        return ((str(spec), shapes), self._state_key(), step_key(self._modules, self._params),
-                self._values.now())
+        return ((str(spec), shapes), *self._model_key())
 
     def _graph_key(self, graph: Graph) -> tuple:
         shapes = tuple((graph.values[v].shape, graph.values[v].dtype)
                        for v, name in zip(graph.inputs, graph.input_names)
                        if name.startswith("batch:"))
-        return ((str(graph.meta["batch_spec"]), shapes), self._state_key(),
-                step_key(self._modules, self._params), self._values.now())
+        return ((str(graph.meta["batch_spec"]), shapes), *self._model_key())
+
+    def _model_key(self) -> tuple:
+        """What a plan depends on besides the batch: the optimizer's state keys, the model's
+        modes, trainable parameters and autocast (``ambient.step_key``), and the Python values
+        the step reads (``python_values``)."""
+        return self._state_key(), step_key(self._modules, self._params), self._values.now()
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
@@ -320,12 +324,12 @@ class TrainStep:
                 planned = self._plan(batch)
             self._plans, key = self._values.forget_forward_changes(self._plans, key)
             self._plans[key] = planned
+        self._last = key
         return self._plans[key]
 
     # -- running --------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
-        planned = self.plan_for(batch)
-        self._last = self._key(batch)
+        planned = self.plan_for(batch)   # NOTE: sets self._last, its key
         if planned.unverified:
             self._autocast = autocast_state()
             self._verify(planned, batch)

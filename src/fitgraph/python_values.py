@@ -13,8 +13,8 @@ private ones, not ``training``: ``fitgraph.ambient`` keys the modes), and of the
 closure cells, the module globals it names, and, one level further, the functions and callable
 objects it reaches that way (a loss ``lambda m, b: my_loss(m, b)``, a ``functools.partial``, a
 bound method's object). What a forward changes itself (a counter ``self.calls += 1``) is not
-tracked: the plan runs no Python, so such a value stays as the capture left it (``forward_made``
-names them, and ``TrainStep`` warns).
+tracked: the plan runs no Python, so such a value stays as the capture left it
+(``StepValues.forget_forward_changes`` drops them from the key, with a warning naming them).
 
 Example:
     >>> import torch

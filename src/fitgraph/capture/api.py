@@ -41,9 +41,9 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
 
     The model's own ``torch.utils.checkpoint`` calls are traced as plain calls (the planner
     chooses what to recompute; ``graph.meta["user_checkpoints"]`` counts them, see
-    ``capture.user_checkpoints``). Traced on fake tensors: no activation memory is used. A model built on the ``meta`` device
-    is captured as if it lived on ``device`` (default cpu), so models bigger than this machine
-    can be planned. Raises ``fitgraph.CaptureError`` naming the module and op for what cannot be
+    ``capture.user_checkpoints``). Traced on fake tensors: no activation memory is used. A
+    model built on the ``meta`` device is captured as if it lived on ``device`` (default cpu),
+    so models bigger than this machine can be planned. Raises ``fitgraph.CaptureError`` naming the module and op for what cannot be
     captured.
     """
     t0 = time.perf_counter()

@@ -11,11 +11,10 @@ fitgraph chooses what to recompute itself (the plan's recompute replaces the mod
 step is traced with each checkpointed function called directly, as ``checkpoint`` computes it
 (the same ops and values; the recompute only repeats them; with ``use_reentrant=True`` and no
 tensor input that requires grad, under ``no_grad``, as eager gives that block no gradients).
-Both of torch's variants are
-covered, whatever name the model holds ``checkpoint`` by: ``use_reentrant=True`` goes through
-``CheckpointFunction.apply``, ``use_reentrant=False`` through
-``_checkpoint_without_reentrant_generator``, both looked up in ``torch.utils.checkpoint`` at
-each call. ``Seen.calls`` counts them; ``capture`` records it in ``graph.meta``.
+Both of torch's variants are covered, whatever name the model holds ``checkpoint`` by:
+``use_reentrant=True`` goes through ``CheckpointFunction.apply``, ``use_reentrant=False``
+through ``_checkpoint_without_reentrant_generator``, both looked up in
+``torch.utils.checkpoint`` at each call. ``Seen.calls`` counts them; ``capture`` records it in ``graph.meta``.
 
 Example:
     >>> import torch

@@ -99,8 +99,8 @@ class _Update:
     state: dict
     group: dict
     foreach: bool
-    made: torch.Tensor | None
-    fused: bool = False   # NOTE: SGD's fresh momentum buffer, filled after the update
+    made: torch.Tensor | None   # NOTE: SGD's fresh momentum buffer, filled after the update
+    fused: bool = False         # NOTE: the group's fused kernel, run on this one parameter
 
     def created(self) -> tuple[torch.Tensor, ...]:
         have = self.node.kwargs["have"]

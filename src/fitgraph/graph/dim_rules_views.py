@@ -23,7 +23,8 @@ from math import lcm, prod
 from .dim_types import Along, SizeArg, Split, arg_of, norm_dim
 
 __all__ = ["cat", "expand", "identity_dims", "permute", "select", "select_backward", "slice_",
-           "slice_backward", "split", "squeeze", "stack", "t", "transpose", "unbind", "unpack_bits", "unsqueeze", "view"]
+           "slice_backward", "split", "squeeze", "stack", "t", "transpose", "unbind",
+           "unpack_bits", "unsqueeze", "view"]
 
 Shape = tuple[int, ...]
 
