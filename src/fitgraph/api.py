@@ -30,6 +30,7 @@ from .capture.api import capture
 from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
 from .capture.optimizer import OPTIMIZER_KINDS, state_keys
+from .capture.wrappers import unwrapped
 from .cost import measures_here
 from .execute.executor import Executor
 from .execute.meter import MemoryMeter
@@ -472,37 +473,6 @@ class TrainStep:
             pickle.dump(blob, f)
 
 
-# NOTE: wrappers whose gradients are reduced across processes by hooks a plan does not run
-_DISTRIBUTED = ("DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule")
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module a ``torch.compile(model)`` or ``nn.DataParallel(model)`` wraps (it shares its
-    parameters), with a warning: fitgraph captures, plans and runs it whole, on its device, not
-    the wrapper's compiled kernels or replicas (the same results). A model wrapped for several
-    processes (DDP, FSDP) is a CaptureError: its gradients are averaged by hooks a plan does not
-    run."""
-    names = {c.__name__ for c in type(model).__mro__}
-    if names & set(_DISTRIBUTED):
-        kind = next(n for n in _DISTRIBUTED if n in names)
-        raise CaptureError(f"the model is wrapped by {kind}, whose gradient reduction across "
-                           "processes a planned step would not run: plan the module it wraps "
-                           "with optimizer=None, reduce its gradients yourself "
-                           "(torch.distributed.all_reduce on each .grad, divided by the world "
-                           "size) and call optimizer.step()", module="", op=kind)
-    kind, attr = {"OptimizedModule": ("torch.compile", "_orig_mod"),
-                  "DataParallel": ("nn.DataParallel", "module")}.get(type(model).__name__,
-                                                                     (None, ""))
-    inner = getattr(model, attr, None)
-    if kind is None or not isinstance(inner, torch.nn.Module):
-        return model
-    warnings.warn(f"fitgraph: the model is wrapped by {kind}; fitgraph plans and runs the "
-                  "module it wraps (the same parameters) with its own plan, on its device, not "
-                  "the wrapper's kernels or replicas (for torch.compile's kernels: "
-                  "torch.compile(model, backend=fitgraph.backend(...)))", stacklevel=3)
-    return inner
-
-
 def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              optimizer: torch.optim.Optimizer | None = None, budget=None,
              latency_limit: float | None = None, time_budget: float = 30.0, *,
@@ -562,7 +532,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     check_latency_limit(latency_limit)
     if graph_breaks not in ("regions", "error"):
         raise ValueError("graph_breaks must be 'regions' or 'error'")
-    model = _unwrapped(model)
+    model = unwrapped(model)
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
