@@ -248,3 +248,32 @@ def test_a_loss_that_mixes_the_sliced_rows_is_left_as_it_is():
     g2 = unshift_losses(g)
     assert g2.nodes is g.nodes and "unshifted" not in g2.meta
     assert any("logsumexp" in why or "may mix rows" in why for why in g2.meta["unshift_skipped"])
+
+
+class _KeepsFirstPositions(nn.Module):
+    """``cat([h[:, :k], f(h[:, k:])], 1)``: the backward slices the first ``k`` positions of a
+    gradient and writes them into a zeroed whole-size buffer (``slice_backward``), no loss
+    involved (Funnel Transformer's CLS token)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.a, self.b = k, nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.cat([h[:, :self.k], h[:, self.k:] * 0.5], 1))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_slice_of_positions_that_no_loss_reads_is_left_as_it_is(k):
+    # NOTE: before, k=2 was rewritten as a shifted loss (slice_backward's zeros dropped: wrong
+    # gradients, silently) and k=1 failed every fission plan ("reads ... over the vocabulary")
+    from fitgraph.transform.fission_shift import unshift_losses
+
+    torch.manual_seed(0)
+    model, x = _KeepsFirstPositions(k), torch.randn(2, 12, 16)
+    loss_fn = lambda m, b: m(b).square().mean()  # noqa: E731
+    g = fitgraph.capture(model, x, loss_fn)
+    g2 = unshift_losses(g)
+    assert "unshifted" not in g2.meta and g2.meta["unshift_skipped"]
+    _assert_close_to_eager(g2, eager_plan(g2), model, x, loss_fn, {"rtol": 1e-6, "atol": 0})

@@ -108,7 +108,13 @@ def unshift_losses(graph: Graph) -> Graph:
         if isinstance(found, str):
             why.append(f"{n.name}: {found}")
             continue
-        out = _Rewriter(graph, _Shift(graph, n), found).run()
+        try:
+            out = _Rewriter(graph, _Shift(graph, n), found).run()
+        except ValueError as e:
+            # NOTE: a rewrite this module cannot make leaves the loss as captured: fission
+            # then cuts it along the batch only; never a failed plan
+            why.append(f"{n.name}: {e}")
+            continue
         verify_graph(out)
         return unshift_losses(out)  # NOTE: one slice at a time: ids change with each rewrite
     if why:
@@ -133,6 +139,10 @@ def _lifted_nodes(graph: Graph, sl: Node) -> set[int] | str:
     if x.stride != contiguous_strides(x.shape) or x.storage_offset:
         return "the sliced tensor is not contiguous"
     sh = _Shift(graph, sl)
+    if sh.N in (sh.B, sh.M) or sh.Tk == sh.V:
+        # NOTE: one position kept (Funnel's ``x[:, :1]``, a CLS token), or a shape that names
+        # two things: [N, ...] rows would be ambiguous with [B, ...] or the vocabulary
+        return "the kept positions' shape is ambiguous (one position, or as long as the classes)"
     readers = users(graph)
     lifted = {sl.id}
     todo = [sl.id]
@@ -171,6 +181,8 @@ def _lifted_nodes(graph: Graph, sl: Node) -> set[int] | str:
             return f"{n.name} reads a graph input over the vocabulary"
     if ends != 1:
         return "no single slice_backward writes the sliced logits' gradient"
+    if not any(graph.nodes[nid].target == "aten.nll_loss_forward.default" for nid in lifted):
+        return "no loss reads the sliced positions"
     for nid in lifted:
         for o in graph.nodes[nid].outputs:
             if o is not None and o in graph.outputs.values() and graph.values[o].shape:
