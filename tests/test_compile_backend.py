@@ -289,3 +289,21 @@ def test_activation_backwards_write_over_their_gradients_bitwise_as_simulated():
         step(x).backward()
     measured = resident_bytes(model, x) + meter.peak_bytes
     assert abs(measured - r.planned_peak_bytes) <= SCALAR_SLACK_BYTES, (measured, r)
+
+
+def test_dynamic_shapes_run_unplanned_when_asked():
+    be = fitgraph.backend(budget=0.9, time_budget=2, dynamic_shapes="unplanned")
+    model = mlp(depth=2, dropout=False)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    with pytest.warns(UserWarning, match="dynamic shapes"):
+        loss = mlp_loss(compiled, _batch(64))
+    loss.backward()
+    want = mlp_loss(ref, _batch(64))
+    want.backward()
+    assert torch.equal(loss.detach(), want.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert be.unplanned and not be.reports
+    with pytest.raises(ValueError, match="dynamic_shapes"):
+        fitgraph.backend(dynamic_shapes="maybe")

@@ -303,3 +303,34 @@ def test_a_region_plan_the_modules_cannot_run_falls_back_and_says_so():
         opt.zero_grad(set_to_none=True)
     notes = [r.notes.get("modules", "") for r in step.report().regions]
     assert any("refused" in n and "hotspot" in n for n in notes), notes
+
+
+def test_a_region_traced_with_dynamic_shapes_runs_unplanned_and_says_so():
+    # NOTE: a region whose sizes change between calls (a dynamic MoE dispatch, a new batch
+    # size) is traced again by torch.compile with symbolic sizes, which fitgraph cannot plan:
+    # before, the step failed (BackendCompilerFailed: "joint graph input ... is a SymInt")
+    a = ItemScaled()
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(n, 32, generator=g) for n in (16, 12, 9)]
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    with pytest.warns(UserWarning, match="cannot be captured as one graph"):
+        step = fitgraph.optimize(b, batches[0], loss_fn, ob, budget="smallest", time_budget=2)
+    assert isinstance(step, RegionsStep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in batches:
+            la = loss_fn(a, x)
+            la.backward()
+            oa.step()
+            oa.zero_grad(set_to_none=True)
+            lb = step(x)
+            ob.zero_grad(set_to_none=True)
+            assert torch.allclose(la.detach(), lb, rtol=1e-5, atol=1e-6)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, rtol=1e-5, atol=1e-6)
+    r = step.report()
+    assert r.notes["unplanned"] and "dynamic shapes" in r.notes["unplanned"][0]
+    assert "unplanned: " in str(r)

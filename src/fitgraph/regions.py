@@ -120,6 +120,7 @@ class RegionsReport:
                          f"for -> measured: {tries})")
         if "boundary_holds" in self.notes:
             lines.append(f"  {self.notes['boundary_holds']}")
+        lines += [f"  unplanned: {u}" for u in self.notes.get("unplanned", ())]
         if "not_measured" in self.notes:
             lines.append(f"  step: not measured yet ({self.notes['not_measured']})")
         lines.append(f"  step: measured peak {format_bytes(self.measured_peak_bytes)}"
@@ -265,9 +266,13 @@ class RegionsStep:
         _BACKENDS[0] += 1
         # NOTE: exact: hotspot (remat inside each region), bitwise as eager; else the whole
         # portfolio (operator fission's parts too, allclose), as fitgraph.optimize plans
+        # NOTE: dynamic_shapes="unplanned": compiled with dynamic=None (see __init__), a region
+        # whose sizes changed between calls (a dynamic MoE dispatch, M2M100's positions) is
+        # traced again with symbolic sizes; it runs as eager would, and the report says so
         return backend(budget=self.budget, latency_limit=latency_limit,
                        solver="hotspot" if self.exact else "auto",
-                       time_budget=time_budget, cost_model=self.cost_model)
+                       time_budget=time_budget, cost_model=self.cost_model,
+                       dynamic_shapes="unplanned")
 
     def _check_latency(self, batch: Any) -> None:
         """Compile the regions for the latency limit, timed against eager PyTorch
@@ -450,7 +455,8 @@ class RegionsStep:
                 "not_measured": f"each of the {self._calls} call(s) so far compiled: the step "
                                 "is measured at the first call that compiles nothing"})
             | ({} if self.latency_check is None else {"latency_check": self.latency_check})
-            | ({} if self.hold_note is None else {"boundary_holds": self.hold_note}))
+            | ({} if self.hold_note is None else {"boundary_holds": self.hold_note})
+            | ({"unplanned": list(backend.unplanned)} if backend.unplanned else {}))
 
     def save(self, path: str) -> None:
         raise NotImplementedError("a step planned by regions cannot be saved: its regions are "

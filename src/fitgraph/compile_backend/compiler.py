@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ __all__ = ["INNER", "FitgraphBackend", "backend"]
 # NOTE: what runs the two halves: as they are (ATen kernels, the plan's memory exactly), or
 # compiled by inductor (fused kernels; the plan decides only what the forward saves)
 INNER = ("aot_eager", "inductor")
+DYNAMIC_SHAPES = ("refuse", "unplanned")
 # NOTE: solvers whose plans may run on a rewritten graph (operator fission's parts), realised by
 # modules written from the plan (compile_backend.emit) rather than torch's extraction
 REWRITING = frozenset({"auto", "fission"})
@@ -79,7 +81,11 @@ class FitgraphBackend:
     shape); ``last_report`` is the latest."""
 
     def __init__(self, budget=None, latency_limit: float | None = None, solver: str = "hotspot",
-                 time_budget: float = 30.0, cost_model=None, inner: str = "aot_eager") -> None:
+                 time_budget: float = 30.0, cost_model=None, inner: str = "aot_eager",
+                 dynamic_shapes: str = "refuse") -> None:
+        if dynamic_shapes not in DYNAMIC_SHAPES:
+            raise ValueError(f"dynamic_shapes={dynamic_shapes!r}: one of "
+                             f"{', '.join(DYNAMIC_SHAPES)}")
         if inner not in INNER:
             raise ValueError(f"inner={inner!r}: one of {', '.join(INNER)}")
         if budget is not None and latency_limit is not None:
@@ -94,7 +100,9 @@ class FitgraphBackend:
         self.budget, self.latency_limit = budget, latency_limit
         self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
         self.reports: list[BackendReport] = []
-        self.inner = inner
+        self.inner, self.dynamic_shapes = inner, dynamic_shapes
+        # NOTE: one line per graph run unplanned (dynamic_shapes="unplanned"), saying why
+        self.unplanned: list[str] = []
         # NOTE: set by a step by regions (``boundary_hold``): graph key -> bytes the rest of
         # the step holds between this graph's forward and backward; and, while
         # ``forward_runs`` is a list, the report index of each planned forward as it runs
@@ -231,6 +239,25 @@ class FitgraphBackend:
             return fn(Problem(graph, cm, budget_bytes=limit, latency_limit=self.latency_limit,
                               time_budget_s=self.time_budget), **keep)
 
+    def _unplanned(self, joint: torch.fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int,
+                   static: list[int] | None, symbolic: list[str]):
+        """torch's own partition of a graph traced with dynamic shapes (``dynamic_shapes=
+        "unplanned"``): it runs as eager PyTorch would, saving what eager saves; said once in a
+        warning and in ``unplanned``."""
+        from torch._functorch import partitioners as P
+
+        ops = sum(n.op == "call_function" for n in joint.graph.nodes)
+        self.unplanned.append(f"a graph of {ops} ops traced with dynamic shapes (symbolic "
+                              f"inputs {', '.join(symbolic[:3])}{' ...' if len(symbolic) > 3 else ''}"
+                              "): not planned, it saves what eager PyTorch saves")
+        if len(self.unplanned) == 1:
+            warnings.warn(f"fitgraph.backend: {self.unplanned[0]}; torch.compile traced it "
+                          "with dynamic shapes after a shape or a Python number changed "
+                          "between calls", stacklevel=2)
+        self._partitioned = None
+        return P.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                   static_lifetime_input_indices=static)
+
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
                    num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
                    **kwargs) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -244,6 +271,11 @@ class FitgraphBackend:
         from .schedule import schedule_of
 
         t0 = time.perf_counter()
+        symbolic = [ph.name for ph in joint.graph.find_nodes(op="placeholder")
+                    if not isinstance(ph.meta.get("val"), torch.Tensor)]
+        if symbolic and self.dynamic_shapes == "unplanned":
+            return self._unplanned(joint, joint_inputs, num_fwd_outputs,
+                                   static_lifetime_input_indices, symbolic)
         if P.has_recomputable_ops(joint):
             raise CaptureError("the compiled code uses activation checkpointing "
                                "(torch.utils.checkpoint); fitgraph.backend plans the "
@@ -408,7 +440,7 @@ def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
 
 def backend(budget=None, latency_limit: float | None = None, solver: str = "hotspot",
             time_budget: float = 30.0, cost_model=None,
-            inner: str = "aot_eager") -> FitgraphBackend:
+            inner: str = "aot_eager", dynamic_shapes: str = "refuse") -> FitgraphBackend:
     """A torch.compile backend that fits each compiled training graph in a memory budget.
 
     ``budget``: bytes, a size string ("800MB", "12GiB"), or a fraction of the simulated eager
@@ -433,5 +465,12 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
     normalize and ReLU costs nothing, a convolution its measured time); the reports' peaks
     are still those of the ATen graph and their times those of that pricing: measure the
     compiled step.
+
+    ``dynamic_shapes``: what to do with a graph torch.compile traced with symbolic sizes
+    (``dynamic=True``, or a recompile after a shape changed): "refuse" raises a CaptureError
+    that says to compile with ``dynamic=False``; "unplanned" runs it with torch's own
+    partition (what eager saves), with a warning and a line in ``FitgraphBackend.unplanned``
+    (a step by regions does so, and says it in its report).
     """
-    return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model, inner)
+    return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model, inner,
+                           dynamic_shapes)
