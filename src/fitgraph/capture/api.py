@@ -22,6 +22,7 @@ from ..graph.ir import Graph, Role
 from .calling import LossFn
 from .convert import fx_to_builder
 from .fold_tables import fold_constant_tables
+from .kernel_strides import strides_as_run
 from .optimizer import add_optimizer_nodes, describe_optimizer
 from .tracer import trace_step
 
@@ -86,4 +87,6 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     verify_graph(graph)
     # NOTE: a table built in place from nothing and read again in the backward (BEiT's
     # relative position index) is a constant, as eager's cache holds it
-    return fold_constant_tables(graph)
+    # NOTE: and the strides each kernel makes, where fake tensors guessed others (a size-1
+    # dim's stride, which later ops read to choose their memory format)
+    return strides_as_run(fold_constant_tables(graph))
