@@ -291,7 +291,7 @@ def test_activation_backwards_write_over_their_gradients_bitwise_as_simulated():
     assert abs(measured - r.planned_peak_bytes) <= SCALAR_SLACK_BYTES, (measured, r)
 
 
-def test_dynamic_shapes_run_unplanned_when_asked():
+def test_dynamic_shapes_run_unplanned_when_asked(fresh_dynamo):
     be = fitgraph.backend(budget=0.9, time_budget=2, dynamic_shapes="unplanned")
     model = mlp(depth=2, dropout=False)
     ref = copy.deepcopy(model)

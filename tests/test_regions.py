@@ -305,10 +305,12 @@ def test_a_region_plan_the_modules_cannot_run_falls_back_and_says_so():
     assert any("refused" in n and "hotspot" in n for n in notes), notes
 
 
-def test_a_region_traced_with_dynamic_shapes_runs_unplanned_and_says_so():
+def test_a_region_traced_with_dynamic_shapes_runs_unplanned_and_says_so(fresh_dynamo):
     # NOTE: a region whose sizes change between calls (a dynamic MoE dispatch, a new batch
     # size) is traced again by torch.compile with symbolic sizes, which fitgraph cannot plan:
-    # before, the step failed (BackendCompilerFailed: "joint graph input ... is a SymInt")
+    # before, the step failed (BackendCompilerFailed: "joint graph input ... is a SymInt").
+    # fresh_dynamo: Dynamo keeps what it learnt dynamic per code object, process-wide, so later
+    # steps by regions of the same code would start dynamic too
     a = ItemScaled()
     b = copy.deepcopy(a)
     oa = torch.optim.AdamW(a.parameters(), lr=1e-3)

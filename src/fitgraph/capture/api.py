@@ -87,6 +87,9 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     verify_graph(graph)
     # NOTE: a table built in place from nothing and read again in the backward (BEiT's
     # relative position index) is a constant, as eager's cache holds it
+    graph = fold_constant_tables(graph)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return graph  # NOTE: traced for a device it does not run on: nothing to run here
     # NOTE: and the strides each kernel makes, where fake tensors guessed others (a size-1
     # dim's stride, which later ops read to choose their memory format)
-    return strides_as_run(fold_constant_tables(graph))
+    return strides_as_run(graph)

@@ -18,8 +18,9 @@ kernel's (and a view's offset): later nodes then run on what the step will give 
 view the trace made where the fake strides allowed one, and the kernels' strides do not,
 reads a contiguous copy of its input (what eager's ``reshape`` does there): without it the
 step failed ("view size is not compatible with input tensor's size and stride"). A node that
-cannot run on synthetic inputs keeps its traced layout. ``graph.meta["strides_as_run"]`` counts the values
-changed. Graphs traced for a ``meta`` model are left as they are (nothing can run).
+cannot run on synthetic inputs keeps its traced layout. ``graph.meta["strides_as_run"]``
+counts the values changed. ``capture`` does not run it for a model on the ``meta`` device (a
+paper-size configuration traced for a device it does not run on).
 
 Example:
     >>> import torch, fitgraph
