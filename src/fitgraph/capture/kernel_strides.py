@@ -43,7 +43,6 @@ from ..transform.fission_writer import GraphWriter, OutSpec
 
 __all__ = ["strides_as_run"]
 
-_OPTIMIZER_PREFIX = "fitgraph.optimizer."
 _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
 
 
@@ -72,12 +71,15 @@ def strides_as_run(graph: Graph) -> Graph:
 
 
 def _run_all(graph: Graph, runner) -> tuple[int, set[int]]:
-    """Run every node once (module doc): the number of values whose strides changed, and the
-    view nodes that cannot view their input as it is laid out for real."""
+    """Run each node that may lay out apart once (module doc, ``_ambiguous``): the number of
+    values whose strides changed, and the view nodes that cannot view their input as it is
+    laid out for real."""
+    from ..cost.synthetic import OPTIMIZER_PREFIX
+
     changed, copied = 0, set()
     moved: set[int] = set()   # NOTE: values whose layout the kernels changed
     for node in graph.nodes:
-        if node.target.startswith(_OPTIMIZER_PREFIX) or all(o is None for o in node.outputs):
+        if node.target.startswith(OPTIMIZER_PREFIX) or all(o is None for o in node.outputs):
             continue
         if moved.isdisjoint(node.inputs) and not any(
                 _ambiguous(graph.values[v]) for v in node.outputs if v is not None):
