@@ -184,6 +184,41 @@ def test_whole_step_along_batch_keeps_no_whole_copy_for_dropout_blanks():
     assert_simulator_tells_truth(split, case.model, case.batch)
 
 
+class _MaskedMean(torch.nn.Module):
+    """Tokens kept by a mask made with ``&``, ``|`` and ``~`` (padding and a window), then
+    pointwise activations the zoo does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(8, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        keep = ((x[..., 0] > -1.0) & (x[..., 1] < 1.0)) | ~(x[..., 2] > 0.5)
+        h = torch.nn.functional.hardswish(self.inp(x)) * keep.unsqueeze(-1)
+        h = torch.nn.functional.leaky_relu(h, 0.1) + torch.nn.functional.softplus(h).clamp(0, 2)
+        return self.out(torch.nn.functional.mish(h))
+
+
+def test_masks_made_with_bitwise_ops_split_with_the_batch():
+    """A mask built with ``&``/``|``/``~`` is as pointwise as ``*``: the whole step splits
+    along the batch through it (``bitwise_and`` had no dimension rule: the region stopped at
+    the mask, whose ops stayed whole), and the parts give eager's loss and gradients."""
+    torch.manual_seed(0)
+    model = _MaskedMean()
+    batch = (torch.randn(6, 16, 8), torch.randint(0, 4, (6, 16)))
+    loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1),  # noqa: E731
+                                                             b[1].flatten())
+    g = count_targets_apart(fitgraph.capture(model, batch, loss_fn))
+    rows = g.inputs[g.input_names.index("batch:0")]
+    region = grow_region(g, rows, 0, exclude=counting_nodes(g))
+    inside = {g.nodes[n].target for n in region.nodes}
+    assert {"aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.bitwise_not.default",
+            "aten.mish_backward.default", "aten.nll_loss_backward.default"} <= inside, (
+        sorted(set(region.boundary.values())))
+    split = split_region(g, region, 3)
+    assert_same_as_eager(model, batch, loss_fn, split)
+
+
 def test_remat_inside_parts_of_a_batch_split():
     """Each part runs its forward then its backward: remat releases a part's activations where
     its own forward ends (``plan.remat.drop_points``), so it goes below what is live before the

@@ -30,13 +30,17 @@ _ELEMENTWISE = [
     # unary
     "abs", "alias", "clone", "contiguous", "cos", "detach", "exp", "gelu", "hardtanh", "log",
     "neg", "reciprocal", "relu", "rsqrt", "sigmoid", "silu", "sin", "sqrt", "square", "tanh",
-    "_to_copy", "fill",
+    "_to_copy", "fill", "erf", "log1p", "expm1", "floor", "ceil", "trunc", "sign",
+    "clamp", "clamp_min", "clamp_max", "leaky_relu", "elu", "hardsigmoid", "hardswish",
+    "softplus", "mish", "bitwise_not",
     # binary / ternary with broadcasting
     "add", "sub", "mul", "div", "pow", "rsub", "maximum", "minimum", "where", "masked_fill",
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
+    "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
     # backward of pointwise ops
     "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward",
-    "tanh_backward", "native_dropout_backward",
+    "tanh_backward", "native_dropout_backward", "leaky_relu_backward", "elu_backward",
+    "hardsigmoid_backward", "hardswish_backward", "softplus_backward", "mish_backward",
 ]
 _OVERLOADS = ["default", "Tensor", "Scalar", "self", "Tensor_Scalar", "Tensor_Tensor",
               "Scalar_Tensor", "ScalarOther", "Tensor_mode", "Scalar_mode"]
