@@ -37,10 +37,18 @@ __all__ = ["PhaseTracker", "TracedStep", "trace_step"]
 
 @dataclass
 class PhaseTracker:
-    """Records (node count, phase, module path) transitions while make_fx traces."""
+    """Records (node count, phase, module call) transitions while make_fx traces.
+
+    A module's call is its path, with ``@k`` after a module called for the k-th time (from 0)
+    within one call of its parent: ALBERT runs its one shared layer four times, as
+    ``albert.encoder.albert_layer_groups.0``, ``...groups.0@1``, ``...@2``, ``...@3``, so each
+    call is a block of its own for the planners (``solvers.blocks``), as Dynamo's
+    ``nn_module_stack`` keys them. A module called once keeps its plain path."""
 
     transitions: list[tuple[int, Phase, str]] = field(default_factory=list)
-    module_stack: list[str] = field(default_factory=list)
+    module_stack: list[str] = field(default_factory=list)   # plain paths: errors name these
+    call_stack: list[str] = field(default_factory=list)     # each running call's label
+    call_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     seq_marks: list[tuple[int, str]] = field(default_factory=list)  # autograd seq nr -> module
     phase: Phase = Phase.FORWARD
     error_module: str | None = None  # innermost module running when tracing raised
@@ -52,6 +60,12 @@ class PhaseTracker:
 
     @property
     def module(self) -> str:
+        """The running module's call (see the class doc)."""
+        return self.call_stack[-1] if self.call_stack else ""
+
+    @property
+    def plain_module(self) -> str:
+        """The running module's path, as ``model.get_submodule`` takes it."""
         return self.module_stack[-1] if self.module_stack else ""
 
     def mark(self, phase: Phase | None = None, module: str | None = None) -> None:
@@ -65,14 +79,30 @@ class PhaseTracker:
     def enter_module(self, name: str) -> None:
         if not self.module_stack and self.phase is Phase.LOSS:
             self.phase = Phase.FORWARD  # NOTE: loss_fn may call the model after some loss-side ops
+        self.call_stack.append(self._call_label(name))
         self.module_stack.append(name)
         self.mark()
+
+    def _call_label(self, name: str) -> str:
+        parent, parent_call = self.plain_module, self.module
+        # NOTE: counted within the parent's call: the first layer of each ALBERT group call is
+        # ``groups.0@2.albert_layers.0``, not ``albert_layers.0@2`` under ``groups.0@2``
+        k = self.call_counts.get((parent_call, name), 0)
+        self.call_counts[(parent_call, name)] = k + 1
+        # NOTE: a child keeps its parent's call labels in its path; a module called from
+        # outside its own parent (a shared activation) keeps its path, as before
+        label = (parent_call + name[len(parent):] if parent and name.startswith(parent + ".")
+                 else name)
+        # NOTE: the model itself (path "") is not labelled: a loss that calls the model twice
+        # keeps one set of paths for both calls
+        return f"{label}@{k}" if k and name else label
 
     def exit_module(self) -> None:
         if self.error_module is None and sys.exc_info()[1] is not None:
             # NOTE: always_call hooks run while an exception unwinds: remember where it started
-            self.error_module = self.module
+            self.error_module = self.plain_module
         self.module_stack.pop()
+        self.call_stack.pop()
         # NOTE: a module called during the backward (torch.utils.checkpoint re-running its
         # function) stays in the backward: labelled as the loss, the backward ops after it ran
         # before their own inputs in the plan (a dependency cycle)
@@ -297,7 +327,8 @@ def trace_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None,
     except CaptureError:
         raise
     except Exception as e:  # NOTE: translate torch's tracing errors into one actionable error
-        module = tracker.error_module if tracker.error_module is not None else tracker.module
+        module = (tracker.error_module if tracker.error_module is not None
+                  else tracker.plain_module)
         raise translate(e, module, model) from e
     return TracedStep(gm, tracker, names, list(buffers), spec, len(leaves), fake_mode,
                       seen.calls)

@@ -1,9 +1,13 @@
-"""Repeated blocks of a model, from module paths: ``h.3``, ``encoder.layer.11``, ``layer2.1``.
+"""Repeated blocks of a model, from module paths: ``h.3``, ``encoder.layer.11``, ``layer2.1``;
+each call of a block called more than once is a block of its own (``groups.0@2``: the capture
+labels the k-th call ``@k``, as ALBERT runs its one shared layer four times).
 
 Example:
-    >>> from fitgraph.solvers.blocks import block_of
+    >>> from fitgraph.solvers.blocks import block_of, blocks_of
     >>> block_of("encoder.layer.3.attention.self"), block_of("lm_head")
     ('encoder.layer.3', None)
+    >>> block_of("encoder.groups.0@2.layers.0.ffn"), blocks_of("encoder.groups.0@2.layers.0.ffn")
+    ('encoder.groups.0@2', ['encoder.groups.0@2', 'encoder.groups.0@2.layers.0'])
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from ..plan.remat import recomputable
 
 __all__ = ["block_drop_sets", "block_of", "blocks_of"]
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-_NUMERIC = re.compile(r"\.\d+(?=\.|$)")
+# NOTE: a numbered component, and its call where the module ran more than once
+_BLOCK = re.compile(r"^(.*?\.\d+(?:@\d+)?)(?:\.|$)")
+_NUMERIC = re.compile(r"\.\d+(?:@\d+)?(?=\.|$)")
 
 
 def block_of(module: str) -> str | None:
