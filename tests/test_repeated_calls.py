@@ -101,3 +101,24 @@ def test_checkpointing_each_call_lowers_the_peak_and_keeps_eagers_results():
         assert_bitwise_equal_models(a, b, oa, ob)
         oa.zero_grad(set_to_none=True)
         ob.zero_grad(set_to_none=True)
+
+
+def test_torch_compile_route_labels_each_call_too():
+    """The compile backend reads Dynamo's ``nn_module_stack``, whose keys mark the k-th call
+    of a module ``@k``: its graphs have a block per call as well."""
+    from fitgraph.capture.joint import module_path
+    from fitgraph.solvers.blocks import block_of
+
+    model, batch = _case()
+    paths: set[str] = set()
+
+    def backend(gm, example_inputs):
+        paths.update(module_path(n) for n in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, dynamic=False)(batch["x"])
+    torch._dynamo.reset()
+    assert {block_of(p) for p in paths} - {None} == {
+        "groups.0", "groups.0@1", "groups.0@2", "groups.0@3"}, sorted(paths)
+    assert "head" in paths

@@ -40,11 +40,24 @@ class JointGraph:
 
 def module_path(node: torch.fx.Node) -> str:
     """``h.0.attn`` from Dynamo's ``nn_module_stack`` (``L['self'].h.0.attn``); backward nodes
-    use the stack of the forward node they differentiate."""
+    use the stack of the forward node they differentiate. A module's k-th call (Dynamo keys
+    it ``<id>@k``) is labelled ``@k`` as ``fitgraph.capture`` labels it: ALBERT's shared layer
+    run four times is ``groups.0``, ``groups.0@1``, ... (a block per call)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return ""
-    path = str(list(stack.values())[-1][0])
+    label = plain = ""
+    for key, value in stack.items():
+        path = _plain_path(str(value[0]))
+        label = label + path[len(plain):] if plain and path.startswith(plain + ".") else path
+        plain = path
+        call = str(key).rpartition("@")[2] if "@" in str(key) else ""
+        if call.isdigit() and int(call) and path:
+            label += f"@{call}"
+    return label
+
+
+def _plain_path(path: str) -> str:
     path = _DYNAMO_ROOT.sub("", path)
     # NOTE: Dynamo spells some submodules as indexing: ``layers[0]``, ``blocks['a']``
     return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).strip(".")
