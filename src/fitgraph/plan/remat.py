@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..graph.analysis import new_storages, output_storages, storage_accesses
 from ..graph.ir import Graph, Phase
@@ -48,6 +48,9 @@ def inplace_chains(graph: Graph) -> dict[int, tuple[int, ...]]:
     out: dict[int, tuple[int, ...]] = {}
     for st, nodes in storage_accesses(graph).items():
         c = creator.get(st)
+        # NOTE: views of the storage read no values: fission's parts written into slices of
+        # one buffer (``slice`` then ``copy_``, part by part) are a clean chain
+        nodes = [nid for nid in nodes if nid == c or not is_view_node(graph, nid, fresh)]
         if c is None or len(nodes) < 2 or nodes[0] != c:
             continue
         writers = [nid for nid in nodes if st in {graph.values[v].storage
@@ -139,7 +142,8 @@ def recomputable(graph: Graph) -> dict[int, str]:
         else:
             touched = {graph.values[v].storage for v in n.inputs}
             touched |= {graph.values[o].storage for o in n.outputs if o is not None}
-            if any(m > n.id and not (s in chains and n.id in chains[s])
+            view = is_view_node(graph, n.id, fresh)
+            if any(m > n.id and not (s in chains and (n.id in chains[s] or view))
                    for s in touched for m in mutated_at.get(s, ())):
                 why = "reads or produces a storage that a later node writes in place"
         out[n.id] = why
@@ -157,6 +161,24 @@ class RematTables:
     allowed: dict[int, str]            # node -> "" if recomputable, else why not
     view_ok: list[bool]                # node -> re-run whenever its base storage is recomputed
     keep: set[int]                     # storages that survive the step
+    # NOTE: creator -> its chain's writers where they do not read one another (fission's
+    # parts copied into slices of one buffer): its readers read the buffer through views of
+    # the creator's output, so re-making the creator alone would leave it unwritten; a
+    # recompute of the creator runs them right after it (a dropout chain's writers each read
+    # the last one's output: they are re-run as what its reader needs)
+    trailing: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _trailing_writers(graph: Graph, chains: dict[int, tuple[int, ...]]
+                      ) -> dict[int, tuple[int, ...]]:
+    out: dict[int, tuple[int, ...]] = {}
+    for creator, *writers in chains.values():
+        linked = all(set(graph.nodes[b].inputs) & {o for o in graph.nodes[a].outputs
+                                                   if o is not None}
+                     for a, b in zip(writers, writers[1:]))
+        if not linked:
+            out[creator] = tuple(writers)
+    return out
 
 
 def remat_tables(graph: Graph) -> RematTables:
@@ -166,12 +188,13 @@ def remat_tables(graph: Graph) -> RematTables:
     for v in graph.values:
         members.setdefault(v.storage, []).append(v.id)
     chain_of: dict[int, tuple[int, ...]] = {}
-    for chain in inplace_chains(graph).values():
+    chains = inplace_chains(graph)
+    for chain in chains.values():
         for nid in chain:
             chain_of[nid] = tuple(dict.fromkeys((*chain_of.get(nid, ()), *chain)))
     view_ok = [is_view_node(graph, n.id, fresh) for n in graph.nodes]
     return RematTables(fresh, members, chain_of, recomputable(graph), view_ok,
-                       output_storages(graph))
+                       output_storages(graph), _trailing_writers(graph, chains))
 
 
 def complete_drop(graph: Graph, drop: Iterable[int], tables: RematTables) -> set[int]:
@@ -253,6 +276,7 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
     drop = complete_drop(graph, drop, t)
     once = complete_drop(graph, once, t)
     remade: set[int] = set()  # NOTE: per-use nodes the current backward node's walks re-ran
+    walked: set[int] = set()  # NOTE: nodes the current walk re-ran
     avail: set[int] = set(graph.inputs)
     events: list[Instruction] = []
 
@@ -266,6 +290,7 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
         """Recompute ``vid`` (its missing inputs first, depth first, in input order)."""
         if vid in avail:
             return
+        walked.clear()
         # NOTE: an explicit stack, not recursion: a long dropped chain must not hit Python's
         # recursion limit on a 10,000-node graph
         stack = [[producer(vid), 0]]
@@ -279,13 +304,18 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                     stack.append([producer(u), 0])
                 continue
             stack.pop()
+            outs = [o for o in graph.nodes[frame[0]].outputs if o is not None]
+            if frame[0] in walked and all(o in avail for o in outs):
+                continue  # NOTE: a trailing writer its chain's creator already re-ran
             if updated and any(graph.values[u].storage in updated
                                for u in graph.nodes[frame[0]].inputs):
                 raise _reads_updated_weight(graph, frame[0])
             events.append(Recompute(frame[0]))
-            avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
+            walked.add(frame[0])
+            avail.update(outs)
             if frame[0] in once:
                 remade.add(frame[0])
+            stack.extend([w, 0] for w in reversed(t.trailing.get(frame[0], ())))
 
     updated: set[int] = set()  # NOTE: weights an update has already changed
     points = drop_points(graph, order, t.fresh)

@@ -229,6 +229,7 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
     walks: list[tuple[int, int, int]] = []   # NOTE: per walk: (first recompute, q, j)
     cycles: dict[tuple[int, int], int] = {}  # (storage, key that made it) -> key of last use
     ins, outputs, producer_of, view_ok = W.ins, G.outputs, G.producer, t.view_ok
+    trailing = t.trailing
     vbound, order, storage_of = W.vbound, ev.order, G.storage_of
     for q in positions:
         made: dict[int, int] = {}   # NOTE: per-use nodes re-run at q -> key
@@ -240,6 +241,7 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
             walks.append((len(nodes), q, j))
             base = event_key(q, j, 0)
             v = u
+            walked: set[int] = set()
             # NOTE: remat_plan's depth-first walk, in input order; each frame holds an
             # iterator over its node's inputs (where the walk resumes after a child)
             stack = []
@@ -256,10 +258,19 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
                 else:
                     v = None
                     stack.pop()
+                    if r in walked and unavail.isdisjoint(outputs[r]):
+                        # NOTE: a trailing writer its chain's creator already re-ran
+                        if not stack:
+                            break
+                        continue
                     if r in once:
                         made[r] = base | len(nodes)
                     nodes.append(r)
+                    walked.add(r)
                     unavail.difference_update(outputs[r])
+                    # NOTE: as ``remat_plan``: a chain's writers that do not read one another
+                    # run right after its creator
+                    stack.extend((w, iter(ins[w])) for w in reversed(trailing.get(r, ())))
                     if not stack:
                         break
         if made:  # NOTE: what q's node reads none of is freed after its last use: remade later
