@@ -304,15 +304,14 @@ def remat_plan(graph: Graph, drop: Iterable[int], order: list[int] | None = None
                     stack.append([producer(u), 0])
                 continue
             stack.pop()
-            outs = [o for o in graph.nodes[frame[0]].outputs if o is not None]
-            if frame[0] in walked and all(o in avail for o in outs):
+            if frame[0] in walked:
                 continue  # NOTE: a trailing writer its chain's creator already re-ran
             if updated and any(graph.values[u].storage in updated
                                for u in graph.nodes[frame[0]].inputs):
                 raise _reads_updated_weight(graph, frame[0])
             events.append(Recompute(frame[0]))
             walked.add(frame[0])
-            avail.update(outs)
+            avail.update(o for o in graph.nodes[frame[0]].outputs if o is not None)
             if frame[0] in once:
                 remade.add(frame[0])
             stack.extend([w, 0] for w in reversed(t.trailing.get(frame[0], ())))

@@ -258,7 +258,7 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
                 else:
                     v = None
                     stack.pop()
-                    if r in walked and unavail.isdisjoint(outputs[r]):
+                    if r in walked:
                         # NOTE: a trailing writer its chain's creator already re-ran
                         if not stack:
                             break
