@@ -95,19 +95,21 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
         held = _held(graph, r, best.sim, peak_node)
         if not held or r.length < 2:
             continue
-        # NOTE: regions cut in PARTS first, then by what the parts take off: a region split in
-        # halves along the batch, tried first, took the tries from one along the rows in
-        # eighths (BEiT's and Gemma-2's attention, kept at a higher peak)
-        few = _parts(r) < PARTS
+        # NOTE: regions cut in at least half PARTS first, then by what the parts take off: a
+        # region split in halves along the batch, tried first, took the tries from one along
+        # the rows in eighths (BEiT's and Gemma-2's attention, kept at a higher peak). Ranked
+        # after every region in PARTS, ALBERT's attention along its 4 heads was never screened
+        # (its least peak 1.40x the lower bound; re-made a head at a time, 1.24x)
+        few = 2 * _parts(r) < PARTS
         held -= held // _parts(r)
         v = graph.values[r.start[0]]
-        start = _forward_start(graph, r)
+        starts_made = _forward_starts(graph, r)
         # NOTE: the copies recipe trims the forward region it grows from the start, not ``r``:
         # every trim of it is a candidate. From HuBERT's second convolution backward along the
         # time (a region of two backward nodes, untrimmed), only the untrimmed copy was
         # offered, which re-made the first layer's 3.1 MiB output whole (26.4 MB); the
         # tightest re-makes the second layer's output in parts alone (22.0 MB)
-        for copy_share in SHARES if start is not None else ():
+        for copy_share, start in ((c, st) for c in SHARES for st in starts_made):
             u = graph.values[start[0]]
             key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], copy_share)
             if key not in seen:
@@ -200,24 +202,33 @@ def _value(graph: Graph, name: str) -> int:
     return found
 
 
-def _forward_start(graph: Graph, region: Region) -> tuple[int, int] | None:
-    """The largest forward value the region runs in parts, and its dim (None: none); of
-    equal ones, the region's own start, then the first made.
+def _forward_starts(graph: Graph, region: Region) -> list[tuple[int, int]]:
+    """[the largest forward value the region runs in parts, and its dim] ([]: none); of
+    equal ones, the region's own start, then one that is not a view (the first of its
+    storage), then the first made.
 
     NOTE: attention's forward makes many tensors of one size (its input in windows, scores,
     softmax, probabilities, their copies in other layouts). At Swin's peak, the region grown
     from the softmax (held for the backward) took the first of them, the windows of the
     block's input: re-made from there, the whole block was (1.50x the lower bound). From the
     softmax itself, the attention is re-made in parts: the sweep's smallest went from 1.25x
-    to 1.16x."""
+    to 1.16x.
+
+    NOTE: not a view: from ALBERT's attention backward along the heads, the first made was the
+    query seen in heads (a transpose of its projection): re-made from there, ALBERT's least
+    peak was 11.68 MB; from the attention's output (the kernel's own tensor), 8.97 MB."""
     own = region.start[0]
-    found = [(graph.values[v].nbytes, v == own, -v, d) for v, d in region.dims.items()
+    first_of: dict[int, int] = {}
+    for u in graph.values:
+        first_of.setdefault(u.storage, u.id)
+    found = [(graph.values[v].nbytes, v == own, first_of[graph.values[v].storage] == v, v, d)
+             for v, d in region.dims.items()
              if isinstance(d, int) and graph.values[v].producer is not None
              and graph.nodes[graph.values[v].producer].phase is Phase.FORWARD]
     if not found:
-        return None
-    *_, v, d = max(found)
-    return -v, d
+        return []
+    best = max(found)[:3]
+    return [min((v, d) for *key, v, d in found if tuple(key) == best)]
 
 
 def _for_each_alike(name: str, rewrite, then=None) -> Recipe:

@@ -15,7 +15,7 @@ remat plan's peak (hotspot, least peak), grows regions from what is live there, 
 
 Candidates are ranked by the bytes live at the peak that the region holds along its split
 dim, less a part's share of them, and the peak node's workspace where the region runs that
-node (regions whose axis has fewer than ``PARTS`` units last; a re-made region by its largest
+node (regions whose axis has fewer than half ``PARTS`` units last; a re-made region by its largest
 tensors' bytes, trimmed tightest first); the first ``SCREEN`` of a round (half of each kind,
 one trim of a start) are made and screened — the split graph priced with the current plan's
 drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
