@@ -17,7 +17,7 @@ import fitgraph
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.graph.ir import Phase
 from fitgraph.solvers import backward_regions as br
-from fitgraph.solvers.backward_regions import PARTS, _forward_starts, copies_recipe
+from fitgraph.solvers.backward_regions import PARTS, _forward_start, copies_recipe
 
 BATCH, TOKENS, HEADS, DIM = 2, 32, 4, 8
 
@@ -60,7 +60,7 @@ def test_a_region_along_the_heads_re_makes_from_the_attention_not_a_view_of_the_
     query = forward.inputs[0]
     assert region.dims.get(query) == 1 and query < out
     assert g.values[query].storage != g.values[out].storage
-    assert _forward_starts(g, region) == [(out, 1)]
+    assert _forward_start(g, region) == (out, 1)
     split = copies_recipe(g.values[out].name, 1, 0.0)(g, PARTS, float("inf"))
     re_made = [n for n in _attention(split, Phase.BACKWARD) if ".re" in n.name]
     assert len(re_made) == 2 * HEADS   # NOTE: both blocks, a head at a time

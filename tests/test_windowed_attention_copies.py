@@ -15,7 +15,7 @@ from torch import nn
 import fitgraph
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.graph.ir import Phase
-from fitgraph.solvers.backward_regions import PARTS, _forward_starts, copies_recipe
+from fitgraph.solvers.backward_regions import PARTS, _forward_start, copies_recipe
 
 WINDOWS, TOKENS, HEADS, DIM = 16, 16, 2, 16
 
@@ -96,4 +96,4 @@ def test_of_equal_forward_tensors_a_region_re_makes_from_its_own_start(start):
     region = grow_region(g, v, 0, keep_length=True)
     sizes = {g.values[u].nbytes for u, d in region.dims.items() if isinstance(d, int)}
     assert g.values[v].nbytes == max(sizes)
-    assert _forward_starts(g, region) == [(v, 0)]
+    assert _forward_start(g, region) == (v, 0)

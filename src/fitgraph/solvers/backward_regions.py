@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..graph.analysis import GraphError, new_storages
+from ..graph.analysis import GraphError, new_storages, storage_producer
 from ..graph.dim_region import Region, grow_region
 from ..graph.dim_rules import SHAPE_ONLY
 from ..graph.dim_types import Reduced
@@ -91,6 +91,7 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
     peak_node = getattr(best.plan[pc], "node", None) if pc >= 0 else None
     ranked = []
     seen: set = set()
+    made_by = storage_producer(graph)
     for i, (r, share) in enumerate(shared_regions(graph, starts, SHARES)):
         held = _held(graph, r, best.sim, peak_node)
         if not held or r.length < 2:
@@ -103,13 +104,13 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
         few = 2 * _parts(r) < PARTS
         held -= held // _parts(r)
         v = graph.values[r.start[0]]
-        starts_made = _forward_starts(graph, r)
+        start = _forward_start(graph, r, made_by)
         # NOTE: the copies recipe trims the forward region it grows from the start, not ``r``:
         # every trim of it is a candidate. From HuBERT's second convolution backward along the
         # time (a region of two backward nodes, untrimmed), only the untrimmed copy was
         # offered, which re-made the first layer's 3.1 MiB output whole (26.4 MB); the
         # tightest re-makes the second layer's output in parts alone (22.0 MB)
-        for copy_share, start in ((c, st) for c in SHARES for st in starts_made):
+        for copy_share in SHARES if start is not None else ():
             u = graph.values[start[0]]
             key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], copy_share)
             if key not in seen:
@@ -202,10 +203,11 @@ def _value(graph: Graph, name: str) -> int:
     return found
 
 
-def _forward_starts(graph: Graph, region: Region) -> list[tuple[int, int]]:
-    """[the largest forward value the region runs in parts, and its dim] ([]: none); of
-    equal ones, the region's own start, then one that is not a view (the first of its
-    storage), then the first made.
+def _forward_start(graph: Graph, region: Region,
+                   made_by: dict[int, int | None] | None = None) -> tuple[int, int] | None:
+    """The largest forward value the region runs in parts, and its dim (None: none); of
+    equal ones, the region's own start, then one that is not a view (made by the node that
+    makes its storage; ``made_by``: ``storage_producer(graph)``), then the first made.
 
     NOTE: attention's forward makes many tensors of one size (its input in windows, scores,
     softmax, probabilities, their copies in other layouts). At Swin's peak, the region grown
@@ -218,17 +220,15 @@ def _forward_starts(graph: Graph, region: Region) -> list[tuple[int, int]]:
     query seen in heads (a transpose of its projection): re-made from there, ALBERT's least
     peak was 11.68 MB; from the attention's output (the kernel's own tensor), 8.97 MB."""
     own = region.start[0]
-    first_of: dict[int, int] = {}
-    for u in graph.values:
-        first_of.setdefault(u.storage, u.id)
-    found = [(graph.values[v].nbytes, v == own, first_of[graph.values[v].storage] == v, v, d)
-             for v, d in region.dims.items()
-             if isinstance(d, int) and graph.values[v].producer is not None
-             and graph.nodes[graph.values[v].producer].phase is Phase.FORWARD]
+    made_by = storage_producer(graph) if made_by is None else made_by
+    found = [(u.nbytes, v == own, made_by[u.storage] == u.producer, -v, d)
+             for v, d in region.dims.items() if isinstance(d, int)
+             for u in (graph.values[v],)
+             if u.producer is not None and graph.nodes[u.producer].phase is Phase.FORWARD]
     if not found:
-        return []
-    best = max(found)[:3]
-    return [min((v, d) for *key, v, d in found if tuple(key) == best)]
+        return None
+    *_, v, d = max(found)
+    return -v, d
 
 
 def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
