@@ -330,3 +330,34 @@ def test_where_no_candidate_lowers_the_peak_the_kept_region_is_tried_wider(round
                              again={"W-attn~0.25": 800})
     assert splits[:2] == ["W-attn", "split 1 re-made wider (share 0.25)"]
     assert splits[-1] == "loss" and peak == 700
+
+
+def test_a_later_split_whose_start_the_wider_region_took_in_is_left_out(monkeypatch):
+    """BEiT: the scores re-made wider ran the forward's dropout in parts, the start of the
+    path's next split: the wider path is planned without it (17.76 -> 17.21 MB), not
+    dropped."""
+    planned = {"start": 1000, "attn~1.0": 900, "attn~0.25": 850}
+    monkeypatch.setattr(fb, "_least", lambda g, cm, d, t0, total: _sol(planned[g]))
+    attn, gone = _copies("attn", 1.0, (0.25,)), _maker("gone-bad")
+    final = fb._Path("attn~1.0", _sol(900), ["attn", "gone"], [attn, gone])
+    tried: list[str] = []
+    wider = fb._widened(final, "start", None, float("inf"), 0.0, 60.0, tried)
+    assert wider.graph == "attn~0.25" and wider.sol.sim.peak_bytes == 850
+    assert len(wider.recipes) == 1 and wider.recipes[0].share == 0.25
+    assert any("split 2 left out" in t for t in tried)
+    # NOTE: a split before the widened one (or the widened one itself) failing fails the try
+    bad = fb._Path("x", _sol(900), ["bad", "attn"], [_copies("bad", 1.0, (0.25,)), attn])
+    assert fb._widened(bad, "start", None, float("inf"), 0.0, 60.0, tried) is bad
+
+
+def test_a_round_that_plans_nothing_lower_screens_its_next_candidates(rounds):
+    # NOTE: BEiT: round 1 planned its two best-screened candidates, neither lower; with no
+    # runner-up the 240 s search ended in 24 s
+    page = [(f"p{i}", "plain", 1000 + i) for i in range(fb.SCREEN // 2)]
+    splits, peak, planned = rounds([page + [("next", "plain", 900)]])
+    assert planned == ["p0", "p1", "next"] and splits == ["next"] and peak == 900
+    # NOTE: up to PAGES pages a round
+    pages = [(f"q{i}", "plain", 1000 + i) for i in range(fb.PAGES * fb.SCREEN // 2)]
+    splits, peak, planned = rounds([pages + [("late", "plain", 900)]])
+    assert splits == [] and peak == 1000 and "late" not in planned
+    assert len(planned) == fb.PAGES * fb.TRIES

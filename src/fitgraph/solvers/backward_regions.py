@@ -358,7 +358,32 @@ def _forward_part(graph: Graph, vid: int, region: Region, share: float) -> list[
     r = trimmed(graph, region, share) if share else region
     partial = {graph.values[v].producer for v, d in r.dims.items() if isinstance(d, Reduced)}
     fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD and n not in partial}
-    return sorted(_linked(graph, graph.values[vid].producer, fwd))
+    linked = _linked(graph, graph.values[vid].producer, fwd)
+    return sorted(linked | _saved_branches(graph, linked, fwd - linked))
+
+
+def _saved_branches(graph: Graph, linked: set[int], rest: set[int]) -> set[int]:
+    """The nodes of ``rest`` that read only what ``linked`` nodes make (of the region's
+    forward nodes) and whose outputs a backward node reads: what a region's own nodes save
+    for the backward off the path to its start.
+
+    NOTE: Gemma-2 caps its scores with a tanh, whose backward reads the tanh's output through
+    a ``detach``. Re-made from the softmax, the region took the tanh (on the path to it) and not
+    the detach (a reader off the path): the backward read the forward's whole tanh, which the
+    plan recomputed whole with the scores (24.0 MB; from the tanh, 21.3)."""
+    later: set[int] = set()
+    for n in graph.nodes:
+        if n.phase is not Phase.FORWARD:
+            later.update(n.inputs)
+    out: set[int] = set()
+    for nid in sorted(rest):
+        n = graph.nodes[nid]
+        made = [graph.values[v].producer for v in n.inputs]
+        inside = [m for m in made if m in linked or m in rest]
+        if (inside and all(m in linked or m in out for m in inside)
+                and any(o in later for o in n.outputs if o is not None)):
+            out.add(nid)
+    return out
 
 
 def _linked(graph: Graph, start: int, nodes: set[int]) -> set[int]:

@@ -87,6 +87,10 @@ __all__ = ["prepared", "split_backward"]
 # planned (each a hotspot solve: seconds)
 SCREEN = 4
 TRIES = 2
+# NOTE: where a round's first page plans nothing lower (its kept regions tried wider too), its
+# next candidates are screened, up to this many pages: BEiT's first round planned two
+# candidates and, with no runner-up, ended its 240 s search in 24 s
+PAGES = 3
 ROUNDS = 6
 # NOTE: runners-up kept to go on from where the greedy rounds end (lowest peak first)
 BRANCHES = 3
@@ -230,6 +234,8 @@ def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: 
     re-makes the gather in parts too."""
     best = final
     for i in range(len(final.recipes)):
+        if i >= len(best.recipes):
+            break   # NOTE: a wider region kept left a later split out
         wider = getattr(best.recipes[i], "wider", None)
         if wider is None or time.perf_counter() > deadline:
             continue
@@ -238,12 +244,22 @@ def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: 
         if not best.recipes[i].widens(start):
             continue
         recipe = wider()
-        recipes = [*best.recipes[:i], recipe, *best.recipes[i + 1:]]
         what = f"split {i + 1} re-made wider (share {recipe.share})"
-        g = start
+        g, recipes = start, []
         try:
-            for r in recipes:
-                g = r(g, PARTS, deadline)
+            for j, r in enumerate([*best.recipes[:i], recipe, *best.recipes[i + 1:]]):
+                try:
+                    g = r(g, PARTS, deadline)
+                except (FissionError, CopyError, GraphError, StopIteration) as e:
+                    if j <= i:
+                        raise
+                    # NOTE: a later split whose start the wider region took in is left out:
+                    # on BEiT the scores re-made wider ran the forward's dropout in parts,
+                    # the start of the next split (17.76 MB with it, 17.21 without)
+                    tried.append(f"{what}: split {j + 1} left out: {type(e).__name__}: "
+                                 f"{e}"[:200])
+                    continue
+                recipes.append(r)
         except (FissionError, CopyError, GraphError, StopIteration) as e:
             tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
             continue
@@ -263,39 +279,64 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
     graph, best, done, recipes = path
     left = []
     while len(done) < ROUNDS and best.sim.peak_bytes > target:
-        screened = _screened(graph, best, cm, deadline, tried)
+        ranked, page = candidates(graph, best), _Page()
         better, below = None, []
-        at = _peak_at(graph, best)
-        for peak, _, what, g2, recipe in _to_plan(screened):
-            if time.perf_counter() > deadline:
+        while better is None and page.number < PAGES and time.perf_counter() < deadline:
+            better = _round(graph, best, done, recipes, ranked, page, cm, deadline, t0, total,
+                            tried, below, left)
+            if better is None and page.number == 1 and start is not None:
+                wider = _widened(_Path(graph, best, done, recipes), start, cm, deadline, t0,
+                                 total, tried)
+                if wider.sol.sim.peak_bytes < best.sim.peak_bytes:
+                    better = wider
+            if len(page.seen) >= len(ranked):
                 break
-            sol = _least(g2, cm, deadline, t0, total)
-            tried.append(f"{what}: screened {peak:,} B, planned "
-                         + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
-            if sol is None:
-                continue
-            if sol.sim.peak_bytes >= best.sim.peak_bytes:
-                if (sol.sim.peak_bytes <= best.sim.peak_bytes * (1 + DETOUR)
-                        and _peak_at(g2, sol) not in (None, at)):
-                    left.append(_Path(g2, sol, [*done, what + " (a detour)"],
-                                      [*recipes, recipe]))
-                continue
-            # NOTE: every try of a round is planned, a large gain too: on Swin the first
-            # (4.3%: the MLP backward along its rows) ended round 1 before its MLP re-made
-            # along the tokens was planned, and no later round went below it
-            below.append(_Path(g2, sol, [*done, what], [*recipes, recipe]))
-            if better is None or sol.sim.peak_bytes < better.sol.sim.peak_bytes:
-                better = below[-1]
-        if better is None and start is not None and time.perf_counter() < deadline:
-            wider = _widened(_Path(graph, best, done, recipes), start, cm, deadline, t0, total,
-                             tried)
-            if wider.sol.sim.peak_bytes < best.sim.peak_bytes:
-                better = wider
         if better is None:
             break
         left += [b for b in below if b is not better]
         graph, best, done, recipes = better
     return _Path(graph, best, done, recipes), left
+
+
+class _Page:
+    """A round's pages of screens: ``seen`` the ranks screened (or failed to be made) so far,
+    ``number`` the pages screened."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.number = 0
+
+
+def _round(graph: Graph, best: Solution, done: list[str], recipes: list[Recipe], ranked: list,
+           page: _Page, cm, deadline: float, t0: float, total: float, tried: list[str],
+           below: list[_Path], left: list[_Path]) -> _Path | None:
+    """Screens the next page of ``ranked`` and plans its ``TRIES`` best: the lowest path
+    planned below ``best`` (None: none), every such path added to ``below`` and each detour
+    to ``left``."""
+    screened = _screened(graph, best, cm, deadline, tried, ranked, page)
+    better = None
+    at = _peak_at(graph, best)
+    for peak, _, what, g2, recipe in _to_plan(screened):
+        if time.perf_counter() > deadline:
+            break
+        sol = _least(g2, cm, deadline, t0, total)
+        tried.append(f"{what}: screened {peak:,} B, planned "
+                     + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
+        if sol is None:
+            continue
+        if sol.sim.peak_bytes >= best.sim.peak_bytes:
+            if (sol.sim.peak_bytes <= best.sim.peak_bytes * (1 + DETOUR)
+                    and _peak_at(g2, sol) not in (None, at)):
+                left.append(_Path(g2, sol, [*done, what + " (a detour)"],
+                                  [*recipes, recipe]))
+            continue
+        # NOTE: every try of a round is planned, a large gain too: on Swin the first
+        # (4.3%: the MLP backward along its rows) ended round 1 before its MLP re-made
+        # along the tokens was planned, and no later round went below it
+        below.append(_Path(g2, sol, [*done, what], [*recipes, recipe]))
+        if better is None or sol.sim.peak_bytes < better.sol.sim.peak_bytes:
+            better = below[-1]
+    return better
 
 
 def _peak_at(graph: Graph, sol: Solution) -> str | None:
@@ -336,10 +377,11 @@ def _plan_s(total: float) -> float:
 _Screened = tuple[int, int, str, str, Graph, Recipe]
 
 
-def _screened(graph: Graph, best: Solution, cm, deadline: float,
-              tried: list[str]) -> list[_Screened]:
-    """(screened peak, rank, what, kind, split graph, recipe) of the round's first ``SCREEN``
-    candidates that can be made, lowest screened peak first.
+def _screened(graph: Graph, best: Solution, cm, deadline: float, tried: list[str],
+              ranked: list, page: _Page) -> list[_Screened]:
+    """(screened peak, rank, what, kind, split graph, recipe) of the next ``SCREEN``
+    candidates of ``ranked`` (best-ranked first, those not seen on an earlier ``page``) that
+    can be made, lowest screened peak first; ``page`` notes them seen.
 
     A screen is the split graph's peak with ``best``'s drops carried over (by name: a part
     drops where its whole did), priced by the evaluator without a search: a tenth of a
@@ -350,15 +392,19 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float,
     dropped = _dropped_names(graph, best)
     out: list[_Screened] = []
     made, starts = {COPIES: 0, PLAIN: 0}, set()
-    for rank, (what, kind, start, recipe) in enumerate(candidates(graph, best)):
+    page.number += 1
+    for rank, (what, kind, start, recipe) in enumerate(ranked):
         if time.perf_counter() > deadline or sum(made.values()) >= SCREEN:
             break
+        if rank in page.seen:
+            continue
         # NOTE: one share of a start per round: its other shares took the tries from every
         # other start (HuBERT's convolution backward along the channels, twice, before the
         # one along the time that runs its 6.2 MiB workspace in parts); each kind half the
         # screens (a re-made region costs seconds to make: every block's copies)
         if made[kind] >= SCREEN // 2 or (kind, start) in starts:
             continue
+        page.seen.add(rank)
         try:
             g2 = recipe(graph, PARTS, deadline)
         except (FissionError, CopyError, GraphError, StopIteration) as e:
