@@ -104,3 +104,35 @@ def test_a_forward_start_is_offered_at_every_trim_tightest_first():
     assert shares
     for start, got in shares.items():
         assert got == sorted(SHARES, reverse=True), (start, got)
+
+
+class NormedFrontEnd(FrontEnd):
+    """wav2vec2/HuBERT's feature projection: the frames through a layer norm first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, wave):
+        x = wave[:, None]
+        for conv in self.convs:
+            x = torch.nn.functional.gelu(conv(x))
+        return self.proj(self.norm(x.transpose(1, 2)))
+
+
+def test_a_time_region_runs_on_from_a_layer_norms_separated_backward():
+    """A layer norm's backward makes its weight gradient as a sum over the rows: a part of it
+    ran exactly its own rows, and the next convolution backward gathers more (HuBERT:
+    "part 0 must make rows (0, 13) ... but makes (0, 12)"). Separated like a convolution's,
+    its input gradient runs any rows, and the region runs on through the convolution chain."""
+    torch.manual_seed(0)
+    model, batch = NormedFrontEnd(), (torch.randn(2, 4000),)
+    g = separate_input_grads(fitgraph.capture(model, batch, _loss))
+    names = {n.name for n in g.nodes if n.target == "aten.native_layer_norm_backward.default"}
+    assert len(names) == 2 and all(n.endswith((".input", ".weight")) for n in names), names
+    first = min((n for n in g.nodes if n.target == "aten.convolution_backward.default"),
+                key=lambda n: n.id)
+    region = grow_region(g, first.outputs[0], 2)
+    norm = {n.id for n in g.nodes if n.name.endswith(".input") and "layer_norm" in n.target}
+    assert region.halo and norm <= set(region.nodes)
+    assert_same_as_eager(model, batch, _loss, split_region(g, region, 4))

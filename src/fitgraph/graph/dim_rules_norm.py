@@ -41,12 +41,19 @@ def native_layer_norm(node, ins, outs) -> list[Split]:
 
 
 def native_layer_norm_backward(node, ins, outs) -> list[Split]:
-    """(grad, x, normalized_shape, mean, rstd, weight, bias, mask) -> (gx, gw, gb)."""
+    """(grad, x, normalized_shape, mean, rstd, weight, bias, mask) -> (gx, gw, gb).
+
+    The weight and bias gradients are partial sums over the rows where the mask requests them;
+    with the input gradient alone (``transform.fission_halo_grads`` separates it) a part runs
+    any rows, so a region along the time runs on from a norm's backward into a convolution
+    chain's, which gathers rows beyond its own (wav2vec2/HuBERT's feature projection)."""
+    mask = arg_of(node, 7, "output_mask")
+    outs_kind = tuple(Reduced() if want else None for want in mask[1:3])
     splits = []
     for i in range(_lead(node, ins, 2)):
         if ins[0][i] >= 2:
             ops = per_arg(node, {0: Along(i), 1: Along(i), 3: Along(i), 4: Along(i)})
-            splits.append(Split(ops, (Along(i), Reduced(), Reduced())))
+            splits.append(Split(ops, (Along(i), *outs_kind)))
     return splits
 
 

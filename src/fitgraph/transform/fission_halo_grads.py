@@ -47,6 +47,10 @@ __all__ = ["SEPARABLE", "separable", "separate_input_grads"]
 SEPARABLE = {
     "aten.convolution_backward.default": 10,
     "aten.native_batch_norm_backward.default": 9,
+    # NOTE: a layer norm's weight gradient is a sum over its rows too: wav2vec2/HuBERT project
+    # their convolution stack's frames through a layer norm, whose backward ended every region
+    # along the time there (a part must make the rows the next convolution's backward gathers)
+    "aten.native_layer_norm_backward.default": 7,
 }
 _TRAIN = 7   # NOTE: native_batch_norm_backward's `train`: in training the gradient is not separable
 
