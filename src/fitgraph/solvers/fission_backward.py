@@ -21,7 +21,9 @@ one trim of a start) are made and screened — the split graph priced with the c
 drops carried over, no search — and the ``TRIES`` best-screened are planned by hotspot (least
 peak); the one that lowers it most is kept, and rounds go on while one does and time is left.
 Where none does, each region the path re-makes is made again with its next looser trim (where
-that re-makes more nodes) and planned; a lower one is the round's gain (``_widened``).
+that re-makes more nodes; a later split whose start it took in left out) and planned; a lower
+one is the round's gain (``_widened``). Where that is not lower either, the round screens its
+next candidates, up to ``PAGES`` pages.
 Where they end, the search goes on from the lowest of up to ``BRANCHES`` runners-up (tries
 planned below their round's start and not kept, and detours: tries at most ``DETOUR`` above it
 whose peak moved elsewhere, where a later split may cut it), and keeps the lowest peak of
@@ -275,7 +277,8 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
     """Rounds from ``path`` while one lowers the peak, until it is within ``target``: (where
     they end, the runners-up: candidates planned below their round's start peak and not
     kept). Where no candidate lowers it, the regions the path re-makes are tried wider
-    (``_widened``, made again from ``start``), and the rounds go on from a lower one."""
+    (``_widened``, made again from ``start``), then the round's next page of candidates
+    (``_round``, up to ``PAGES``), and the rounds go on from a lower one."""
     graph, best, done, recipes = path
     left = []
     while len(done) < ROUNDS and best.sim.peak_bytes > target:
