@@ -225,6 +225,8 @@ def report_section(rows: list[dict], command: str, wall_s: float, rounds: int) -
     import numpy
     import torch
 
+    from .sweep_measure import MIN_TIMED_S
+
     try:
         import transformers
         tf = transformers.__version__
@@ -238,7 +240,8 @@ def report_section(rows: list[dict], command: str, wall_s: float, rounds: int) -
         f"Machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
         f"1 torch thread, load average {', '.join(f'{x:.2f}' for x in load)} at the end; "
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {tf}, "
-        f"numpy {numpy.__version__}. Command: `{command}` ({rounds} rounds; the models took "
+        f"numpy {numpy.__version__}. Command: `{command}` (at least {rounds} rounds, more for a short step: "
+        f"{MIN_TIMED_S:.0f} s of steps timed; the models took "
         f"{wall_s / 60:.0f} min). Each model in its own process; peaks measured (allocator events + resident "
         "bytes); overheads paired with eager (median of the rounds); smallest peak: every "
         "transformation allowed (fission's results allclose), planned with "

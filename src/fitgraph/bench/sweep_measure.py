@@ -9,7 +9,7 @@ where the model has none), at-ckpt (fitgraph at checkpointing's measured peak, i
 smallest (``budget="smallest"``: the least peak fitgraph reaches, fission allowed, simulated;
 planned and run once against eager: its measured peak and results; for a step by regions each
 region at its least and the step's peak measured), time (interleaved rounds, each timed step right after an eager one,
-``harness._time_rounds``). A stage that fails ends the row with its error; the checkpointing
+``harness._time_rounds``; at least ``rounds``, more for a short step: ``timed_rounds``). A stage that fails ends the row with its error; the checkpointing
 stages fail alone (their error goes to ``notes``), since the model itself ran.
 """
 
@@ -257,6 +257,27 @@ def latency_tries(notes: dict) -> str:
     return "; ".join(out) or str(kept)
 
 
+# NOTE: a model's rounds time at least this many seconds of steps, and at most MAX_ROUNDS:
+# ConvNeXt's 25 ms step measured +12.2% and then +9.3% over eager in two runs of 7 rounds
+# (0.2 s of its plan's steps each), either side of the 12% line
+MIN_TIMED_S = 3.0
+MAX_ROUNDS = 41
+
+
+def timed_rounds(rounds: int, step_s: float, systems: int) -> int:
+    """The rounds to time: at least ``rounds``, and enough that ``systems`` steps of
+    ``step_s`` each, every one beside an eager step, take ``MIN_TIMED_S`` (at most
+    ``MAX_ROUNDS``; odd, so the median is a measured round).
+
+    Example:
+        >>> timed_rounds(7, 1.0, 3), timed_rounds(7, 0.025, 3), timed_rounds(7, 1e-4, 3)
+        (7, 21, 41)
+    """
+    want = int(MIN_TIMED_S / max(2 * systems * step_s, 1e-9)) + 1
+    n = max(rounds, min(want, MAX_ROUNDS))
+    return n if n % 2 or n == rounds else n + 1
+
+
 def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
                   save: Callable[[dict], None] = lambda row: None) -> dict:
     """Measure sweep model ``name``; ``save(row)`` is called as each stage starts (the parent
@@ -379,7 +400,11 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         for s in systems[1:]:
             s.optimizer.zero_grad(set_to_none=True)
             s.step()   # NOTE: warm-up (the first fitgraph step ran under the meter)
-        _time_rounds(systems, rounds, reference=eager)
+        eager.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        eager.step()
+        _time_rounds(systems, timed_rounds(rounds, time.perf_counter() - t0, len(systems) - 1),
+                     reference=eager)
         row["eager_step_s"] = statistics.median(eager.times)
         if regions:  # NOTE: a step by regions is measured once compiling settled
             row["peak_110"] = step.report().measured_peak_bytes
