@@ -3,15 +3,17 @@
 Stages, in order (``row["stage"]`` names the one running, so a crash or a time-out in the
 parent says where): build, eager (one AdamW step so its state exists, then the measured eager
 peak and the lower bound), capture, plan (``optimize(latency_limit=1.10)``), compare (one
-AdamW step of the plan against eager from the same weights, optimizer state and RNG), ckpt
+AdamW step of the plan against eager from the same weights, optimizer state and RNG), time
+(the plan at 1.10 in rounds beside eager alone, each timed step right after an eager one,
+``harness._time_rounds``; at least ``rounds``, more for a short step: ``timed_rounds``), ckpt
 (Hugging Face's ``gradient_checkpointing_enable()``, or per-block ``torch.utils.checkpoint``
 where the model has none), at-ckpt (fitgraph at checkpointing's measured peak, in bytes),
-time (interleaved rounds, each timed step right after an eager one, ``harness._time_rounds``;
-at least ``rounds``, more for a short step: ``timed_rounds``), smallest (``budget="smallest"``:
-the least peak fitgraph reaches, fission allowed, simulated; planned and run once against eager
-from the weights the time stage started from: its measured peak and results; for a step by
-regions each region at its least and the step's peak measured). A stage that fails ends the row with its error; the checkpointing
-stages fail alone (their error goes to ``notes``), since the model itself ran.
+time-ckpt (those two in rounds beside eager), smallest (``budget="smallest"``: the least peak
+fitgraph reaches, fission allowed, simulated; planned and run once against eager from the
+weights the time stage started from: its measured peak and results; for a step by regions
+each region at its least and the step's peak measured). A stage that fails ends the row with
+its error; the checkpointing stages fail alone (their error goes to ``notes``), since the model
+itself ran.
 """
 
 from __future__ import annotations
@@ -279,6 +281,20 @@ def timed_rounds(rounds: int, step_s: float, systems: int) -> int:
     return n if n % 2 or n == rounds else n + 1
 
 
+def _timed(systems: list[_System], rounds: int) -> None:
+    """Times ``systems[1:]`` against ``systems[0]`` (eager), each warmed up first, in
+    ``timed_rounds`` rounds (``harness._time_rounds``)."""
+    eager = systems[0]
+    for s in systems[1:]:
+        s.optimizer.zero_grad(set_to_none=True)
+        s.step()   # NOTE: warm-up (the first fitgraph step ran under the meter)
+    eager.optimizer.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    eager.step()
+    _time_rounds(systems, timed_rounds(rounds, time.perf_counter() - t0, len(systems) - 1),
+                 reference=eager)
+
+
 def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
                   save: Callable[[dict], None] = lambda row: None) -> dict:
     """Measure sweep model ``name``; ``save(row)`` is called as each stage starts (the parent
@@ -356,7 +372,21 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         if row["result"] == "MISMATCH":
             row["status"], row["error"] = "MISMATCH", row["result_detail"]
             return row
-        systems = [eager, fg]
+        # NOTE: the weights the smallest plan starts from, before a timed step moves them
+        m_w, o_w = _copied(m_e, o_e)
+        # NOTE: the plan at 1.10 is timed beside eager alone, as a training loop runs it:
+        # with a checkpointed model's steps in the same rounds, ConvNeXt's plan measured
+        # 1.09-1.16x eager, beside eager alone 1.04-1.06x (its latency check: 1.08x); and
+        # before the smallest plan's search, whose leftovers slowed every later step
+        stage("time")
+        if regions:   # NOTE: compiling (and planning again) belongs to no timed round
+            _settle(step, batch)
+        _timed([eager, fg], rounds)
+        row["eager_step_s"] = statistics.median(eager.times)
+        if regions:  # NOTE: a step by regions is measured once compiling settled
+            row["peak_110"] = step.report().measured_peak_bytes
+        row["overhead_110"] = statistics.median(fg.ratios) - 1
+        systems = [eager]
         ckpt = at_ckpt = None
         stage("ckpt")
         try:
@@ -385,36 +415,18 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
                 systems.append(at_ckpt)
             except Exception as e:
                 row["notes"] += f"at checkpointing's peak: {error_text(e)}; "
-        # NOTE: timed before the smallest plan's search (minutes of graphs and plans, whose
-        # leftovers slow every later step's garbage collection: ConvNeXt's plan at 1.10
-        # measured 1.11x eager after it, 1.087x before), from a copy of the weights the
-        # smallest plan then starts from
-        m_w, o_w = _copied(m_e, o_e)
-        stage("time")
-        if regions:   # NOTE: compiling (and planning again) belongs to no timed round
-            _settle(step, batch)
-            if at_ckpt is not None:
+        if ckpt is not None:
+            stage("time-ckpt")
+            if regions and at_ckpt is not None:
                 _settle(step_c, batch)
                 row["peak_at_ckpt"] = step_c.report().measured_peak_bytes
-        for s in systems[1:]:
-            s.optimizer.zero_grad(set_to_none=True)
-            s.step()   # NOTE: warm-up (the first fitgraph step ran under the meter)
-        eager.optimizer.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        eager.step()
-        _time_rounds(systems, timed_rounds(rounds, time.perf_counter() - t0, len(systems) - 1),
-                     reference=eager)
-        row["eager_step_s"] = statistics.median(eager.times)
-        if regions:  # NOTE: a step by regions is measured once compiling settled
-            row["peak_110"] = step.report().measured_peak_bytes
-        row["overhead_110"] = statistics.median(fg.ratios) - 1
-        if ckpt is not None:
+            _timed(systems, rounds)
             row["ckpt_overhead"] = statistics.median(ckpt.ratios) - 1
-        if at_ckpt is not None:
-            row["at_ckpt_overhead"] = statistics.median(at_ckpt.ratios) - 1
-            # NOTE: both were timed against the same eager steps in each round
-            row["at_ckpt_vs_ckpt"] = statistics.median(
-                f / c for f, c in zip(at_ckpt.ratios, ckpt.ratios))
+            if at_ckpt is not None:
+                row["at_ckpt_overhead"] = statistics.median(at_ckpt.ratios) - 1
+                # NOTE: both were timed against the same eager steps in each round
+                row["at_ckpt_vs_ckpt"] = statistics.median(
+                    f / c for f, c in zip(at_ckpt.ratios, ckpt.ratios))
         stage("smallest")
         t0 = time.perf_counter()
         try:
