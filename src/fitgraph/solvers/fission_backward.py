@@ -247,23 +247,22 @@ def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: 
             continue
         recipe = wider()
         what = f"split {i + 1} re-made wider (share {recipe.share})"
-        g, recipes = start, []
-        try:
-            for j, r in enumerate([*best.recipes[:i], recipe, *best.recipes[i + 1:]]):
-                try:
-                    g = r(g, PARTS, deadline)
-                except (FissionError, CopyError, GraphError, StopIteration) as e:
-                    if j <= i:
-                        raise
-                    # NOTE: a later split whose start the wider region took in is left out:
-                    # on BEiT the scores re-made wider ran the forward's dropout in parts,
-                    # the start of the next split (17.76 MB with it, 17.21 without)
-                    tried.append(f"{what}: split {j + 1} left out: {type(e).__name__}: "
-                                 f"{e}"[:200])
-                    continue
-                recipes.append(r)
-        except (FissionError, CopyError, GraphError, StopIteration) as e:
-            tried.append(f"{what}: {type(e).__name__}: {e}"[:200])
+        g, recipes, failed = start, [], False
+        for j, r in enumerate([*best.recipes[:i], recipe, *best.recipes[i + 1:]]):
+            try:
+                g = r(g, PARTS, deadline)
+            except (FissionError, CopyError, GraphError, StopIteration) as e:
+                # NOTE: a later split whose start the wider region took in is left out: on
+                # BEiT the scores re-made wider ran the forward's dropout in parts, the start
+                # of the next split (17.76 MB with it, 17.21 without)
+                left = f": split {j + 1} left out" if j > i else ""
+                tried.append(f"{what}{left}: {type(e).__name__}: {e}"[:200])
+                failed = j <= i
+                if failed:
+                    break
+                continue
+            recipes.append(r)
+        if failed:
             continue
         sol = _least(g, cm, deadline, t0, total)
         tried.append(f"{what}: planned " + (f"{sol.sim.peak_bytes:,} B" if sol else "no plan"))
@@ -282,18 +281,19 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
     graph, best, done, recipes = path
     left = []
     while len(done) < ROUNDS and best.sim.peak_bytes > target:
-        ranked, page = candidates(graph, best), _Page()
+        ranked, seen = candidates(graph, best), set()
         better, below = None, []
-        while better is None and page.number < PAGES and time.perf_counter() < deadline:
-            better = _round(graph, best, done, recipes, ranked, page, cm, deadline, t0, total,
+        for page in range(PAGES):
+            if (better is not None or time.perf_counter() > deadline
+                    or (page and len(seen) >= len(ranked))):
+                break
+            better = _round(graph, best, done, recipes, ranked, seen, cm, deadline, t0, total,
                             tried, below, left)
-            if better is None and page.number == 1 and start is not None:
+            if better is None and page == 0 and start is not None:
                 wider = _widened(_Path(graph, best, done, recipes), start, cm, deadline, t0,
                                  total, tried)
                 if wider.sol.sim.peak_bytes < best.sim.peak_bytes:
                     better = wider
-            if len(page.seen) >= len(ranked):
-                break
         if better is None:
             break
         left += [b for b in below if b is not better]
@@ -301,22 +301,13 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
     return _Path(graph, best, done, recipes), left
 
 
-class _Page:
-    """A round's pages of screens: ``seen`` the ranks screened (or failed to be made) so far,
-    ``number`` the pages screened."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.number = 0
-
-
 def _round(graph: Graph, best: Solution, done: list[str], recipes: list[Recipe], ranked: list,
-           page: _Page, cm, deadline: float, t0: float, total: float, tried: list[str],
+           seen: set[int], cm, deadline: float, t0: float, total: float, tried: list[str],
            below: list[_Path], left: list[_Path]) -> _Path | None:
-    """Screens the next page of ``ranked`` and plans its ``TRIES`` best: the lowest path
-    planned below ``best`` (None: none), every such path added to ``below`` and each detour
-    to ``left``."""
-    screened = _screened(graph, best, cm, deadline, tried, ranked, page)
+    """Screens the next page of ``ranked`` (the ranks not in ``seen``) and plans its ``TRIES``
+    best: the lowest path planned below ``best`` (None: none), every such path added to
+    ``below`` and each detour to ``left``."""
+    screened = _screened(graph, best, cm, deadline, tried, ranked, seen)
     better = None
     at = _peak_at(graph, best)
     for peak, _, what, g2, recipe in _to_plan(screened):
@@ -381,10 +372,11 @@ _Screened = tuple[int, int, str, str, Graph, Recipe]
 
 
 def _screened(graph: Graph, best: Solution, cm, deadline: float, tried: list[str],
-              ranked: list, page: _Page) -> list[_Screened]:
+              ranked: list, seen: set[int]) -> list[_Screened]:
     """(screened peak, rank, what, kind, split graph, recipe) of the next ``SCREEN``
-    candidates of ``ranked`` (best-ranked first, those not seen on an earlier ``page``) that
-    can be made, lowest screened peak first; ``page`` notes them seen.
+    candidates of ``ranked`` (best-ranked first, those whose rank is not in ``seen``: an
+    earlier page's) that can be made, lowest screened peak first; their ranks added to
+    ``seen``.
 
     A screen is the split graph's peak with ``best``'s drops carried over (by name: a part
     drops where its whole did), priced by the evaluator without a search: a tenth of a
@@ -395,11 +387,10 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float, tried: list[str
     dropped = _dropped_names(graph, best)
     out: list[_Screened] = []
     made, starts = {COPIES: 0, PLAIN: 0}, set()
-    page.number += 1
     for rank, (what, kind, start, recipe) in enumerate(ranked):
         if time.perf_counter() > deadline or sum(made.values()) >= SCREEN:
             break
-        if rank in page.seen:
+        if rank in seen:
             continue
         # NOTE: one share of a start per round: its other shares took the tries from every
         # other start (HuBERT's convolution backward along the channels, twice, before the
@@ -407,7 +398,7 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float, tried: list[str
         # screens (a re-made region costs seconds to make: every block's copies)
         if made[kind] >= SCREEN // 2 or (kind, start) in starts:
             continue
-        page.seen.add(rank)
+        seen.add(rank)
         try:
             g2 = recipe(graph, PARTS, deadline)
         except (FissionError, CopyError, GraphError, StopIteration) as e:
