@@ -189,7 +189,7 @@ def test_the_forward_loss_runs_in_parts_once_the_backward_reads_the_logits_copie
 
 def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
     from fitgraph.graph.ir import GraphBuilder, Role
-    from fitgraph.solvers.backward_regions import _linked
+    from fitgraph.solvers.forward_regions import linked_nodes as _linked
 
     b = GraphBuilder()
     mask = b.add_input("mask", (4, 8), "bool", Role.INPUT)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from ..graph.analysis import GraphError, new_storages, storage_producer
 from ..graph.dim_region import Region, grow_region
 from ..graph.dim_rules import SHAPE_ONLY
-from ..graph.dim_types import Reduced
 from ..graph.ir import Graph, Phase
 from ..sim.simulate import SimResult
 from ..transform.fission import FissionError, split_region
@@ -43,6 +42,7 @@ from ..transform.recompute_copies import (
 from ..transform.sums_in_place import sums_in_place
 from .base import Solution
 from .fission_regions import peak_starts, shared_regions, trimmed
+from .forward_regions import forward_nodes, full_length, linked_nodes
 
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
            "copies_recipe", "plain_recipe", "products_folded"]
@@ -164,8 +164,8 @@ def _widens(graph: Graph, name: str, dim: int, share: float, looser: float) -> b
         v = _value(graph, name)
     except FissionError:
         return True
-    return set(_forward_nodes(graph, v, dim, looser)[0]) != set(_forward_nodes(graph, v, dim,
-                                                                               share)[0])
+    wider, tight = (forward_nodes(graph, v, dim, s, PARTS)[0] for s in (looser, share))
+    return set(wider) != set(tight)
 
 
 def alike_split_recipe(name: str, dim: int, share: float) -> Recipe:
@@ -311,114 +311,11 @@ def _alike_starts(graph: Graph, vid: int) -> list[int]:
     return out
 
 
-def _full_length(graph: Graph, vid: int, dim: int, min_length: int = 0, **kw) -> Region:
-    """The region grown from ``vid`` along ``dim``; where it makes the axis coarser (a
-    reshape ties the flattened tokens to the batch), the one that keeps every unit (with
-    ``min_length``: the one that keeps at least that many).
-
-    NOTE: re-made in the backward, Gemma-2's MLP along its flattened tokens ran on through the
-    3-D norms and residuals and was cut in 2 parts along the batch (31.2 MB planned against
-    23.0 unsplit); kept to the 2-D MLP, it runs in up to ``PARTS`` parts."""
-    if min_length:
-        return grow_region(graph, vid, dim, min_length=min_length, **kw)
-    r = grow_region(graph, vid, dim, **kw)
-    if r.length >= graph.values[vid].shape[dim]:
-        return r
-    fine = grow_region(graph, vid, dim, keep_length=True, **kw)
-    return fine if len(fine.nodes) >= 2 else r
-
-
-def _forward_nodes(graph: Graph, vid: int, dim: int, share: float) -> tuple[list[int], int]:
-    """The forward nodes of the region grown from ``vid`` along ``dim`` to re-make in the
-    backward (not one whose output the parts make as partial sums), and the least length
-    that region keeps the axis at (0: its whole length; see ``_full_length``).
-
-    NOTE: HuBERT's first convolution layer (convolution, a GroupNorm per channel, GELU) runs
-    along its channels, and the next convolution sums over them. Re-made with the rest, that
-    sum must be whole before the next layer's activation backward reads it, which runs before
-    this layer's backward: the region in the backward stopped at the copies, all of them
-    whole (2.35x the lower bound against 1.93 unsplit). Left to the forward, the layer runs
-    in parts: 1.56x."""
-    fine = _full_length(graph, vid, dim)
-    nodes = _forward_part(graph, vid, fine, share)
-    if first_reader(graph, nodes) is not None:
-        return nodes, 0
-    # NOTE: the region that keeps every unit can stop at a reshape before anything the
-    # backward reads: Swin's ``probs @ v`` is [windows x heads, ...] and is read back as
-    # [windows, tokens, heads x dim] (o_proj's input); that one re-made nothing. The one that
-    # keeps at least ``PARTS`` units (the windows) runs on to o_proj, and the backward's
-    # region then keeps as many (the windows, not 16 rows of them)
-    coarse = grow_region(graph, vid, dim, min_length=PARTS)
-    if coarse.nodes != fine.nodes:
-        return _forward_part(graph, vid, coarse, share), coarse.length
-    return nodes, 0
-
-
-def _forward_part(graph: Graph, vid: int, region: Region, share: float) -> list[int]:
-    r = trimmed(graph, region, share) if share else region
-    partial = {graph.values[v].producer for v, d in r.dims.items() if isinstance(d, Reduced)}
-    fwd = {n for n in r.nodes if graph.nodes[n].phase is Phase.FORWARD and n not in partial}
-    linked = _linked(graph, graph.values[vid].producer, fwd)
-    return sorted(linked | _saved_branches(graph, linked, fwd - linked))
-
-
-def _saved_branches(graph: Graph, linked: set[int], rest: set[int]) -> set[int]:
-    """The nodes of ``rest`` that read only what ``linked`` nodes make (of the region's
-    forward nodes) and whose outputs a backward node reads: what a region's own nodes save
-    for the backward off the path to its start.
-
-    NOTE: Gemma-2 caps its scores with a tanh, whose backward reads the tanh's output through
-    a ``detach``. Re-made from the softmax, the region took the tanh (on the path to it) and not
-    the detach (a reader off the path): the backward read the forward's whole tanh, which the
-    plan recomputed whole with the scores (24.0 MB; from the tanh, 21.3)."""
-    later: set[int] = set()
-    for n in graph.nodes:
-        if n.phase is not Phase.FORWARD:
-            later.update(n.inputs)
-    out: set[int] = set()
-    for nid in sorted(rest):
-        n = graph.nodes[nid]
-        made = [graph.values[v].producer for v in n.inputs]
-        inside = [m for m in made if m in linked or m in rest]
-        if (inside and all(m in linked or m in out for m in inside)
-                and any(o in later for o in n.outputs if o is not None)):
-            out.add(nid)
-    return out
-
-
-def _linked(graph: Graph, start: int, nodes: set[int]) -> set[int]:
-    """The nodes of ``nodes`` that ``start`` leads to (through tensors one makes and another
-    reads), and those that lead to ``start`` or to them. A region also takes the other readers
-    of a tensor it reads along its dim (every block's attention mask, made from one shared
-    mask): those belong to other blocks, and copied or split with this one they would be
-    kept whole from the forward to the backward."""
-    readers: dict[int, set[int]] = {n: set() for n in nodes}
-    makers: dict[int, set[int]] = {n: set() for n in nodes}
-    for n in nodes:
-        for v in graph.nodes[n].inputs:
-            m = graph.values[v].producer
-            if m in nodes and m != n:
-                readers[m].add(n)
-                makers[n].add(m)
-    after = _closure({start}, readers)
-    return _closure(after, makers)
-
-
-def _closure(seeds: set[int], edges: dict[int, set[int]]) -> set[int]:
-    seen, todo = set(seeds), list(seeds)
-    while todo:
-        for m in edges.get(todo.pop(), ()):
-            if m not in seen:
-                seen.add(m)
-                todo.append(m)
-    return seen
-
-
 def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int = PARTS,
                      forward: bool = True) -> Graph:
     """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
     backward and run there in up to ``parts`` parts with the backward ops that read it."""
-    fwd, min_length = _forward_nodes(graph, vid, dim, share)
+    fwd, min_length = forward_nodes(graph, vid, dim, share, PARTS)
     nodes = copy_set(graph, fwd)
     name = graph.values[vid].name + COPY_SUFFIX
     g = recompute_copies(graph, nodes)
@@ -440,7 +337,7 @@ def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int 
 def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
                      first: int, min_length: int = 0) -> Region:
     """The region grown from the copies' value ``copy`` along ``dim`` in the backward (as
-    ``_full_length`` grows it, with ``min_length``).
+    ``full_length`` grows it, with ``min_length``).
 
     Backward nodes that run before the copies (before node ``first``) stay out: the backward
     of nn.MultiheadAttention is row-wise along the tokens from block to block, and grown
@@ -450,7 +347,7 @@ def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
     hidden's copy, and left out it stayed whole at the peak."""
     before = {n.id: "runs before the copies (a later block's backward)"
               for n in graph.nodes[:first] if n.phase is Phase.BACKWARD}
-    region = _full_length(graph, copy, dim, min_length, exclude=outside | before)
+    region = full_length(graph, copy, dim, min_length, exclude=outside | before)
     inside = set(region.nodes)
     fed = {graph.values[v].producer for v, d in region.dims.items() if isinstance(d, int)}
     fed &= before.keys()
@@ -464,7 +361,7 @@ def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
                                   for o in graph.nodes[p].outputs if o is not None)}
     if not feed:
         return region
-    wider = _full_length(graph, copy, dim, min_length, exclude=outside | {
+    wider = full_length(graph, copy, dim, min_length, exclude=outside | {
         n: why for n, why in before.items() if n not in feed})
     return wider if inside < set(wider.nodes) else region
 
@@ -513,9 +410,10 @@ def _forward_in_parts(graph: Graph, name: str, dim: int, parts: int = PARTS) -> 
 
 def _own_region(graph: Graph, vid: int, dim: int, exclude: dict[int, str],
                 **kw) -> Region:
-    """The region grown from ``vid`` along ``dim``, kept to its own block (``_linked``)."""
+    """The region grown from ``vid`` along ``dim``, kept to its own block
+    (``forward_regions.linked_nodes``)."""
     region = grow_region(graph, vid, dim, exclude=exclude, **kw)
-    own = _linked(graph, graph.values[vid].producer, set(region.nodes))
+    own = linked_nodes(graph, graph.values[vid].producer, set(region.nodes))
     if len(own) < len(region.nodes):
         others = {n: "another block's" for n in region.nodes if n not in own}
         region = grow_region(graph, vid, dim, exclude=exclude | others, **kw)
