@@ -487,6 +487,18 @@ SYNTHETIC = {
                           {}),
     "mish": ("aten.mish.default", (_r(3, 4),), {}),
     "mish_backward": ("aten.mish_backward.default", (_r(3, 4), _r(3, 4)), {}),
+    # NOTE: a group norm run from its statistics (an affine map per sample and channel over
+    # the time) and optimizers' updates: ternary ops with broadcasting
+    "addcmul broadcast": ("aten.addcmul.default", (_r(2, 3, 1), _r(2, 3, 7), _r(2, 3, 1)),
+                          {"value": 0.5}),
+    "addcdiv": ("aten.addcdiv.default", (_r(3, 4), _r(3, 4), _r(4).abs() + 1), {}),
+    "lerp scalar": ("aten.lerp.Scalar", (_r(3, 4), _r(3, 4), 0.3), {}),
+    "lerp tensor": ("aten.lerp.Tensor", (_r(3, 4), _r(1, 4), _r(3, 1)), {}),
+    "var_mean over the last dim": ("aten.var_mean.correction", (_r(2, 3, 7), [2]),
+                                   {"correction": 0}),
+    "var_mean keepdim": ("aten.var_mean.correction", (_r(2, 3, 7), [1]),
+                         {"correction": 1, "keepdim": True}),
+    "std over two dims": ("aten.std.correction", (_r(2, 3, 4, 5), [1, 3]), {}),
     "embedding_dense_backward": ("aten.embedding_dense_backward.default",
                                  (_r(2, 3, 4), torch.tensor([[0, 2, 2], [1, 0, 4]]), 5, -1,
                                   False), {}),

@@ -88,14 +88,17 @@ def _reach(starts, edges: dict[int, list[int]], through=None) -> set[int]:
 
 
 def convexity_cut(inside: set[int], anchor: int, succ: dict[int, list[int]],
-                  pred: dict[int, list[int]]) -> dict[int, int]:
+                  pred: dict[int, list[int]], saved: set[int] = frozenset()) -> dict[int, int]:
     """Nodes to leave out so that ``inside`` becomes convex -> the outside node whose path
     forces it; {} when it is convex. ``anchor`` (a region node) stays: the cut is the side of
-    the re-entry paths it is not on."""
+    the re-entry paths it is not on. ``saved``: outside nodes whose outputs the region reads as
+    they were made before it ran (a forward region re-made in the backward reads a forward
+    node outside it as saved): a path through one of them does not re-enter."""
     outside = lambda n: n not in inside  # noqa: E731
     below = {n for n in _reach(inside, succ, outside) if outside(n)}
     above = {n for n in _reach(inside, pred, outside) if outside(n)}
-    between = sorted(below & above)       # outside nodes on a path out of and back into it
+    # NOTE: outside nodes on a path out of and back into it
+    between = sorted((below & above) - saved)
     if not between:
         return {}
     # NOTE: the side is chosen per re-entry node: an outside node upstream of the anchor loses

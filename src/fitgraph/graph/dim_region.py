@@ -34,7 +34,7 @@ from .dim_convex import convexity_cut, order_edges
 from .dim_rules import row_wise
 from .dim_types import Along, Entry, Reduced, Split
 from .dims import node_shapes, operands, splits_or_reason, value_entries
-from .ir import Graph, Role
+from .ir import Graph, Phase, Role
 
 __all__ = ["Region", "RegionIndex", "grow_region", "node_region", "regions"]
 
@@ -80,12 +80,14 @@ class RegionIndex:
         self.graph = graph
         self.succ, self.pred = order_edges(graph)
         self.users = _users(graph)
+        self.forward = frozenset(n.id for n in graph.nodes if n.phase is Phase.FORWARD)
         self.options: dict[int, list[tuple[Split, dict, set]] | str] = {}
 
 
 def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independent",
                 exclude: dict[int, str] | None = None, index: RegionIndex | None = None,
-                keep_length: bool = False, min_length: int = 0) -> Region:
+                keep_length: bool = False, min_length: int = 0,
+                re_made: bool = False) -> Region:
     """The maximal convex region through which ``dim`` of ``value_id`` flows.
 
     ``whole``: which inputs a part may read whole — "independent": any value that does not
@@ -98,7 +100,10 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     keeps that dim's full length. ``min_length``: leave out only those that would leave the
     axis fewer than ``min_length`` units (Swin's scores are [windows x heads, ...] and its
     attention's output is [windows, ...]: the axis may coarsen to the windows, not to the
-    images).
+    images). ``re_made``: the region's forward nodes are to be re-made in the backward
+    (``transform.recompute_copies``), where they read every forward tensor outside the region
+    as saved: a path through forward nodes outside it does not break its convexity (a group
+    norm's statistics, between its input and its normalised output).
     """
     if whole not in ("independent", "weights"):
         raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
@@ -115,7 +120,8 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
                        min_length)
         if not region.nodes:
             return region
-        cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred)
+        saved = index.forward if re_made else frozenset()
+        cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred, saved)
         if not cut:
             return region
         for nid, via in cut.items():

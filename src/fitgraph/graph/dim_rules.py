@@ -37,6 +37,7 @@ _ELEMENTWISE = [
     "add", "sub", "mul", "div", "pow", "rsub", "maximum", "minimum", "where", "masked_fill",
     "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not",
     "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "addcmul", "addcdiv", "lerp",
     # backward of pointwise ops
     "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward",
     "tanh_backward", "native_dropout_backward", "leaky_relu_backward", "elu_backward",
@@ -56,6 +57,10 @@ RULES.update({
     "aten.sum.default": pw.sum_dim,
     "aten.mean.dim": pw.mean_dim,
     "aten.mean.default": pw.mean_dim,
+    "aten.var_mean.correction": pw.moments,
+    "aten.var.correction": pw.moments,
+    "aten.std_mean.correction": pw.moments,
+    "aten.std.correction": pw.moments,
     "aten._softmax.default": pw.log_softmax_like,
     "aten._log_softmax.default": pw.log_softmax_like,
     "aten._safe_softmax.default": pw.log_softmax_like,
@@ -126,7 +131,7 @@ RULES.update({
 # inner dim of a merged dim (``Along.outer``) as on any rows
 ROW_WISE = frozenset({
     pw.elementwise, pw.sum_dim, pw.mean_dim, pw.log_softmax_like, pw.softmax_backward, la.mm,
-    la.addmm, la.linear, la.embedding, la.embedding_dense_backward, nm.native_layer_norm,
+    pw.moments, la.addmm, la.linear, la.embedding, la.embedding_dense_backward, nm.native_layer_norm,
     nm.native_layer_norm_backward, nm.nll_loss, nm.nll_loss_backward, vw.permute, vw.transpose,
     vw.t, vw.unsqueeze, vw.squeeze, vw.expand,
 })

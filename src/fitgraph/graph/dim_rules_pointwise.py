@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .dim_types import Along, Reduced, Split, arg_of, norm_dim
 
-__all__ = ["elementwise", "log_softmax_like", "mean_dim", "softmax_backward", "sum_dim"]
+__all__ = ["elementwise", "log_softmax_like", "mean_dim", "moments", "softmax_backward", "sum_dim"]
 
 Shape = tuple[int, ...]
 
@@ -80,6 +80,22 @@ def mean_dim(node, ins, outs) -> list[Split]:
     NOTE: a split along an averaged dim is not offered: parts of unequal length would need
     re-weighting by their lengths (use sum + a scale if that is ever wanted)."""
     return _reduction(node, ins, outs, reduced_ok=False)
+
+
+def moments(node, ins, outs) -> list[Split]:
+    """var/std/var_mean/std_mean(x, dim, *, correction, keepdim) over dims: the kept dims
+    follow, every output alike (a variance over a split dim is no sum of the parts')."""
+    shape = ins[0]
+    red = _reduced_dims(node, len(shape))
+    # NOTE: the ``.correction`` overloads take keepdim by keyword only (``arg_of``'s position
+    # 2 would be another overload's ``unbiased``)
+    keep = bool(node.kwargs.get("keepdim", False))
+    splits = []
+    for i, size in enumerate(shape):
+        if size >= 2 and i not in red:
+            o = i if keep else i - sum(1 for r in red if r < i)
+            splits.append(Split((Along(i),), (Along(o),) * len(outs)))
+    return splits
 
 
 def log_softmax_like(node, ins, outs) -> list[Split]:

@@ -74,6 +74,7 @@ from ..transform.elementwise_expands import elementwise_before_expands
 from ..transform.fission import FissionError
 from ..transform.fission_loss import count_targets_apart
 from ..transform.fission_shift import unshift_losses
+from ..transform.group_norm_stats import group_norms_from_stats
 from ..transform.per_operand_convolution import convolutions_per_operand
 from ..transform.recompute_copies import COPY_SUFFIX, CopyError
 from ..transform.saved_views import copy_saved_views
@@ -194,7 +195,7 @@ def prepared(graph: Graph) -> Graph:
     """``graph`` as split_backward reads it (see the notes in ``split_backward``)."""
     return stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
         compact_masks(copy_saved_views(elementwise_before_expands(fold_constant_predicates(
-            convolutions_per_operand(graph)))))))))
+            group_norms_from_stats(convolutions_per_operand(graph))))))))))
 
 
 def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,

@@ -61,7 +61,7 @@ def forward_nodes(graph: Graph, vid: int, dim: int, share: float,
     this layer's backward: the region in the backward stopped at the copies, all of them
     whole (2.35x the lower bound against 1.93 unsplit). Left to the forward, the layer runs
     in parts: 1.56x."""
-    fine = full_length(graph, vid, dim)
+    fine = full_length(graph, vid, dim, re_made=True)
     nodes = _forward_part(graph, vid, fine, share)
     if first_reader(graph, nodes) is not None:
         return nodes, 0
@@ -70,7 +70,7 @@ def forward_nodes(graph: Graph, vid: int, dim: int, share: float,
     # [windows, tokens, heads x dim] (o_proj's input); that one re-made nothing. The one that
     # keeps at least ``min_units`` units (the windows) runs on to o_proj, and the backward's
     # region then keeps as many (the windows, not 16 rows of them)
-    coarse = grow_region(graph, vid, dim, min_length=min_units)
+    coarse = grow_region(graph, vid, dim, min_length=min_units, re_made=True)
     if coarse.nodes != fine.nodes:
         return _forward_part(graph, vid, coarse, share), coarse.length
     return nodes, 0

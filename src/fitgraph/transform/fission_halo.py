@@ -129,8 +129,12 @@ class HaloRows:
         for vid, e in zip(vids, split.operands + split.outputs):
             if vid is not None and isinstance(e, Along) and e.window is None:
                 return self.g.values[vid].shape[e.dim] // e.unit
-        if all(isinstance(e, Reduced) for e in split.operands + split.outputs):
-            return self.r.length   # NOTE: a sum of partial sums: each part adds its own
+        entries = split.operands + split.outputs
+        if (any(isinstance(e, Reduced) for e in entries)
+                and all(e is None or isinstance(e, Reduced) for e in entries)):
+            # NOTE: a sum of partial sums: each part adds its own (and the first a whole
+            # tensor, ``adds_whole``: a weight gradient in two terms, one made before)
+            return self.r.length
         raise FissionError(f"{n.name} ({n.target}): no operand or output follows the split "
                            "axis in units; its dimension rule must name one")
 

@@ -118,28 +118,41 @@ def copy_set(graph: Graph, nodes: Iterable[int]) -> set[int]:
     return inside
 
 
-def recompute_copies(graph: Graph, nodes: Iterable[int]) -> Graph:
+def recompute_copies(graph: Graph, nodes: Iterable[int],
+                     readers: Iterable[int] | None = None) -> Graph:
     """A copy of ``graph`` in which the backward reads copies of ``nodes``' outputs, made right
-    before its first reader (see the module doc). Raises CopyError where a node cannot be
+    before its first reader (see the module doc); ``readers``: only those backward nodes read
+    the copies, the others what they read before. Raises CopyError where a node cannot be
     copied (``copyable``) or no backward node reads what they make."""
     inside = set(nodes)
+    only = None if readers is None else set(readers)
     fresh = new_storages(graph)
     for nid in sorted(inside):
         why = copyable(graph, nid, inside, fresh)
         if why:
             raise CopyError(why)
     _check_writers_copied(graph, inside, fresh)
-    first = first_reader(graph, inside)
+    first = first_reader(graph, inside, only)
     if first is None:
         raise CopyError("no backward node reads what the nodes make: nothing to re-make")
     if max(inside) > first:
         raise CopyError(f"{graph.nodes[first].name} reads what the nodes make before "
                         f"{graph.nodes[max(inside)].name} runs: no place to re-make them")
     w = GraphWriter(graph)
+    copied: dict[int, int] = {}   # NOTE: old value -> its copy, once made
     for n in graph.nodes:
         if n.id == first:
-            _copies(w, graph, sorted(inside), fresh)
+            before = dict(w.whole)
+            copied = _copies(w, graph, sorted(inside), fresh)
+        if only is None or n.id in only or not any(v in copied for v in n.inputs):
+            w.copy_node(n)
+            continue
+        # NOTE: not one of ``readers``: it reads the tensors it read before
+        for v in n.inputs:
+            if v in copied:
+                w.whole[v] = before[v]
         w.copy_node(n)
+        w.whole.update(copied)
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
@@ -173,18 +186,21 @@ def _check_writers_copied(graph: Graph, inside: set[int], fresh: dict[int, list[
                                 f"{graph.nodes[nid].name} would be copied without that write")
 
 
-def first_reader(graph: Graph, nodes: Iterable[int]) -> int | None:
-    """The first node outside the forward that reads what ``nodes`` make (None: none does):
-    ``recompute_copies`` puts the copies right before it, so the nodes before it keep their
-    ids in the graph it returns."""
+def first_reader(graph: Graph, nodes: Iterable[int],
+                 readers: set[int] | None = None) -> int | None:
+    """The first node outside the forward (of ``readers``, where given) that reads what
+    ``nodes`` make (None: none does): ``recompute_copies`` puts the copies right before it,
+    so the nodes before it keep their ids in the graph it returns."""
     made = {o for nid in nodes for o in graph.nodes[nid].outputs if o is not None}
     return next((n.id for n in graph.nodes if n.phase is not Phase.FORWARD
+                 and (readers is None or n.id in readers)
                  and any(v in made for v in n.inputs)), None)
 
 
-def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]]) -> None:
+def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]]
+            ) -> dict[int, int]:
     """The nodes again, in graph order, as backward nodes; from here on every node reads the
-    copies (``w.whole`` maps the originals' outputs to them)."""
+    copies (``w.whole`` maps the originals' outputs to them). Returns old value -> copy."""
     remap: dict[int, int] = {}        # old value -> its copy
     storage: dict[int, int] = {}      # old storage the copies make -> new storage
     for nid in nodes:
@@ -214,6 +230,7 @@ def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, lis
             if o is not None:
                 remap[o] = c
     w.whole.update(remap)
+    return remap
 
 
 def _device(graph: Graph, n: Node) -> str:
