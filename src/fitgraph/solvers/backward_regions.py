@@ -31,18 +31,18 @@ from ..graph.dim_rules import SHAPE_ONLY
 from ..graph.ir import Graph, Phase
 from ..sim.simulate import SimResult
 from ..transform.fission import FissionError, split_region
+from ..transform.fission_halo_grads import separate_input_grads
 from ..transform.products_into_sums import products_into_sums
 from ..transform.recompute_copies import (
     COPY_SUFFIX,
     CopyError,
     copy_set,
-    first_reader,
-    recompute_copies,
 )
 from ..transform.sums_in_place import sums_in_place
 from .base import Solution
+from .copies_regions import copies_region, late_copies
 from .fission_regions import peak_starts, shared_regions, trimmed
-from .forward_regions import forward_nodes, full_length, linked_nodes
+from .forward_regions import forward_nodes, linked_nodes
 
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
            "copies_recipe", "plain_recipe", "products_folded"]
@@ -55,6 +55,7 @@ MAX_STORAGES = 3
 # interior (grown along the tokens, a region runs on through the residual into the next
 # block's projections, which copied with it were kept whole in the backward)
 SHARES = (0.0, 0.25, 1.0)
+CONV_BACKWARD = "aten.convolution_backward.default"
 # NOTE: the kinds of candidate, each with half the screens of a round
 COPIES, PLAIN = "copies", "plain"
 
@@ -82,6 +83,29 @@ def _held(graph: Graph, region: Region, sim: SimResult, peak_node: int | None = 
     return held
 
 
+def _held_separated(graph: Graph, sep: Graph, start: tuple[int, int], sim: SimResult,
+                    peak_node: int | None) -> int:
+    """``_held`` of the tightest region grown from ``start`` in ``sep`` (``graph`` with its
+    convolutions' input gradients separated, as a re-made region grows: ``copies_regions``);
+    0 where nothing was separated.
+
+    NOTE: along HuBERT's time, a region in the captured graph ends at the first convolution
+    backward (its input gradient's parts overlap) and held 2.9 MB at the peak, ranked below
+    three along the channels (11.5, 7.2, 2.9 MB) that never planned below 21 MB; separated,
+    it runs the peak convolution backward in parts and takes off its workspace (19.1 MB)."""
+    if sep is graph:
+        return 0
+    t = trimmed(sep, grow_region(sep, start[0], start[1]), 1.0)
+    live = sim.peak_live
+    sts = {graph.values[v].storage for v, d in t.dims.items() if isinstance(d, int)}
+    held = sum(graph.storages[st].nbytes for st in sts & live)
+    if peak_node is not None:
+        name = graph.nodes[peak_node].name
+        if any(sep.nodes[n].name in (f"{name}.input", f"{name}.weight") for n in t.nodes):
+            held += sim.breakdown.get("workspace", 0)
+    return held
+
+
 def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, int], Recipe]]:
     """(what, kind (``COPIES`` or ``PLAIN``), the (value, dim) its region grows from (a
     re-made region: the forward one), its recipe) for the regions at ``best``'s peak,
@@ -92,6 +116,14 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
     ranked = []
     seen: set = set()
     made_by = storage_producer(graph)
+    sep: list[Graph] = []
+
+    def separated() -> Graph:
+        if not sep:
+            convs = [n.id for n in graph.nodes if n.target == CONV_BACKWARD]
+            sep.append(separate_input_grads(graph, convs) if convs else graph)
+        return sep[0]
+
     for i, (r, share) in enumerate(shared_regions(graph, starts, SHARES)):
         held = _held(graph, r, best.sim, peak_node)
         if not held or r.length < 2:
@@ -110,6 +142,11 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
         # time (a region of two backward nodes, untrimmed), only the untrimmed copy was
         # offered, which re-made the first layer's 3.1 MiB output whole (26.4 MB); the
         # tightest re-makes the second layer's output in parts alone (22.0 MB)
+        if start is not None:
+            # NOTE: ranked by what its largest tensors hold, the tightest region first:
+            # every share of one start holds them, and a larger region copies more
+            big = _held(graph, trimmed(graph, r, 1.0), best.sim, peak_node)
+            big = max(big, _held_separated(graph, separated(), r.start, best.sim, peak_node))
         for copy_share in SHARES if start is not None else ():
             u = graph.values[start[0]]
             key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], copy_share)
@@ -117,9 +154,6 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
                 seen.add(key)
                 what = (f"{u.name} dim {start[1]} re-made in the backward in up to {PARTS} "
                         f"parts, in every block alike (share {copy_share})")
-                # NOTE: ranked by what its largest tensors hold, the tightest region first:
-                # every share of one start holds them, and a larger region copies more
-                big = _held(graph, trimmed(graph, r, 1.0), best.sim, peak_node)
                 ranked.append((few, -(big - big // _parts(r)), -copy_share, i, what, COPIES,
                                start, copies_recipe(u.name, start[1], copy_share)))
         what = f"{len(r.nodes)} nodes from {v.name} dim {r.start[1]} in {_parts(r)} parts"
@@ -314,56 +348,24 @@ def _alike_starts(graph: Graph, vid: int) -> list[int]:
 def _copied_in_parts(graph: Graph, vid: int, dim: int, share: float, parts: int = PARTS,
                      forward: bool = True) -> Graph:
     """``graph`` with the forward region grown from ``vid`` along ``dim`` re-made in the
-    backward and run there in up to ``parts`` parts with the backward ops that read it."""
+    backward and run there in up to ``parts`` parts with the backward ops that read it (and
+    its readers past that region in parts of their own: ``copies_regions``)."""
     fwd, min_length = forward_nodes(graph, vid, dim, share, PARTS)
     nodes = copy_set(graph, fwd)
     name = graph.values[vid].name + COPY_SUFFIX
-    g = recompute_copies(graph, nodes)
-    copy = next((v.id for v in g.values if v.name == name), None)
-    if copy is None:
-        raise CopyError(f"{graph.values[vid].name} itself is not re-made (its node cannot be "
-                        "copied): nothing to run in parts from it")
-    # NOTE: the copies go in right before their first reader; the backward nodes before them
-    # are later blocks' (nn.MultiheadAttention's backward is row-wise along the tokens from
-    # block to block: grown through them, the region's convexity cut took this block's own)
-    first = first_reader(graph, nodes)
-    outside = {n.id: "not in the backward" for n in g.nodes if n.phase is not Phase.BACKWARD}
-    region = _backward_region(g, copy, dim, outside, first, min_length)
-    out = split_region(g, region, _parts(region, parts), verify=True)
+    made = copies_region(graph, nodes, name, dim, min_length)
+    try:
+        out = split_region(made.graph, made.region, _parts(made.region, parts), verify=True)
+        if made.late:
+            out = late_copies(out, made, _parts(made.region, parts))
+    except (FissionError, CopyError, GraphError):
+        if not made.late:
+            raise
+        # NOTE: the readers past the region read its copies whole, as they were
+        made = copies_region(graph, nodes, name, dim, min_length, late=False)
+        out = split_region(made.graph, made.region, _parts(made.region, parts), verify=True)
     _check_views(out)
     return _forward_in_parts(out, graph.values[vid].name, dim, parts) if forward else out
-
-
-def _backward_region(graph: Graph, copy: int, dim: int, outside: dict[int, str],
-                     first: int, min_length: int = 0) -> Region:
-    """The region grown from the copies' value ``copy`` along ``dim`` in the backward (as
-    ``full_length`` grows it, with ``min_length``).
-
-    Backward nodes that run before the copies (before node ``first``) stay out: the backward
-    of nn.MultiheadAttention is row-wise along the tokens from block to block, and grown
-    through a later block's, the region's convexity cut took this block's own. Except a node
-    that only feeds the region along the split dim: the gradient of a block's MLP hidden
-    (``dY @ W2``, 1 MiB on nn.TransformerEncoder) runs just before the first reader of the
-    hidden's copy, and left out it stayed whole at the peak."""
-    before = {n.id: "runs before the copies (a later block's backward)"
-              for n in graph.nodes[:first] if n.phase is Phase.BACKWARD}
-    region = full_length(graph, copy, dim, min_length, exclude=outside | before)
-    inside = set(region.nodes)
-    fed = {graph.values[v].producer for v, d in region.dims.items() if isinstance(d, int)}
-    fed &= before.keys()
-    if not fed:
-        return region
-    readers: dict[int, set[int]] = {}
-    for n in graph.nodes:
-        for u in n.inputs:
-            readers.setdefault(graph.values[u].storage, set()).add(n.id)
-    feed = {p for p in fed if all(readers.get(graph.values[o].storage, set()) <= inside
-                                  for o in graph.nodes[p].outputs if o is not None)}
-    if not feed:
-        return region
-    wider = full_length(graph, copy, dim, min_length, exclude=outside | {
-        n: why for n, why in before.items() if n not in feed})
-    return wider if inside < set(wider.nodes) else region
 
 
 def _forward_in_parts(graph: Graph, name: str, dim: int, parts: int = PARTS) -> Graph:
