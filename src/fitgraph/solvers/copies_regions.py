@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from ..graph.dim_region import Region
 from ..graph.ir import Graph, Phase
 from ..transform.fission import split_region
-from ..transform.fission_halo_grads import separate_input_grads
+from ..transform.fission_halo_grads import separable, separate_input_grads
 from ..transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
 from .fission_spatial import separated_for
 from .forward_regions import full_length
@@ -143,6 +143,10 @@ def _grown(graph: Graph, name: str, dim: int, copied: set[str], min_length: int 
     backward nodes it holds separated (convolutions', norms') where that region is larger
     (the module doc)."""
     region = _from_copies(graph, name, dim, copied, min_length)
+    # NOTE: only where the region stops at a node that separates (a transformer's regions
+    # run through its norms' backward whole: separating every one costs a rewrite per try)
+    if not any(separable(graph.nodes[n]) for n in region.boundary):
+        return graph, region
     sep = separate_input_grads(graph)
     if sep is graph:
         return graph, region
