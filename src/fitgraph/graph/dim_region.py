@@ -101,9 +101,10 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
     axis fewer than ``min_length`` units (Swin's scores are [windows x heads, ...] and its
     attention's output is [windows, ...]: the axis may coarsen to the windows, not to the
     images). ``re_made``: the region's forward nodes are to be re-made in the backward
-    (``transform.recompute_copies``), where they read every forward tensor outside the region
-    as saved: a path through forward nodes outside it does not break its convexity (a group
-    norm's statistics, between its input and its normalised output).
+    (``transform.recompute_copies``), where they read forward tensors outside the region as
+    saved: a path through forward nodes outside it that make statistics (no larger than a unit
+    of the axis) does not break its convexity (a group norm's, between its input and its
+    normalised output).
     """
     if whole not in ("independent", "weights"):
         raise ValueError(f"whole must be 'independent' or 'weights', not {whole!r}")
@@ -120,7 +121,7 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
                        min_length)
         if not region.nodes:
             return region
-        saved = index.forward if re_made else frozenset()
+        saved = _small_forward(graph, index, value_id, region.length) if re_made else frozenset()
         cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred, saved)
         if not cut:
             return region
@@ -128,6 +129,16 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
             excluded.setdefault(nid, region.boundary.get(nid) or (
                 f"on the far side of {graph.nodes[via].name}, which is outside the region but "
                 "depends on it and feeds it: the region would not be convex"))
+
+
+def _small_forward(graph: Graph, index: RegionIndex, start: int, length: int) -> frozenset:
+    """Forward nodes whose every output is at most one unit of ``start`` along the region's
+    axis: statistics (a group norm's mean per sample and channel), which a region re-made in
+    the backward reads as saved; a larger tensor (another block's activations) kept from the
+    forward for it would cost what re-making saves."""
+    unit = graph.values[start].nbytes // max(length, 1)
+    return frozenset(n for n in index.forward if all(
+        o is None or graph.values[o].nbytes <= unit for o in graph.nodes[n].outputs))
 
 
 def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:
