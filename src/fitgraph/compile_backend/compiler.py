@@ -182,9 +182,9 @@ class FitgraphBackend:
         (a step by regions' bytes budget less what the rest of the step keeps resident):
         planned within those bytes, at the least peak where no plan fits (the step's
         measured peak then says so), never an error in the middle of a step."""
-        if hold and (at := boundary_node(graph)) is not None:
+        if hold and boundary_node(graph) is not None:
             try:
-                held = self._solve(graph, banned, HoldCostModel(cm, at, hold), eager,
+                held = self._solve(graph, banned, HoldCostModel(cm, hold), eager,
                                    share=share)
             except BudgetInfeasible:
                 return self._solve(graph, banned, cm, eager, share=share)
