@@ -198,7 +198,17 @@ class FitgraphBackend:
                 # NOTE: where the rest of the step leaves nothing, the least peak
                 return self._plan(graph, banned, cm, eager, share if share > 0 else SMALLEST)
             except BudgetInfeasible as e:
-                return e.solution or self._plan(graph, banned, cm, eager, SMALLEST)
+                if e.solution is None:
+                    return self._plan(graph, banned, cm, eager, SMALLEST)
+                if self.solver not in REWRITING:
+                    return e.solution
+                # NOTE: a rewriting solver's least peak runs on its own graph: as modules
+                # written from its plan, as ``_plan`` runs its plans (passed on as it was,
+                # the partition read its plan against the captured graph's node ids)
+                try:
+                    return _emitted(e.solution, graph, cm)
+                except EmitError:
+                    return self._plan(graph, banned, cm, eager, SMALLEST)
         return self._plan(graph, banned, cm, eager, self.budget)
 
     def _plan(self, graph: Graph, banned: set[int], cm, eager: Solution, budget) -> Solution:
