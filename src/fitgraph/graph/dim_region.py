@@ -80,7 +80,6 @@ class RegionIndex:
         self.graph = graph
         self.succ, self.pred = order_edges(graph)
         self.users = _users(graph)
-        self.forward = frozenset(n.id for n in graph.nodes if n.phase is Phase.FORWARD)
         self.options: dict[int, list[tuple[Split, dict, set]] | str] = {}
 
 
@@ -121,7 +120,7 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
                        min_length)
         if not region.nodes:
             return region
-        saved = _small_forward(graph, index, value_id, region.length) if re_made else frozenset()
+        saved = _small_forward(graph, value_id, region.length) if re_made else frozenset()
         cut = convexity_cut(set(region.nodes), region.anchor, index.succ, index.pred, saved)
         if not cut:
             return region
@@ -131,14 +130,14 @@ def grow_region(graph: Graph, value_id: int, dim: int, *, whole: str = "independ
                 "depends on it and feeds it: the region would not be convex"))
 
 
-def _small_forward(graph: Graph, index: RegionIndex, start: int, length: int) -> frozenset:
+def _small_forward(graph: Graph, start: int, length: int) -> frozenset:
     """Forward nodes whose every output is at most one unit of ``start`` along the region's
     axis: statistics (a group norm's mean per sample and channel), which a region re-made in
     the backward reads as saved; a larger tensor (another block's activations) kept from the
     forward for it would cost what re-making saves."""
     unit = graph.values[start].nbytes // max(length, 1)
-    return frozenset(n for n in index.forward if all(
-        o is None or graph.values[o].nbytes <= unit for o in graph.nodes[n].outputs))
+    return frozenset(n.id for n in graph.nodes if n.phase is Phase.FORWARD and all(
+        o is None or graph.values[o].nbytes <= unit for o in n.outputs))
 
 
 def node_region(graph: Graph, nid: int, value_id: int, dim: int) -> Region:

@@ -95,10 +95,9 @@ def _held_separated(graph: Graph, sep: Graph, start: tuple[int, int], sim: SimRe
     it runs the peak convolution backward in parts and takes off its workspace (19.1 MB)."""
     if sep is graph:
         return 0
+    # NOTE: separating adds nodes, not values: the region's values are ``graph``'s
     t = trimmed(sep, grow_region(sep, start[0], start[1]), 1.0)
-    live = sim.peak_live
-    sts = {graph.values[v].storage for v, d in t.dims.items() if isinstance(d, int)}
-    held = sum(graph.storages[st].nbytes for st in sts & live)
+    held = _held(graph, t, sim)
     if peak_node is not None:
         name = graph.nodes[peak_node].name
         if any(sep.nodes[n].name in (f"{name}.input", f"{name}.weight") for n in t.nodes):
@@ -116,13 +115,8 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
     ranked = []
     seen: set = set()
     made_by = storage_producer(graph)
-    sep: list[Graph] = []
-
-    def separated() -> Graph:
-        if not sep:
-            convs = [n.id for n in graph.nodes if n.target == CONV_BACKWARD]
-            sep.append(separate_input_grads(graph, convs) if convs else graph)
-        return sep[0]
+    convs = [n.id for n in graph.nodes if n.target == CONV_BACKWARD]
+    sep = separate_input_grads(graph, convs) if convs else graph
 
     for i, (r, share) in enumerate(shared_regions(graph, starts, SHARES)):
         held = _held(graph, r, best.sim, peak_node)
@@ -146,7 +140,7 @@ def candidates(graph: Graph, best: Solution) -> list[tuple[str, str, tuple[int, 
             # NOTE: ranked by what its largest tensors hold, the tightest region first:
             # every share of one start holds them, and a larger region copies more
             big = _held(graph, trimmed(graph, r, 1.0), best.sim, peak_node)
-            big = max(big, _held_separated(graph, separated(), r.start, best.sim, peak_node))
+            big = max(big, _held_separated(graph, sep, r.start, best.sim, peak_node))
         for copy_share in SHARES if start is not None else ():
             u = graph.values[start[0]]
             key = ("copies", graph.nodes[u.producer].target, u.shape, start[1], copy_share)

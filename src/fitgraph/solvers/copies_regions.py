@@ -78,12 +78,9 @@ def copies_region(graph: Graph, nodes: set[int], name: str, dim: int, min_length
         return Copies(g, region)
     if _names(g2, region2) != _names(g, region):
         return Copies(g, region)
-    dims = {}
-    for v, d in region2.dims.items():
-        base = g2.values[v].name
-        if isinstance(d, int) and base.endswith(COPY_SUFFIX) and g2.nodes[
-                g2.values[v].producer].name.removesuffix(COPY_SUFFIX) in copied:
-            dims[base.removesuffix(COPY_SUFFIX)] = d
+    # NOTE: a copy is named after its original (``recompute_copies``)
+    dims = {g2.values[v].name.removesuffix(COPY_SUFFIX): d for v, d in region2.dims.items()
+            if isinstance(d, int) and g2.values[v].producer in _copy_nodes(g2, copied)}
     return Copies(g2, region2, tuple(sorted(past)), dims)
 
 
@@ -169,8 +166,7 @@ def _from_copies(graph: Graph, name: str, dim: int, copied: set[str], min_length
     if copy is None:
         raise CopyError(f"{name.removesuffix(COPY_SUFFIX)} itself is not re-made (its node "
                         "cannot be copied): nothing to run in parts from it")
-    names = {c + COPY_SUFFIX for c in copied}
-    first = min(n.id for n in graph.nodes if n.name in names)
+    first = min(_copy_nodes(graph, copied))
     outside = {n.id: "not in the backward" for n in graph.nodes if n.phase is not Phase.BACKWARD}
     return backward_region(graph, copy, dim, outside, first, min_length)
 
@@ -178,13 +174,18 @@ def _from_copies(graph: Graph, name: str, dim: int, copied: set[str], min_length
 def _past(graph: Graph, region: Region, copied: set[str]) -> set[str]:
     """Backward nodes past ``region`` that read copies it makes in parts (the parts are
     assembled whole for them)."""
-    names = {c + COPY_SUFFIX for c in copied}
-    held = {v for v, d in region.dims.items() if isinstance(d, int)
-            and graph.values[v].producer is not None
-            and graph.nodes[graph.values[v].producer].name in names}
+    copies = _copy_nodes(graph, copied)
+    held = {v for v, d in region.dims.items()
+            if isinstance(d, int) and graph.values[v].producer in copies}
     inside = set(region.nodes)
     return {n.name for n in graph.nodes if n.phase is Phase.BACKWARD and n.id not in inside
-            and n.name not in names and any(v in held for v in n.inputs)}
+            and n.id not in copies and any(v in held for v in n.inputs)}
+
+
+def _copy_nodes(graph: Graph, copied: set[str]) -> set[int]:
+    """Ids of the copies of the nodes named ``copied``."""
+    names = {c + COPY_SUFFIX for c in copied}
+    return {n.id for n in graph.nodes if n.name in names}
 
 
 def _names(graph: Graph, region: Region) -> set[str]:

@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from ..graph.analysis import users, verify_graph
 from ..graph.ir import Graph, Node, Phase, Role, ValueRef, contiguous_strides
@@ -75,10 +76,7 @@ class _Shape:
     @property
     def count(self) -> int:
         """Elements each (sample, group) statistic is over."""
-        total = self.per
-        for s in self.positions:
-            total *= s
-        return total
+        return self.per * prod(self.positions)
 
     @property
     def spatial(self) -> list[int]:
@@ -190,12 +188,9 @@ class _Emit:
             storage = self.w.values[view_of].storage
         meta = Meta(shape, contiguous_strides(shape), 0)
         spec = OutSpec(name, meta, self.s.dtype, storage=storage, role=role or self.role)
-        numel = 1
-        for d in shape:
-            numel *= d
         return self.w.add_node(name, target, tuple(_ref(a) for a in args), dict(kwargs or {}),
                                [spec], phase=self.n.phase, module=self.n.module,
-                               device=self.device, flops=float(numel))[0]
+                               device=self.device, flops=float(prod(shape)))[0]
 
     def per_channel(self, v: int) -> int:
         """(N, G) -> (N, C): each group's value for its channels."""
