@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fitgraph
+from fitgraph.compile_backend.boundary_hold import StepShares
 from fitgraph.regions import RegionsStep
 
 
@@ -225,7 +226,7 @@ def test_a_region_left_nothing_of_a_bytes_budget_plans_its_least_peak():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     be = backend(budget=10_000_000)
-    be.boundary_holds, be.step_shares = {}, {}
+    be.boundary_holds, be.step_shares = {}, None
     torch._dynamo.reset()  # NOTE: earlier compiles of Sequential's code would make shapes dynamic
     f = torch.compile(model, backend=be, dynamic=False)
     x = torch.randn(512, 64)
@@ -233,12 +234,39 @@ def test_a_region_left_nothing_of_a_bytes_budget_plans_its_least_peak():
     key = be.last_report.graph_key
     torch._dynamo.reset()
     be2 = backend(budget=10_000_000)
-    be2.step_shares = {key: 0}
+    be2.step_shares = StepShares(room=-2**40, runs=[key], first_saved={key: 0})
     f2 = torch.compile(model, backend=be2, dynamic=False)
     f2(x).square().mean().backward()   # NOTE: no error in the middle of a step
     r = be2.last_report
     assert r.notes["share_bytes"] == 0
     assert r.planned_peak_bytes <= be.last_report.planned_peak_bytes
+
+
+def test_a_rewriting_solvers_least_peak_runs_where_a_share_is_too_small():
+    """A share no plan fits, planned by operator fission (``auto``): its least-peak solution
+    is a plan of its own rewritten graph, run as modules written from it (passed on as it was,
+    the partition read it against the captured graph's node ids: an IndexError mid-step)."""
+    from fitgraph.compile_backend import backend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    twin = copy.deepcopy(model)
+    x = torch.randn(2048, 64)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    # NOTE: a graph's share is found by its key, known once compiled
+    probe = backend(budget=10_000_000, solver="auto")
+    torch._dynamo.reset()
+    torch.compile(copy.deepcopy(model), backend=probe, dynamic=False)(x)
+    key = probe.last_report.graph_key
+    torch._dynamo.reset()
+    be = backend(budget=10_000_000, solver="auto")
+    be.step_shares = StepShares(room=4096 - weights, runs=[key], first_saved={key: 0})
+    torch.compile(model, backend=be, dynamic=False)(x).square().mean().backward()
+    twin(x).square().mean().backward()
+    r = be.last_report
+    assert r.notes["share_bytes"] == 4096 and r.notes.get("modules") == "emitted", r.notes
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 class _SpeechFront(nn.Module):

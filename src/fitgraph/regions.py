@@ -252,7 +252,7 @@ class RegionsStep:
         # plan with boundary holds settles, () once decided (``_hold_across``)
         self._held: dict | tuple | None = None
         self._to_measure = True
-        self._resident_at_measure = 0
+        self._outside_at_measure, self._grads_made = 0, False
         self.hold_note: str | None = None
 
     def _compute_loss(self, batch: Any) -> torch.Tensor:
@@ -334,7 +334,8 @@ class RegionsStep:
             return loss
         if self._to_measure:
             self._to_measure = False
-            before = resident_bytes(self.model, batch, self.optimizer) + grad_bytes(self.model)
+            resident_before = resident_bytes(self.model, batch, self.optimizer)
+            before = resident_before + grad_bytes(self.model)
             saved = _SavedBytes()
             self.backend.forward_runs = []
             try:
@@ -346,7 +347,13 @@ class RegionsStep:
                 self.backend.forward_runs = None
             self.regions_saved_bytes, self.eager_saved_bytes = saved.totals()
             self.measured_peak_bytes = before + meter.peak_bytes
-            self._resident_at_measure = before
+            # NOTE: what the step keeps outside its regions in a training loop's steady state:
+            # the optimizer's state as its step left it, every trainable weight's gradient
+            # (made by the backwards, which set to None or not: a region's backward runs with
+            # the gradients of the regions whose backwards ran before it)
+            self._outside_at_measure = resident_bytes(self.model, batch, self.optimizer) + sum(
+                p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            self._grads_made = before == resident_before
             if not self._hold_across(runs):
                 self._check_budget()
             return loss
@@ -373,10 +380,10 @@ class RegionsStep:
         that run inside its forward-to-backward window hold (``boundary_hold``), where that
         may lower the step's peak: at the smallest budget, or at a bytes budget the step ran
         over, where each region then plans within what the rest of the step leaves of the
-        budget (``shares_by_graph``). True while that second plan is being compiled and
+        budget (``StepShares``). True while that second plan is being compiled and
         measured; the plan measured lower is kept (a second plan that does not help is
         dropped, its compiled graphs unused)."""
-        from .compile_backend.boundary_hold import holds_by_graph, shares_by_graph
+        from .compile_backend.boundary_hold import holds_by_graph, step_shares
 
         if self._held is not None:  # NOTE: the second plan was measured: keep the lower one
             first, self._held = self._held, ()
@@ -395,7 +402,8 @@ class RegionsStep:
         holds = holds_by_graph(reports, runs) if is_smallest(self.budget) or over else {}
         # NOTE: a bytes budget is the step's: each region plans within what the rest of the
         # step leaves of it (at first each region had the whole budget for its own peak)
-        shares = shares_by_graph(reports, runs, limit, self._resident_at_measure) if over else {}
+        shares = step_shares(reports, runs, limit, self._outside_at_measure,
+                             self._grads_made) if over else None
         if not self.hold_across_regions or not (holds or shares):
             self._held = ()
             return False

@@ -16,14 +16,14 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["SMALLEST", "budget_bytes", "check_budget", "check_latency_limit", "format_bytes",
+__all__ = ["LEAST_BUDGET_BYTES", "SMALLEST", "budget_bytes", "check_budget", "check_latency_limit", "format_bytes",
            "is_smallest", "parse_budget"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # NOTE: no training step fits in 1 KiB: an int this small is a percent or a size without its
 # unit ("--budget 50"), so it is refused with what was probably meant
-_LEAST_BYTES = 2**10
+LEAST_BUDGET_BYTES = 2**10
 # NOTE: the budget that asks for the least peak the solver reaches (``solvers.solve_smallest``)
 SMALLEST = "smallest"
 
@@ -50,7 +50,7 @@ def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
     if isinstance(budget, int):
         if budget <= 0:
             raise ValueError(f"budget {budget} bytes must be positive")
-        if budget < _LEAST_BYTES:
+        if budget < LEAST_BUDGET_BYTES:
             meant = (f"{budget}% ('{budget}%' or {budget / 100:g})" if budget <= 100
                      else f"{budget} MiB ('{budget}MiB')")
             if budget == 1:

@@ -33,8 +33,15 @@ from ..capture.errors import CaptureError
 from ..graph.ir import Graph, Role
 from ..solvers import SOLVERS, BudgetInfeasible, Problem, Solution, solve, solve_smallest
 from ..solvers.collector import fewer_collections
-from ..units import SMALLEST, budget_bytes, check_budget, check_latency_limit, is_smallest
-from .boundary_hold import HoldCostModel, boundary_node, graph_key
+from ..units import (
+    LEAST_BUDGET_BYTES,
+    SMALLEST,
+    budget_bytes,
+    check_budget,
+    check_latency_limit,
+    is_smallest,
+)
+from .boundary_hold import HoldCostModel, StepShares, boundary_node, graph_key
 from .emit import EmitError
 from .report import BackendReport
 
@@ -107,10 +114,10 @@ class FitgraphBackend:
         # the step holds between this graph's forward and backward; and, while
         # ``forward_runs`` is a list, the report index of each planned forward as it runs
         self.boundary_holds: dict[str, int] = {}
-        # NOTE: and graph key -> bytes of a step's bytes budget this graph may use (the budget
-        # less what the rest of the step keeps resident), planned at the least peak where no
+        # NOTE: and what of a step's bytes budget each graph may use (``StepShares``: the
+        # budget less what the rest of the step keeps), planned at the least peak where no
         # plan fits
-        self.step_shares: dict[str, int] = {}
+        self.step_shares: StepShares | None = None
         self.forward_runs: list[int] | None = None
         self._partitioned: int | None = None
         from torch._dynamo.backends.common import aot_autograd
@@ -195,8 +202,11 @@ class FitgraphBackend:
             return dataclasses.replace(held, sim=sim, notes=held.notes | {"hold_bytes": hold})
         if share is not None:
             try:
-                # NOTE: where the rest of the step leaves nothing, the least peak
-                return self._plan(graph, banned, cm, eager, share if share > 0 else SMALLEST)
+                # NOTE: where the rest of the step leaves nothing (or fewer bytes than a
+                # budget may name: a user's 1000 is a mistake, a share of 1000 bytes is not),
+                # the least peak
+                return self._plan(graph, banned, cm, eager,
+                                  share if share >= LEAST_BUDGET_BYTES else SMALLEST)
             except BudgetInfeasible as e:
                 if e.solution is None:
                     return self._plan(graph, banned, cm, eager, SMALLEST)
@@ -300,7 +310,9 @@ class FitgraphBackend:
         planned = self.budget is not None or self.latency_limit is not None
         key = graph_key(joint.code, [getattr(n.meta.get("val"), "shape", None)
                                      for n in joint.graph.find_nodes(op="placeholder")])
-        share = self.step_shares.get(key)
+        share = None if self.step_shares is None else self.step_shares.share(
+            key, _weight_bytes(jg.graph), _param_grad_bytes(jg.graph),
+            {r.graph_key: r.planned_saved_bytes for r in self.reports})
         sol = (self._solve(jg.graph, banned, cm, eager, self.boundary_holds.get(key, 0), share)
                if planned else eager)
         if planned and self.inner == "aot_eager":
@@ -424,6 +436,18 @@ def _weight_bytes(graph: Graph) -> int:
     """Bytes of the graph's weights and buffers (inputs that outlive the step)."""
     storages = (graph.storages[st] for st in graph.input_storages())
     return sum(st.nbytes for st in storages if st.role in (Role.PARAMETER, Role.BUFFER))
+
+
+def _param_grad_bytes(graph: Graph) -> int:
+    """Bytes of the gradients the graph makes for its weights (outputs ``grad:i`` of a
+    parameter input ``i``)."""
+    out = 0
+    for key, vid in graph.outputs.items():
+        if key.startswith("grad:"):
+            st = graph.storages[graph.values[graph.inputs[int(key[5:])]].storage]
+            if st.role is Role.PARAMETER:
+                out += graph.storages[graph.values[vid].storage].nbytes
+    return out
 
 
 def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
