@@ -60,6 +60,7 @@ import torch
 from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
 from .compile_backend.report import BackendReport
+from .compile_backend.unread_grads import LeafRuns
 from .execute.meter import MemoryMeter
 from .measure import _sync, grad_bytes, resident_bytes
 from .units import format_bytes, is_smallest, parse_budget
@@ -253,6 +254,7 @@ class RegionsStep:
         self._held: dict | tuple | None = None
         self._to_measure = True
         self._outside_at_measure, self._grads_made = 0, False
+        self._unread_grads: dict[str, set[int]] = {}
         self.hold_note: str | None = None
 
     def _compute_loss(self, batch: Any) -> torch.Tensor:
@@ -337,14 +339,16 @@ class RegionsStep:
             resident_before = resident_bytes(self.model, batch, self.optimizer)
             before = resident_before + grad_bytes(self.model)
             saved = _SavedBytes()
-            self.backend.forward_runs = []
+            self.backend.forward_runs, self.backend.leaf_runs = [], LeafRuns()
             try:
                 with MemoryMeter(self.device) as meter, \
                         torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                     loss = self._run(batch)
-                runs = self.backend.forward_runs
+                runs, leaves = self.backend.forward_runs, self.backend.leaf_runs
             finally:
-                self.backend.forward_runs = None
+                self.backend.forward_runs = self.backend.leaf_runs = None
+            # NOTE: the step's autograd graph is gone: a leaf it made and let go is dead now
+            self._unread_grads = leaves.unread()
             self.regions_saved_bytes, self.eager_saved_bytes = saved.totals()
             self.measured_peak_bytes = before + meter.peak_bytes
             # NOTE: what the step keeps outside its regions in a training loop's steady state:
@@ -404,7 +408,8 @@ class RegionsStep:
         # step leaves of it (at first each region had the whole budget for its own peak)
         shares = step_shares(reports, runs, limit, self._outside_at_measure,
                              self._grads_made) if over else None
-        if not self.hold_across_regions or not (holds or shares):
+        unread = self._unread_grads if is_smallest(self.budget) or over else {}
+        if not self.hold_across_regions or not (holds or shares or unread):
             self._held = ()
             return False
         self._held = {k: getattr(self, k) for k in (
@@ -412,6 +417,7 @@ class RegionsStep:
             "eager_saved_bytes", "_breaks")}
         self.backend = self._backend(self.latency_limit, self.time_budget)
         self.backend.boundary_holds, self.backend.step_shares = holds, shares
+        self.backend.unread_grads = unread
         self._loss = torch.compile(self._compute_loss, backend=self.backend)
         # NOTE: the first plan's measurements stay in the report until the second's replace them
         self._settled, self._calls, self._to_measure = False, 0, True

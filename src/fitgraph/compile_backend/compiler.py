@@ -44,6 +44,7 @@ from ..units import (
 from .boundary_hold import HoldCostModel, StepShares, boundary_node, graph_key
 from .emit import EmitError
 from .report import BackendReport
+from .unread_grads import LeafRuns, drop_grads
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
 # with ``import fitgraph``
@@ -119,6 +120,10 @@ class FitgraphBackend:
         # plan fits
         self.step_shares: StepShares | None = None
         self.forward_runs: list[int] | None = None
+        # NOTE: and, while a ``LeafRuns``, each forward's leaf inputs that require grad; graph
+        # key -> primal indices whose gradients no one could read (``unread_grads``)
+        self.leaf_runs: LeafRuns | None = None
+        self.unread_grads: dict[str, set[int]] = {}
         self._partitioned: int | None = None
         from torch._dynamo.backends.common import aot_autograd
         from torch._dynamo.backends.debugging import boxed_nop
@@ -144,9 +149,13 @@ class FitgraphBackend:
         if index is None:
             return run
 
+        key = self.reports[index].graph_key
+
         def forward(args):
             if self.forward_runs is not None:
                 self.forward_runs.append(index)
+            if self.leaf_runs is not None:
+                self.leaf_runs.note(key, args)
             return run(args)
 
         forward._boxed_call = True
@@ -301,6 +310,10 @@ class FitgraphBackend:
                                "(torch.utils.checkpoint); fitgraph.backend plans the "
                                "recomputation itself: remove the checkpoint calls from the "
                                "compiled region", op="torch.utils.checkpoint")
+        # NOTE: the key of the joint as traced, before any gradient is left out of it
+        key = graph_key(joint.code, [getattr(n.meta.get("val"), "shape", None)
+                                     for n in joint.graph.find_nodes(op="placeholder")])
+        unread = drop_grads(joint, num_fwd_outputs, self.unread_grads.get(key, set()))
         keep = must_save(joint)
         jg = joint_to_graph(joint, num_fwd_outputs, static_lifetime_input_indices)
         ids = {n: i for i, n in enumerate(jg.fx_nodes)}
@@ -308,8 +321,6 @@ class FitgraphBackend:
         cm = self._cost(jg.graph)
         eager = solve(Problem(jg.graph, cm, latency_limit=1.0), "eager")
         planned = self.budget is not None or self.latency_limit is not None
-        key = graph_key(joint.code, [getattr(n.meta.get("val"), "shape", None)
-                                     for n in joint.graph.find_nodes(op="placeholder")])
         share = None if self.step_shares is None else self.step_shares.share(
             key, _weight_bytes(jg.graph), _param_grad_bytes(jg.graph),
             {r.graph_key: r.planned_saved_bytes for r in self.reports})
@@ -346,7 +357,8 @@ class FitgraphBackend:
             solve_s=sol.solve_s if planned else 0.0, plan_s=time.perf_counter() - t0,
             cost_model=getattr(cm, "name", type(cm).__name__),
             notes=dict(sol.notes) | ({"budget": "smallest"} if is_smallest(self.budget) else {})
-            | ({} if share is None else {"share_bytes": share}),
+            | ({} if share is None else {"share_bytes": share})
+            | ({"unread_grads": unread} if unread else {}),
             resident_bytes=jg.graph.resident_bytes, graph_key=key,
             weight_bytes=_weight_bytes(jg.graph)))
         self._partitioned = len(self.reports) - 1
