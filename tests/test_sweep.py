@@ -133,6 +133,9 @@ def test_checks_name_each_failed_criterion():
     assert sweep.checks(row) == "smallest 2.00x lower bound; smallest above checkpointing's peak"
     assert sweep.checks(dict(row, family="vision-cnn", smallest_peak=120)) == ""
     assert sweep.checks(dict(row, status="capture error")) == ""
+    over = dict(row, family="vision-cnn", smallest_peak=120, peak_at_ckpt=151)
+    assert sweep.checks(over) == "at checkpointing's peak, peaked 1.007x it"
+    assert sweep.checks(dict(over, peak_at_ckpt=150)) == ""
 
 
 @pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too

@@ -144,6 +144,9 @@ def checks(row: dict) -> str:
     Example:
         >>> checks({"model": "m", "status": "ok", "overhead_110": 0.2, "family": "x"})
         'overhead +20.0% > 12%'
+        >>> checks({"model": "m", "status": "ok", "ckpt_peak": 100, "peak_at_ckpt": 111,
+        ...         "at_ckpt_vs_ckpt": 0.83})
+        "at checkpointing's peak, peaked 1.110x it"
     """
     if row.get("status") != "ok":
         return ""
@@ -159,6 +162,11 @@ def checks(row: dict) -> str:
         out.append(f"smallest {small / lb:.2f}x lower bound")
     if small and ck and small > ck:
         out.append("smallest above checkpointing's peak")
+    at = row.get("peak_at_ckpt")
+    if at and ck and at > ck:
+        # NOTE: the plan made for checkpointing's peak must hold it (wav2vec2's step by
+        # regions once peaked 1.11x over it while its time passed the check below)
+        out.append(f"at checkpointing's peak, peaked {at / ck:.3f}x it")
     vs = row.get("at_ckpt_vs_ckpt")
     if ck and vs is None:
         out.append("no plan at checkpointing's peak")
