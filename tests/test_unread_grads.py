@@ -43,6 +43,12 @@ def test_leaf_runs_find_the_leaves_no_one_holds():
     runs.note("g", [torch.ones(3, requires_grad=True), held])  # NOTE: index 1 held this time
     assert runs.unread() == {}
     assert leaf_inputs([held, held * 2, nn.Parameter(torch.ones(1))]) == [0]
+    hooked = LeafRuns()
+    t = torch.ones(2, requires_grad=True)
+    t.register_hook(lambda g: g)  # NOTE: a hook reads its gradient: never left out
+    hooked.note("h", [t])
+    del t
+    assert hooked.unread() == {}
 
 
 def test_a_dropped_gradient_takes_its_backwards_work_with_it():

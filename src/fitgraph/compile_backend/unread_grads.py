@@ -16,7 +16,8 @@ measured, not guessed. ``LeafRuns`` keeps a weak reference to each such input of
 forward while a step is measured; those dead once the step ended (loss, backward, optimizer
 step) could not be read, and a region planned again leaves their gradients out
 (``drop_grads``): the backward returns None for them, as autograd allows, and their ``.grad``
-stays None, on tensors no one holds.
+stays None, on tensors no one holds. A leaf with gradient hooks at its forward counts as read (its hooks see the
+gradient).
 
 Example:
     >>> import torch
@@ -47,12 +48,16 @@ class LeafRuns:
     """Weak references to the leaf inputs (``leaf_inputs``) of each graph's forward runs."""
 
     def __init__(self) -> None:
-        self._refs: dict[tuple[str, int], list[weakref.ref]] = {}
+        self._refs: dict[tuple[str, int], list] = {}
 
     def note(self, key: str, args) -> None:
-        """Graph ``key``'s forward ran on ``args``."""
+        """Graph ``key``'s forward ran on ``args``. A leaf with gradient hooks counts as read
+        (its hooks see the gradient): it is held strongly, never found dead."""
         for i in leaf_inputs(args):
-            self._refs.setdefault((key, i), []).append(weakref.ref(args[i]))
+            a = args[i]
+            hooked = a._backward_hooks or getattr(a, "_post_accumulate_grad_hooks", None)
+            self._refs.setdefault((key, i), []).append((lambda t=a: t) if hooked
+                                                       else weakref.ref(a))
 
     def unread(self) -> dict[str, set[int]]:
         """Graph key -> input indices whose every run's tensor is gone: their gradients were
