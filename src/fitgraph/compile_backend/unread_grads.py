@@ -16,8 +16,8 @@ measured, not guessed. ``LeafRuns`` keeps a weak reference to each such input of
 forward while a step is measured; those dead once the step ended (loss, backward, optimizer
 step) could not be read, and a region planned again leaves their gradients out
 (``drop_grads``): the backward returns None for them, as autograd allows, and their ``.grad``
-stays None, on tensors no one holds. A leaf with gradient hooks at its forward counts as read (its hooks see the
-gradient).
+stays None, on tensors no one holds. A leaf with gradient hooks at its forward counts as
+read (its hooks see the gradient).
 
 Example:
     >>> import torch
