@@ -31,7 +31,7 @@ from .graph.ir import Graph
 from .plan.instructions import Plan
 
 __all__ = ["StepMeasurement", "constant_bytes", "measure_eager", "measure_plan",
-           "resident_bytes"]
+           "resident_bytes", "trainable_grad_bytes"]
 
 WARMUP_STEPS = 1
 
@@ -59,6 +59,12 @@ def _storages_bytes(tensors) -> int:
 def grad_bytes(model: torch.nn.Module) -> int:
     """Bytes of the ``.grad`` storages the model's parameters hold (each storage once)."""
     return _storages_bytes([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def trainable_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes the gradients of the model's trainable parameters take once made, whether or not
+    they exist now (``grad_bytes`` counts those that do)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def resident_bytes(model: torch.nn.Module, batch: Any,

@@ -62,7 +62,7 @@ from .capture.errors import CaptureError
 from .compile_backend.report import BackendReport
 from .compile_backend.unread_grads import LeafRuns
 from .execute.meter import MemoryMeter
-from .measure import _sync, grad_bytes, resident_bytes
+from .measure import _sync, grad_bytes, resident_bytes, trainable_grad_bytes
 from .units import format_bytes, is_smallest, parse_budget
 
 __all__ = ["RegionsReport", "RegionsStep", "breaks_into_regions"]
@@ -355,8 +355,8 @@ class RegionsStep:
             # the optimizer's state as its step left it, every trainable weight's gradient
             # (made by the backwards, which set to None or not: a region's backward runs with
             # the gradients of the regions whose backwards ran before it)
-            self._outside_at_measure = resident_bytes(self.model, batch, self.optimizer) + sum(
-                p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            self._outside_at_measure = (resident_bytes(self.model, batch, self.optimizer)
+                                        + trainable_grad_bytes(self.model))
             self._grads_made = before == resident_before
             if not self._hold_across(runs):
                 self._check_budget()

@@ -60,10 +60,6 @@ def _copied(model: torch.nn.Module, opt: torch.optim.Optimizer):
     return m, o
 
 
-def _grad_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 def _exact_kwargs() -> dict:
     """``exact=True`` where ``fitgraph.optimize`` takes it (no fission: bitwise results)."""
     from ..api import optimize
@@ -327,9 +323,9 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
         eager = _System("eager", None, m_e, o_e, _eager_step(m_e, batch, loss_fn, o_e))
         eager.step()   # NOTE: AdamW state exists from here on: every plan is the steady-state one
         o_e.zero_grad(set_to_none=True)
-        from ..measure import resident_bytes
+        from ..measure import resident_bytes, trainable_grad_bytes
 
-        row["lower_bound"] = resident_bytes(m_e, batch, o_e) + _grad_bytes(m_e)
+        row["lower_bound"] = resident_bytes(m_e, batch, o_e) + trainable_grad_bytes(m_e)
         _measure_memory([eager], batch)
         row["eager_peak"] = eager.peak
         stage("capture")
