@@ -268,8 +268,7 @@ def _walk(ev, group: list[int], dropped: frozenset[int], drop: frozenset[int],
                     nodes.append(r)
                     walked.add(r)
                     unavail.difference_update(outputs[r])
-                    # NOTE: as ``remat_plan``: a chain's writers that do not read one another
-                    # run right after its creator
+                    # NOTE: as ``remat_plan``: a chain's writers run right after its creator
                     stack.extend((w, iter(ins[w])) for w in reversed(trailing.get(r, ())))
                     if not stack:
                         break
