@@ -170,17 +170,10 @@ class FitgraphBackend:
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self, graph: Graph):
-        from ..cost import DeviceSpec, RooflineCostModel, cost_model_for
+        from ..cost import choose_cost_model
 
-        if self.cost_model is None:
-            from ..cost import ProfiledCostModel
-
-            device = graph.storages[graph.values[graph.inputs[0]].storage].device
-            self.cost_model = ProfiledCostModel(device, progress=False)
-        elif isinstance(self.cost_model, str):
-            self.cost_model = cost_model_for(self.cost_model)
-        elif isinstance(self.cost_model, DeviceSpec):
-            self.cost_model = RooflineCostModel(self.cost_model)
+        device = graph.storages[graph.values[graph.inputs[0]].storage].device
+        self.cost_model = choose_cost_model(self.cost_model, device)
         if hasattr(self.cost_model, "profile"):
             self.cost_model.profile(graph)
         if self.inner == "inductor":
