@@ -451,7 +451,8 @@ def test_parts_assembled_into_one_buffer_can_be_recomputed():
     parts, assembled for the output projection, kept every layer's attention residual in
     memory."""
     from fitgraph.graph.ir import Phase
-    from fitgraph.plan.remat import recomputable, remat_plan
+    from fitgraph.graph.recompute_rules import recomputable
+    from fitgraph.plan.remat import remat_plan
     from fitgraph.sim.remat_eval import RematEvaluator
 
     model, batch, loss_fn = _mlp_case(depth=2, classes=10, rows=512)

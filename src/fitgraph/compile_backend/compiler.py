@@ -467,7 +467,7 @@ def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
         return graph
     if pinned:
         # NOTE: a graph that transformations rewrite (operator fission) keeps its writes
-        # truthful (verify_graph): the ban is by name (plan.remat.recomputable), and the
+        # truthful (verify_graph): the ban is by name (graph.recompute_rules.recomputable), and the
         # modules refuse a recomputed random node (compile_backend.emit)
         return dataclasses.replace(graph, meta=graph.meta | {
             "pinned": tuple(graph.nodes[i].name for i in sorted(banned))})

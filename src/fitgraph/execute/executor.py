@@ -25,8 +25,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..graph.ir import Graph, Node
+from ..graph.recompute_rules import recompute_without_writes
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
-from ..plan.remat import recompute_without_writes
 from .codegen import compile_plan
 from .input_specs import InputSpec, input_specs
 from .offload import HostStore

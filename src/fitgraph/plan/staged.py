@@ -30,8 +30,9 @@ from collections.abc import Sequence
 
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
+from ..graph.recompute_rules import is_view_node
 from .instructions import Compute, Instruction, Plan, Recompute
-from .remat import RematError, _with_frees, is_view_node
+from .remat import RematError, _with_frees
 
 __all__ = ["staged_plan"]
 

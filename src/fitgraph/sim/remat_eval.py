@@ -42,12 +42,12 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
+from ..graph.recompute_rules import is_view_node
 from ..plan.remat import (
     RematError,
     RematTables,
     complete_drop,
     drop_points,
-    is_view_node,
     per_use,
     remat_tables,
     split_drop,

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Phase, Role
+from ..graph.recompute_rules import is_view_node
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
-from ..plan.remat import is_view_node
 
 __all__ = ["BREAKDOWN_GROUPS", "CopySpan", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
 

@@ -16,7 +16,7 @@ import re
 
 from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase
-from ..plan.remat import recomputable
+from ..graph.recompute_rules import recomputable
 
 __all__ = ["block_drop_sets", "block_of", "blocks_of"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase
 from ..graph.own_ops import PACK_BITS
-from ..plan.remat import recomputable
+from ..graph.recompute_rules import recomputable
 
 __all__ = ["MIN_RECOMPUTE_S", "forward_chains", "random_bits", "remat_candidates"]
 

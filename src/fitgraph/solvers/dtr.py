@@ -5,7 +5,7 @@ DTR runs the step in its given order and, whenever an allocation would exceed th
 evicts the resident tensor with the least ``h = cost / (bytes × staleness)``: ``cost`` is the
 time to recompute it plus that of its evicted inputs (the paper's ``h_DTR`` with the evicted
 neighbourhood's cost, one level deep), ``staleness`` the time since it was last touched. A read
-of an evicted tensor recomputes it first, recursively. Only what ``plan.remat.recomputable``
+of an evicted tensor recomputes it first, recursively. Only what ``graph.recompute_rules.recomputable``
 allows is evicted (never a random op replayed without its RNG state, a backward value or a step
 output); tensors whose last reader has run are freed, as refcounting does.
 

@@ -10,7 +10,7 @@ ordered by the position of their last member, so stage ``t`` of a schedule is "c
 
 Per unit: the bytes it allocates, its compute time, its workspace when computed and when
 recomputed (a recomputed random node also holds a copy of the generator state), whether it may
-be recomputed (a forward or loss unit that ``plan.remat.recomputable`` allows: like every remat
+be recomputed (a forward or loss unit that ``graph.recompute_rules.recomputable`` allows: like every remat
 system, backward values are never recomputed) and the bytes of step outputs it makes (live to
 the end, so reading them depends on nothing).
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph, Phase
-from ..plan.remat import inplace_chains, is_view_node, recomputable
+from ..graph.recompute_rules import inplace_chains, is_view_node, recomputable
 
 __all__ = ["StageGraph", "StageGraphError", "Unit", "stage_graph"]
 

@@ -72,7 +72,7 @@ from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from ..graph.kernel_facts import kernel_facts
 from ..graph.own_ops import PACK_BITS, UNPACK_BITS, packed_shape
-from ..plan.remat import inplace_chains
+from ..graph.recompute_rules import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
