@@ -61,6 +61,7 @@ import torch
 
 from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
 from ..execute.meter import MemoryMeter
+from ..execute.synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Node, ValueRef
 from .base import NodeCost
@@ -69,7 +70,6 @@ from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 from .in_situ import check_cache, profile_in_situ
 from .opaque import OpaqueInputs, opaque_inputs, producers
-from .synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 

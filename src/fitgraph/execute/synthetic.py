@@ -26,10 +26,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..execute.bit_packing import pack_bits
-from ..execute.ops import ArgBinder, resolve_target
-from ..execute.optimizer_ops import run_optimizer_node
 from ..graph.ir import DTYPE_BYTES, Graph, Node, Storage, storage_bytes
+from .bit_packing import pack_bits
+from .ops import ArgBinder, resolve_target
+from .optimizer_ops import run_optimizer_node
 
 __all__ = ["OPTIMIZER_PREFIX", "SyntheticRunner", "fill_valid", "no_subnormals", "torch_dtype"]
 
