@@ -10,11 +10,11 @@ TORCH_FREE = [
     "fitgraph.graph.ir", "fitgraph.graph.analysis", "fitgraph.plan.instructions",
     "fitgraph.plan.eager", "fitgraph.plan.verify", "fitgraph.sim.simulate", "fitgraph.sim",
     "fitgraph.cost.base", "fitgraph.cost.devices", "fitgraph.cost.roofline",
-    "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.solvers.candidates", "fitgraph.units",
-    "fitgraph.graph.deps", "fitgraph.plan.reorder", "fitgraph.plan.offload",
-    "fitgraph.plan.offload_place", "fitgraph.plan.copy_stream", "fitgraph.graph.dims",
+    "fitgraph.plan.remat", "fitgraph.solvers", "fitgraph.solvers.remat.candidates", "fitgraph.units",
+    "fitgraph.graph.deps", "fitgraph.plan.reorder", "fitgraph.solvers.offload.plan",
+    "fitgraph.solvers.offload.place", "fitgraph.plan.copy_stream", "fitgraph.graph.dims",
     "fitgraph.graph.dim_region", "fitgraph.transform.optimizer_in_backward",
-    "fitgraph.solvers.ilp", "fitgraph.solvers.hotspot", "fitgraph.plan.staged",
+    "fitgraph.solvers.remat.ilp", "fitgraph.solvers.remat.hotspot", "fitgraph.plan.staged",
 ]
 
 def _import_without_torch(module: str, then: str = "") -> subprocess.CompletedProcess:
@@ -75,7 +75,7 @@ sys.path.insert(0, {tests!r})
 from synthetic_graphs import transformer_like
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.solvers import BudgetInfeasible, Problem, solve, solve_smallest
-from fitgraph.solvers.fission_backward import split_backward
+from fitgraph.solvers.fission.split_backward import split_backward
 from fitgraph.sim.simulate import simulate
 from fitgraph.plan.eager import eager_plan
 g = transformer_like(3, seq=32)

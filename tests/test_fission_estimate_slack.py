@@ -11,8 +11,8 @@ from fitgraph.cost.base import NodeCost
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import Problem
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import FissionConfig, solve_fission
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 
 ROOFLINE = RooflineCostModel(get_device("cpu-generic"))
 

@@ -37,10 +37,10 @@ from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import FissionConfig, solve_fission
-from fitgraph.solvers.fission_regions import peak_starts
-from fitgraph.solvers.fission_spatial import spatial_candidates
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.regions import peak_starts
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
+from fitgraph.solvers.fission.spatial import spatial_candidates
 from fitgraph.transform.fission import split_region
 from fitgraph.transform.fission_halo_grads import separate_input_grads
 
@@ -294,6 +294,6 @@ def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
 def test_spatial_search_modules_never_import_torch():
     from test_boundary import _import_without_torch
 
-    for mod in ("fitgraph.solvers.fission_spatial", "fitgraph.cost.scaled"):
+    for mod in ("fitgraph.solvers.fission.spatial", "fitgraph.cost.scaled"):
         r = _import_without_torch(mod)
         assert r.returncode == 0, r.stderr.strip().splitlines()[-1]

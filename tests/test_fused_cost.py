@@ -16,7 +16,7 @@ from fitgraph.cost.fused import FusedCostModel, is_fused
 from fitgraph.graph.ir import GraphBuilder, Role
 from fitgraph.plan.instructions import Recompute
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers.hotspot import solve_hotspot
+from fitgraph.solvers.remat.hotspot import solve_hotspot
 
 ROOF = RooflineCostModel(get_device("cpu-generic"))
 

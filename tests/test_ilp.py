@@ -22,10 +22,10 @@ from fitgraph.plan.staged import staged_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.candidates import remat_candidates
-from fitgraph.solvers.hotspot import solve_hotspot
-from fitgraph.solvers.ilp import MIP_REL_GAP, START_SHARE, plan_to_stages
-from fitgraph.solvers.stages import stage_graph
+from fitgraph.solvers.remat.candidates import remat_candidates
+from fitgraph.solvers.remat.hotspot import solve_hotspot
+from fitgraph.solvers.remat.ilp import MIP_REL_GAP, START_SHARE, plan_to_stages
+from fitgraph.solvers.remat.stages import stage_graph
 
 
 @st.composite
@@ -147,7 +147,7 @@ def test_ilp_plan_runs_bitwise_equal_within_budget_and_beats_hotspot():
 @settings(max_examples=25, deadline=None)
 @given(train_like_graphs(), st.floats(0.4, 1.0))
 def test_lp_relaxation_bounds_the_optimum_from_below(case, frac):
-    from fitgraph.solvers.ilp import solve_stages
+    from fitgraph.solvers.remat.ilp import solve_stages
 
     g, cost = case
     sg = stage_graph(g, cost)
@@ -209,7 +209,7 @@ def test_an_unread_view_of_a_view_runs_with_its_storage_not_at_the_end():
     from fitgraph.graph.ir import GraphBuilder, Phase, Role
     from fitgraph.plan.staged import staged_plan
     from fitgraph.sim.simulate import simulate
-    from fitgraph.solvers.stages import stage_graph
+    from fitgraph.solvers.remat.stages import stage_graph
 
     class Ms:
         name = "toy"

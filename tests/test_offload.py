@@ -26,15 +26,15 @@ from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan, plan_in_order
 from fitgraph.plan.instructions import Compute, Free, Offload, Plan, Prefetch, Wait
-from fitgraph.plan.offload import (
+from fitgraph.plan.verify import PlanError, verify_plan
+from fitgraph.sim.simulate import simulate
+from fitgraph.solvers.offload.plan import (
     OffloadError,
     offload_candidates,
     offload_gains,
     offload_plan,
     offload_windows,
 )
-from fitgraph.plan.verify import PlanError, verify_plan
-from fitgraph.sim.simulate import simulate
 
 gpu = pytest.mark.gpu
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -306,7 +306,7 @@ def test_remat_plans_offload_what_they_keep():
     from test_ilp import train_like_graphs
 
     from fitgraph.plan.remat import remat_plan
-    from fitgraph.solvers.candidates import remat_candidates
+    from fitgraph.solvers.remat.candidates import remat_candidates
 
     @settings(max_examples=60, deadline=None)
     @given(train_like_graphs(), st.data())
@@ -326,7 +326,7 @@ def test_remat_plans_offload_what_they_keep():
 def test_planning_offload_never_imports_torch():
     from test_boundary import _import_without_torch
 
-    r = _import_without_torch("fitgraph.plan.offload")
+    r = _import_without_torch("fitgraph.solvers.offload.plan")
     assert r.returncode == 0, r.stderr
 
 

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from fitgraph.solvers import fission_backward as fb
 from fitgraph.solvers.base import Problem, Solution
+from fitgraph.solvers.fission import split_backward as fb
 
 
 @dataclasses.dataclass
@@ -244,7 +244,7 @@ def test_every_block_alike_stops_at_the_deadline():
 
     import fitgraph
     from fitgraph.graph.ir import Phase
-    from fitgraph.solvers.backward_regions import alike_split_recipe
+    from fitgraph.solvers.fission.backward_regions import alike_split_recipe
 
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),  # noqa: E731
                                       torch.nn.Linear(64, 8))

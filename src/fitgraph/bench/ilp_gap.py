@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..cost.devices import DEVICES
     from ..cost.roofline import RooflineCostModel
     from ..solvers import Problem, solve
-    from ..solvers.ilp import solve_stages
-    from ..solvers.stages import stage_graph
+    from ..solvers.remat.ilp import solve_stages
+    from ..solvers.remat.stages import stage_graph
     from .derived import block_stack
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

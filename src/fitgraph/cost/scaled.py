@@ -29,7 +29,7 @@ seconds per FLOP (its fastest FLOP rate) — and the share is the ratio of that 
 ``max(flops * s_per_flop, bytes * s_per_byte)``, of the part to the original's. On a roofline
 base model this reproduces the roofline; on a measured one it keeps each node's own measured
 speed. All of it is a function of the base model's costs of the original graph: deterministic.
-The estimate guides a search; the graph it picks is then measured (``solvers.fission``
+The estimate guides a search; the graph it picks is then measured (``solvers.fission.search``
 profiles that one graph).
 
 Example:

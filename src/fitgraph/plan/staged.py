@@ -11,7 +11,7 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.plan.staged import staged_plan
-    >>> from fitgraph.solvers.stages import stage_graph
+    >>> from fitgraph.solvers.remat.stages import stage_graph
     >>> class Ms:
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
@@ -38,7 +38,7 @@ __all__ = ["staged_plan"]
 
 
 def staged_plan(graph: Graph, stages, recompute: Sequence[Sequence[int]]) -> Plan:
-    """``stages``: a ``solvers.stages.StageGraph``; ``recompute[t]``: the units recomputed in
+    """``stages``: a ``solvers.remat.stages.StageGraph``; ``recompute[t]``: the units recomputed in
     stage ``t`` before unit ``t`` is computed (each earlier than ``t``)."""
     units = stages.units
     if len(recompute) != len(units):

@@ -19,7 +19,7 @@ fission's split graphs are planned by ``joint`` too (``FissionConfig(offload=Tru
 splits, remat and offloading combine in one plan.
 Where every option misses the budget, the least-peak plan (hotspot, a latency limit that never
 binds) is tried, and where it misses too and results need not be bitwise, ``split_backward``
-(``solvers.fission_backward``: the remat plan's peak region re-made in the backward in parts,
+(``solvers.fission.split_backward``: the remat plan's peak region re-made in the backward in parts,
 in every block alike; up to the time budget again, stopping at its first plan within the
 budget): the first that fits is returned, else BudgetInfeasible names the least peak found.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
@@ -52,11 +52,11 @@ from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import compact_masks, dropout_masks
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .fission import FissionConfig, solve_fission
-from .fission_backward import split_backward
-from .fission_regions import peak_starts, shared_regions
-from .hotspot import solve_hotspot
-from .joint import solve_joint
+from .fission.regions import peak_starts, shared_regions
+from .fission.search import FissionConfig, solve_fission
+from .fission.split_backward import split_backward
+from .offload.remat_offload import solve_joint
+from .remat.hotspot import solve_hotspot
 
 __all__ = ["solve_auto", "splittable_regions"]
 

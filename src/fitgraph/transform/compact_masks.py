@@ -30,7 +30,7 @@ of eager's step time reaches 0.609x / 0.616x / 0.493x of the eager peak (GPT-2 /
 the rewritten graph against 0.710x / 0.666x / 0.661x on the captured one; at a budget of 0.5x it
 plans 6-13% faster. Where no remat is needed the captured graph is faster, so ``auto`` plans
 both graphs and keeps the better.
-Remat moves never absorb the bits nor their packed bytes (``solvers.candidates.forward_chains``):
+Remat moves never absorb the bits nor their packed bytes (``solvers.remat.candidates.forward_chains``):
 re-made, a mask needs only its packed bits.
 
 Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty``, written in

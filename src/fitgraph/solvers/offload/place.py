@@ -1,4 +1,4 @@
-"""Where offloading's instructions go, once each storage's window is chosen (``plan.offload``).
+"""Where offloading's instructions go, once each storage's window is chosen (``solvers.offload.plan``).
 
 For each window, ``Offload`` after the last write before the gap, the release ``Wait`` after the
 last use before it, ``Prefetch`` at the latest node before which its copy is still hidden, and its
@@ -9,7 +9,7 @@ deadline first, into the stream's idle time (``plan.copy_stream``).
 
 Example:
     >>> from fitgraph.plan.instructions import Compute, Plan
-    >>> from fitgraph.plan.offload_place import OffloadWindow, Placed, assemble
+    >>> from fitgraph.solvers.offload.place import OffloadWindow, Placed, assemble
     >>> p = Plan(tuple(Compute(i) for i in range(4)))
     >>> w = OffloadWindow(storage=7, write=0, release=1, reader=3)
     >>> " ".join(i.op for i in assemble(p, [Placed(w, 2, 0.0, 0.0, 0.0)]))
@@ -21,10 +21,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from ..cost.base import CostModel
-from ..graph.ir import Graph
-from .copy_stream import CopyStream
-from .instructions import Instruction, Offload, Plan, Prefetch, Wait
+from ...cost.base import CostModel
+from ...graph.ir import Graph
+from ...plan.copy_stream import CopyStream
+from ...plan.instructions import Instruction, Offload, Plan, Prefetch, Wait
 
 __all__ = ["Clock", "OffloadWindow", "Placed", "assemble", "place"]
 

@@ -3,7 +3,7 @@ peak, with memory-aware reordering, judged by the simulator at every step.
 
 MAGIS's insight, without its GPU-in-the-loop ranking: simulate, look at the storages live at the
 peak, drop (and recompute in the backward) what frees the most bytes per second of recompute,
-simulate again; keep a drop only if the peak went down. Moves (``solvers.moves``) are single
+simulate again; keep a drop only if the peak went down. Moves (``solvers.remat.moves``) are single
 candidates with their forward-only chains (dropping ``mul(gelu(x), mask)`` alone would keep
 ``gelu(x)`` alive for the recompute) and whole blocks (``h.3``: what ``torch.utils.checkpoint``
 drops), which stop the recompute cascade at block outputs that single drops cannot find one at
@@ -64,11 +64,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..plan.remat import remat_plan, remat_tables
-from ..plan.reorder import STRATEGIES, memory_aware_order
-from ..sim.remat_eval import RematEvaluator
-from ..sim.simulate import simulate
-from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution, dominated_by, register
+from ...plan.remat import remat_plan, remat_tables
+from ...plan.reorder import STRATEGIES, memory_aware_order
+from ...sim.remat_eval import RematEvaluator
+from ...sim.simulate import simulate
+from ..base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution, dominated_by, register
 from .greedy import Run, Search, local_evals, lookahead
 from .moves import build_moves
 

@@ -1,6 +1,6 @@
 """The fission search's part walk: a chosen split taken in more parts without a new round.
 
-The "cheapest" greedy path (``solvers.fission``) buys memory at the least time per byte. When
+The "cheapest" greedy path (``solvers.fission.search``) buys memory at the least time per byte. When
 it picks a region in k parts, the next round would try the same region in more parts first and
 pick it while its rates stay ahead, but only after growing and splitting every region of the
 new split graph. ``walk_parts`` takes those increments from the splits the round already
@@ -9,7 +9,7 @@ each increment's rate with the best rate of any other split that round saw.
 
 Example:
     >>> from types import SimpleNamespace as S
-    >>> from fitgraph.solvers.fission_walk import rate, walk_parts
+    >>> from fitgraph.solvers.fission.walk import rate, walk_parts
     >>> sim = lambda peak, lat: S(peak_bytes=peak, latency_s=lat)
     >>> region, base = object(), object()
     >>> cur = S(sim=sim(100, 1.0))
@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from ..sim.simulate import SimResult
+from ...sim.simulate import SimResult
 
 __all__ = ["MIN_ADDED_S", "rate", "walk_parts"]
 

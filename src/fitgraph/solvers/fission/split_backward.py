@@ -30,7 +30,7 @@ whose peak moved elsewhere, where a later split may cut it), and keeps the lowes
 every path. Given a ``target``, the search stops at the first plan within it
 (a budget set to a peak this search reported is reached again without the whole search).
 Where a path's rounds end, its splits are made again from the start in ``REPLAY_PARTS`` parts
-(the candidates' recipes, ``solvers.backward_regions``) and planned once; where that is lower,
+(the candidates' recipes, ``solvers.fission.backward_regions``) and planned once; where that is lower,
 the rounds go on from it.
 The path kept has each part's products summed in place (``backward_regions.products_folded``:
 attention's input gradient in head parts makes one whole tensor per projection) and is planned
@@ -45,7 +45,7 @@ Example:
     >>> import torch, fitgraph
     >>> from fitgraph.cost import RooflineCostModel, get_device
     >>> from fitgraph.solvers import Problem
-    >>> from fitgraph.solvers.fission_backward import split_backward
+    >>> from fitgraph.solvers.fission.split_backward import split_backward
     >>> _ = torch.manual_seed(0)
     >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.GELU(),
     ...                                   torch.nn.Linear(512, 16))
@@ -63,26 +63,26 @@ import dataclasses
 import time
 from typing import NamedTuple
 
-from ..cost.scaled import original_name
-from ..graph.analysis import GraphError
-from ..graph.ir import Graph
-from ..plan.instructions import Recompute
-from ..sim.remat_eval import RematError, RematEvaluator
-from ..transform.compact_masks import compact_masks
-from ..transform.constant_predicates import fold_constant_predicates
-from ..transform.elementwise_expands import elementwise_before_expands
-from ..transform.fission import FissionError
-from ..transform.fission_loss import count_targets_apart
-from ..transform.fission_shift import unshift_losses
-from ..transform.group_norm_stats import group_norms_from_stats
-from ..transform.per_operand_convolution import convolutions_per_operand
-from ..transform.recompute_copies import COPY_SUFFIX, CopyError
-from ..transform.saved_views import copy_saved_views
-from ..transform.scatter_sums import stack_scatter_sums
-from ..transform.view_chains import collapse_view_chains
+from ...cost.scaled import original_name
+from ...graph.analysis import GraphError
+from ...graph.ir import Graph
+from ...plan.instructions import Recompute
+from ...sim.remat_eval import RematError, RematEvaluator
+from ...transform.compact_masks import compact_masks
+from ...transform.constant_predicates import fold_constant_predicates
+from ...transform.elementwise_expands import elementwise_before_expands
+from ...transform.fission import FissionError
+from ...transform.fission_loss import count_targets_apart
+from ...transform.fission_shift import unshift_losses
+from ...transform.group_norm_stats import group_norms_from_stats
+from ...transform.per_operand_convolution import convolutions_per_operand
+from ...transform.recompute_copies import COPY_SUFFIX, CopyError
+from ...transform.saved_views import copy_saved_views
+from ...transform.scatter_sums import stack_scatter_sums
+from ...transform.view_chains import collapse_view_chains
+from ..base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
+from ..remat.hotspot import solve_hotspot
 from .backward_regions import COPIES, PARTS, PLAIN, Recipe, candidates, products_folded
-from .base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
-from .hotspot import solve_hotspot
 
 __all__ = ["prepared", "split_backward"]
 

@@ -9,7 +9,7 @@ largest) and the region nodes between them, so the search can weigh the classic 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
     >>> from fitgraph.graph.dim_region import grow_region
-    >>> from fitgraph.solvers.fission_regions import trimmed
+    >>> from fitgraph.solvers.fission.regions import trimmed
     >>> b = GraphBuilder()
     >>> x = b.add_input("x", (64, 4), "float32", Role.INPUT)
     >>> w = b.add_input("w", (4, 1024), "float32", Role.PARAMETER)
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..graph.analysis import new_storages
-from ..graph.dim_convex import order_edges
-from ..graph.dim_region import Region, RegionIndex, grow_region
-from ..graph.dim_types import Reduced
-from ..graph.ir import Graph
-from ..plan.instructions import Plan
-from ..sim.simulate import SimResult
+from ...graph.analysis import new_storages
+from ...graph.dim_convex import order_edges
+from ...graph.dim_region import Region, RegionIndex, grow_region
+from ...graph.dim_types import Reduced
+from ...graph.ir import Graph
+from ...plan.instructions import Plan
+from ...sim.simulate import SimResult
 
 __all__ = ["candidate_regions", "peak_starts", "shared_regions", "trimmed"]
 

@@ -21,7 +21,7 @@ with memory counted in ``SLOTS`` slots (sizes rounded up: the DP never under-cou
 schedule it returns recomputes a stage as often as the nesting asks (several times at low m).
 
 Example:
-    >>> from fitgraph.solvers.rotor_chain import ChainModel, replay, rotor_dp
+    >>> from fitgraph.solvers.peers.rotor_chain import ChainModel, replay, rotor_dp
     >>> m = ChainModel.uniform(4, uf=1.0, ub=2.0, a=10, tape=30)
     >>> full, low = rotor_dp(m, 200), rotor_dp(m, 60)
     >>> full.seconds, low.seconds > full.seconds, replay(m, low.ops)[1] <= 60

@@ -9,7 +9,7 @@ replayed in more parts) and in any number of parts.
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.graph.ir import Phase
-    >>> from fitgraph.solvers.backward_regions import copies_recipe
+    >>> from fitgraph.solvers.fission.backward_regions import copies_recipe
     >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
     ...                                   torch.nn.Linear(64, 16))
     >>> model = torch.nn.Sequential(mlp(), mlp())
@@ -25,24 +25,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..graph.analysis import GraphError, new_storages, storage_producer
-from ..graph.dim_region import Region, grow_region
-from ..graph.dim_rules import SHAPE_ONLY
-from ..graph.ir import Graph, Phase
-from ..sim.simulate import SimResult
-from ..transform.fission import FissionError, split_region
-from ..transform.fission_halo_grads import separate_input_grads
-from ..transform.products_into_sums import products_into_sums
-from ..transform.recompute_copies import (
-    COPY_SUFFIX,
-    CopyError,
-    copy_set,
-)
-from ..transform.sums_in_place import sums_in_place
-from .base import Solution
+from ...graph.analysis import GraphError, new_storages, storage_producer
+from ...graph.dim_region import Region, grow_region
+from ...graph.dim_rules import SHAPE_ONLY
+from ...graph.ir import Graph, Phase
+from ...sim.simulate import SimResult
+from ...transform.fission import FissionError, split_region
+from ...transform.fission_halo_grads import separate_input_grads
+from ...transform.products_into_sums import products_into_sums
+from ...transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set
+from ...transform.sums_in_place import sums_in_place
+from ..base import Solution
 from .copies_regions import copies_region, late_copies
-from .fission_regions import peak_starts, shared_regions, trimmed
 from .forward_regions import forward_nodes, linked_nodes
+from .regions import peak_starts, shared_regions, trimmed
 
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
            "copies_recipe", "plain_recipe", "products_folded"]

@@ -17,7 +17,7 @@ U-Net (GroupNorm after every convolution) gains little here.
 
 Example:
     >>> import torch, fitgraph
-    >>> from fitgraph.solvers.fission_spatial import spatial_candidates
+    >>> from fitgraph.solvers.fission.spatial import spatial_candidates
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(),
     ...                             torch.nn.Conv2d(4, 2, 3, padding=1))
     >>> g = fitgraph.capture(model, (torch.randn(1, 2, 32, 32),), lambda m, b: m(b[0]).sum())
@@ -29,12 +29,12 @@ Example:
 
 from __future__ import annotations
 
-from ..graph.analysis import new_storages
-from ..graph.dim_region import Region, RegionIndex, grow_region
-from ..graph.ir import Graph
-from ..transform.fission_halo_grads import separate_input_grads
-from ..transform.fission_loss import counting_nodes
-from .fission_regions import trimmed
+from ...graph.analysis import new_storages
+from ...graph.dim_region import Region, RegionIndex, grow_region
+from ...graph.ir import Graph
+from ...transform.fission_halo_grads import separate_input_grads
+from ...transform.fission_loss import counting_nodes
+from .regions import trimmed
 
 __all__ = ["separated_for", "spatial_candidates"]
 

@@ -9,7 +9,7 @@ of an evicted tensor recomputes it first, recursively. Only what ``graph.recompu
 allows is evicted (never a random op replayed without its RNG state, a backward value or a step
 output); tensors whose last reader has run are freed, as refcounting does.
 
-Here DTR plays the step on the stage graph (``solvers.stages``) ahead of time: its evictions and
+Here DTR plays the step on the stage graph (``solvers.remat.stages``) ahead of time: its evictions and
 recomputes become a staged schedule (stage -> units recomputed before it) and ``plan.staged``
 turns that into a Plan, whose frees are never later than DTR's. The simulator is the judge: if
 the plan peaks over the budget (workspaces, views, frees DTR cannot see), DTR replays with that
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import time
 
-from ..plan.staged import staged_plan
-from ..sim.simulate import SimResult, simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .stages import StageGraph, stage_graph
+from ...plan.staged import staged_plan
+from ...sim.simulate import SimResult, simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ..remat.stages import StageGraph, stage_graph
 
 __all__ = ["DtrRun", "dtr_schedule", "solve_dtr"]
 

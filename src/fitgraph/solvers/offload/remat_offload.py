@@ -3,7 +3,7 @@
 Recompute costs compute time on the critical path; an offload costs nothing when its copies hide
 under compute, and exposed seconds when they do not. So the planner asks ``hotspot`` for a remat
 plan at a looser budget B' >= B (fewer recomputes), then offloads storages of that plan until
-the peak is back within B (``solvers.offload_fit``: hidden copies first, then bytes per exposed
+the peak is back within B (``solvers.offload.fit``: hidden copies first, then bytes per exposed
 second; offloads the plan fits without are pruned). B' walks a ladder between B and the eager
 peak, then is refined by bisection around the fastest rung; the two ends are ``hotspot`` alone
 at B and offloading alone on the eager plan. Every candidate is judged by ``simulate``; the best
@@ -44,12 +44,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan.eager import eager_plan
-from ..plan.instructions import Plan
-from ..sim.simulate import SimResult, simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .hotspot import solve_hotspot
-from .offload_fit import offload_to_fit
+from ...plan.eager import eager_plan
+from ...plan.instructions import Plan
+from ...sim.simulate import SimResult, simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ..remat.hotspot import solve_hotspot
+from .fit import offload_to_fit
 
 __all__ = ["solve_joint"]
 

@@ -11,7 +11,7 @@ simulated compute time) between two consecutive uses, ``offload_plan`` places:
   time of the copy stream); where nothing hides it, so that it starts as early as it can;
 * ``Wait(s)`` right before the next reader.
 
-Placing takes one simulation of the plan (``plan.offload_place``: its clock, shifted after each
+Placing takes one simulation of the plan (``solvers.offload.place``: its clock, shifted after each
 release Wait by the time that Wait stalls, and the copy stream's busy intervals, prefetches placed
 latest deadline first). The plan given must not offload yet: offload every storage in one call.
 Only device memory inside the gaps changes, so the offloaded plan never peaks above the plan it
@@ -26,7 +26,7 @@ Example:
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role
     >>> from fitgraph.plan.eager import eager_plan
-    >>> from fitgraph.plan.offload import offload_candidates, offload_plan
+    >>> from fitgraph.solvers.offload.plan import offload_candidates, offload_plan
     >>> class Cost:  # 1 ms per node, 0.5 ms per copy
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
@@ -52,12 +52,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.base import CostModel
-from ..graph.analysis import new_storages, output_storages
-from ..graph.ir import Graph
-from ..sim.simulate import SimResult, simulate
-from .instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
-from .offload_place import OffloadWindow, assemble, place
+from ...cost.base import CostModel
+from ...graph.analysis import new_storages, output_storages
+from ...graph.ir import Graph
+from ...plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
+from ...sim.simulate import SimResult, simulate
+from .place import OffloadWindow, assemble, place
 
 __all__ = ["OffloadError", "OffloadGain", "OffloadWindow", "offload_candidates", "offload_gains",
            "offload_plan", "offload_windows"]

@@ -1,4 +1,4 @@
-"""Offload on top of a plan until it fits: peak-targeted greedy over ``plan.offload``'s storages.
+"""Offload on top of a plan until it fits: peak-targeted greedy over ``solvers.offload.plan``'s storages.
 
 Given a plan that does not offload yet (eager, reordered or rematerialized), ``offload_to_fit``
 repeatedly simulates the offloaded plan, looks at its peak, and offloads more of the storages
@@ -36,11 +36,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..cost.base import CostModel
-from ..graph.ir import Graph
-from ..plan.instructions import Offload, Plan, Prefetch, Wait
-from ..plan.offload import OffloadGain, offload_gains, offload_plan, offload_windows
-from ..sim.simulate import SimResult, simulate
+from ...cost.base import CostModel
+from ...graph.ir import Graph
+from ...plan.instructions import Offload, Plan, Prefetch, Wait
+from ...sim.simulate import SimResult, simulate
+from .plan import OffloadGain, offload_gains, offload_plan, offload_windows
 
 __all__ = ["OffloadFit", "offload_to_fit"]
 

@@ -1,7 +1,7 @@
 """``fission``: operator fission chosen by the simulator, then rematerialization on top.
 
 Simulate the eager plan, look at what is live at the peak, grow fission regions from those
-tensors along each of their dims (``solvers.fission_regions``: whole and trimmed to their large
+tensors along each of their dims (``solvers.fission.regions``: whole and trimmed to their large
 tensors), split each in k parts for k in ``FissionConfig.ks`` (``transform.split_region``) and
 simulate the split graph's eager plan; take the candidate the simulator says is best and repeat
 on the split graph, which may split a part again along another dim (nested fission), until the
@@ -19,7 +19,7 @@ logits, the loss and its gradient can run chunk by chunk in one region; a shifte
 loss (``logits[:, :-1]``, however spelled) reads every position first, its dropped ones
 ignored (``transform.fission_shift``), so no slice copy or ``slice_backward`` buffer pins it. Spatial regions (rows
 of a convolution chain, with a halo) are grown also where the input gradients of the
-backward convolutions are separated from their weight gradients (``solvers.fission_spatial``):
+backward convolutions are separated from their weight gradients (``solvers.fission.spatial``):
 such a region runs a whole chain, forward and backward, part by part; only the graph of a
 split that needs it is separated (``notes["separated_grads"]``: the halves the plan's graph
 runs). What is still
@@ -62,24 +62,24 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from ..cost.scaled import ScaledCostModel
-from ..graph.analysis import verify_graph
-from ..graph.dim_region import Region
-from ..graph.ir import Graph
-from ..plan.eager import eager_plan
-from ..sim.simulate import SimResult, simulate
-from ..transform.fission import FissionError, split_region
-from ..transform.fission_loss import count_targets_apart, counting_nodes
-from ..transform.fission_shift import unshift_losses
-from ..transform.scatter_sums import stack_scatter_sums
-from ..transform.view_chains import collapse_view_chains
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .fission_regions import candidate_regions, peak_starts
-from .fission_spatial import spatial_candidates
-from .fission_walk import rate
-from .fission_walk import walk_parts as _walk_parts
-from .hotspot import solve_hotspot
-from .joint import solve_joint
+from ...cost.scaled import ScaledCostModel
+from ...graph.analysis import verify_graph
+from ...graph.dim_region import Region
+from ...graph.ir import Graph
+from ...plan.eager import eager_plan
+from ...sim.simulate import SimResult, simulate
+from ...transform.fission import FissionError, split_region
+from ...transform.fission_loss import count_targets_apart, counting_nodes
+from ...transform.fission_shift import unshift_losses
+from ...transform.scatter_sums import stack_scatter_sums
+from ...transform.view_chains import collapse_view_chains
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ..offload.remat_offload import solve_joint
+from ..remat.hotspot import solve_hotspot
+from .regions import candidate_regions, peak_starts
+from .spatial import spatial_candidates
+from .walk import rate
+from .walk import walk_parts as _walk_parts
 
 __all__ = ["FissionConfig", "solve_fission"]
 

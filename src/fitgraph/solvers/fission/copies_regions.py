@@ -19,7 +19,7 @@ along the time):
 
 Example:
     >>> import torch, fitgraph
-    >>> from fitgraph.solvers.backward_regions import copies_recipe
+    >>> from fitgraph.solvers.fission.backward_regions import copies_recipe
     >>> model = torch.nn.Sequential(torch.nn.Conv1d(1, 8, 10, 5), torch.nn.GELU(),
     ...                             torch.nn.Conv1d(8, 8, 3, 2), torch.nn.GELU(),
     ...                             torch.nn.Conv1d(8, 4, 3, 2))
@@ -34,13 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..graph.dim_region import Region
-from ..graph.ir import Graph, Phase
-from ..transform.fission import split_region
-from ..transform.fission_halo_grads import separable, separate_input_grads
-from ..transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
-from .fission_spatial import separated_for
+from ...graph.dim_region import Region
+from ...graph.ir import Graph, Phase
+from ...transform.fission import split_region
+from ...transform.fission_halo_grads import separable, separate_input_grads
+from ...transform.recompute_copies import COPY_SUFFIX, CopyError, copy_set, recompute_copies
 from .forward_regions import full_length
+from .spatial import separated_for
 
 __all__ = ["Copies", "backward_region", "copies_region", "late_copies"]
 

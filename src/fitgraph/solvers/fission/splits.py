@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .base import BudgetInfeasible, Problem, Solution, register
-from .fission import FissionConfig, solve_fission
+from ..base import BudgetInfeasible, Problem, Solution, register
+from .search import FissionConfig, solve_fission
 
 __all__ = ["solve_fission_splits"]
 

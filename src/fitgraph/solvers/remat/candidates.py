@@ -1,17 +1,17 @@
 """What a remat solver may drop: recomputable forward nodes, and the chains that go with them.
 
 Example:
-    >>> from fitgraph.solvers.candidates import MIN_RECOMPUTE_S
+    >>> from fitgraph.solvers.remat.candidates import MIN_RECOMPUTE_S
     >>> MIN_RECOMPUTE_S > 0
     True
 """
 
 from __future__ import annotations
 
-from ..graph.analysis import new_storages, users
-from ..graph.ir import Graph, Phase
-from ..graph.own_ops import PACK_BITS
-from ..graph.recompute_rules import recomputable
+from ...graph.analysis import new_storages, users
+from ...graph.ir import Graph, Phase
+from ...graph.own_ops import PACK_BITS
+from ...graph.recompute_rules import recomputable
 
 __all__ = ["MIN_RECOMPUTE_S", "forward_chains", "random_bits", "remat_candidates"]
 

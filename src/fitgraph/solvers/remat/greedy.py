@@ -11,7 +11,7 @@ Both are deterministic functions of their inputs and an evaluation count; only t
 cut them short (``Search.timed_out`` says so), which is the one way timing changes a result.
 
 Example:
-    >>> from fitgraph.solvers.greedy import Search
+    >>> from fitgraph.solvers.remat.greedy import Search
     >>> Search(budget_bytes=100, limit_s=float("inf"), deadline=0.0).fits_peak(99)
     True
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..plan.remat import RematError
-from ..sim.remat_eval import RematEval, RematEvaluator
+from ...plan.remat import RematError
+from ...sim.remat_eval import RematEval, RematEvaluator
 from .moves import Moves
 
 __all__ = ["MIN_BATCH", "Run", "Search", "local_evals", "lookahead"]

@@ -3,7 +3,7 @@ each call of a block called more than once is a block of its own (``groups.0@2``
 labels the k-th call ``@k``, as ALBERT runs its one shared layer four times).
 
 Example:
-    >>> from fitgraph.solvers.blocks import block_of, blocks_of
+    >>> from fitgraph.solvers.remat.blocks import block_of, blocks_of
     >>> block_of("encoder.layer.3.attention.self"), block_of("lm_head")
     ('encoder.layer.3', None)
     >>> block_of("encoder.groups.0@2.layers.0.ffn"), blocks_of("encoder.groups.0@2.layers.0.ffn")
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
-from ..graph.analysis import new_storages, users
-from ..graph.ir import Graph, Phase
-from ..graph.recompute_rules import recomputable
+from ...graph.analysis import new_storages, users
+from ...graph.ir import Graph, Phase
+from ...graph.recompute_rules import recomputable
 
 __all__ = ["block_drop_sets", "block_of", "blocks_of"]
 

@@ -6,7 +6,7 @@ The graph is cut into a chain: what runs before the first repeated block (``bloc
 blocks), one stage per block, and the rest (head, loss: forward and backward adjacent, always
 with tape). Each backward unit belongs to the block whose forward it differentiates (its module
 path; units outside any block to the next block's backward). Per stage the stage graph
-(``solvers.stages``) gives the chain model of ``rotor_chain``: forward and backward times,
+(``solvers.remat.stages``) gives the chain model of ``rotor_chain``: forward and backward times,
 ``a_k`` (what the next stage or its backward reads), ``ā_k`` (``a_k`` and what its own backward
 reads), what cannot be recomputed (random ops run once, values read far down the chain:
 attention masks, U-Net skips — kept from the first forward until the backward that frees them),
@@ -45,14 +45,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..graph.ir import Graph, Phase
-from ..plan.instructions import Plan
-from ..plan.staged import staged_plan
-from ..sim.simulate import SimResult, simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .blocks import block_of
+from ...graph.ir import Graph, Phase
+from ...plan.instructions import Plan
+from ...plan.staged import staged_plan
+from ...sim.simulate import SimResult, simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ..remat.blocks import block_of
+from ..remat.stages import StageGraph, stage_graph
 from .rotor_chain import ChainModel, Op, RotorSchedule, RotorTable, replay
-from .stages import StageGraph, stage_graph
 
 __all__ = ["RotorChain", "rotor_chain", "rotor_recompute", "solve_rotor"]
 

@@ -15,7 +15,7 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.plan.remat import remat_tables
-    >>> from fitgraph.solvers.moves import build_moves
+    >>> from fitgraph.solvers.remat.moves import build_moves
     >>> class Ms:
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.base import CostModel
-from ..graph.ir import Graph
-from ..plan.remat import RematTables, per_use
+from ...cost.base import CostModel
+from ...graph.ir import Graph
+from ...plan.remat import RematTables, per_use
 from .blocks import block_drop_sets, blocks_of
 from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 

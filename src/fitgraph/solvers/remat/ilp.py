@@ -1,6 +1,6 @@
 """``ilp``: the exact reference — Checkmate's MILP, solved with HiGHS (``scipy.optimize.milp``).
 
-Stage ``t`` of a schedule computes unit ``t`` (``solvers.stages``) after recomputing any earlier
+Stage ``t`` of a schedule computes unit ``t`` (``solvers.remat.stages``) after recomputing any earlier
 units it chooses. Binary ``R[t,i]``: unit ``i`` is (re)computed in stage ``t``; binary
 ``S[t,i]``: unit ``i``'s output is kept from stage ``t-1`` into stage ``t``; ``FREE[t,i,k]``:
 ``i`` is freed right after ``k`` runs in stage ``t`` (continuous: it only lowers memory, so the
@@ -22,7 +22,7 @@ HiGHS, and the Solution reports the proven gap (``optimal``/``gap``). ``FG_HIGHS
 HiGHS's log; ``FG_HIGHS_OPTIONS="name=value,..."`` sets more HiGHS options (experiments).
 
 Example:
-    >>> from fitgraph.solvers.ilp import solve_ilp
+    >>> from fitgraph.solvers.remat.ilp import solve_ilp
     >>> from fitgraph.solvers.base import SOLVERS
     >>> SOLVERS["ilp"] is solve_ilp
     True
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph.ir import Graph
-from ..plan.instructions import Compute, Plan, Recompute
-from ..plan.staged import staged_plan
-from ..sim.simulate import simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ...graph.ir import Graph
+from ...plan.instructions import Compute, Plan, Recompute
+from ...plan.staged import staged_plan
+from ...sim.simulate import simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .stages import StageGraph, stage_graph
 
 __all__ = ["IlpResult", "plan_to_stages", "solve_ilp", "solve_stages"]
@@ -512,7 +512,7 @@ def _overshoot(g: Graph, sg: StageGraph, res: IlpResult, budget: int | None, cm)
 def _production_start(problem: Problem, sg: StageGraph) -> list[list[int]] | None:
     """The production solver's schedule as HiGHS's first incumbent (a good upper bound early
     lets branch-and-bound prune; the optimum does not depend on it)."""
-    from .base import SOLVERS
+    from ..base import SOLVERS
     quick = Problem(problem.graph, problem.cost_model, problem.budget_bytes,
                     problem.latency_limit, min(START_SHARE * problem.time_budget_s, 10.0))
     try:  # NOTE: stages follow the captured order: ask for a plan that keeps it

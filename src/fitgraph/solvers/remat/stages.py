@@ -17,7 +17,7 @@ the end, so reading them depends on nothing).
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
     >>> from fitgraph.cost.base import NodeCost
-    >>> from fitgraph.solvers.stages import stage_graph
+    >>> from fitgraph.solvers.remat.stages import stage_graph
     >>> class Ms:
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost.base import CostModel
-from ..graph.analysis import new_storages, output_storages
-from ..graph.ir import Graph, Phase
-from ..graph.recompute_rules import inplace_chains, is_view_node, recomputable
+from ...cost.base import CostModel
+from ...graph.analysis import new_storages, output_storages
+from ...graph.ir import Graph, Phase
+from ...graph.recompute_rules import inplace_chains, is_view_node, recomputable
 
 __all__ = ["StageGraph", "StageGraphError", "Unit", "stage_graph"]
 

@@ -10,7 +10,7 @@ sums.
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.graph.ir import Phase
-    >>> from fitgraph.solvers.forward_regions import forward_nodes
+    >>> from fitgraph.solvers.fission.forward_regions import forward_nodes
     >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
     ...                                   torch.nn.Linear(64, 16))
     >>> g = fitgraph.capture(torch.nn.Sequential(mlp(), mlp()), torch.randn(64, 16),
@@ -23,11 +23,11 @@ Example:
 
 from __future__ import annotations
 
-from ..graph.dim_region import Region, grow_region
-from ..graph.dim_types import Reduced
-from ..graph.ir import Graph, Phase
-from ..transform.recompute_copies import first_reader
-from .fission_regions import trimmed
+from ...graph.dim_region import Region, grow_region
+from ...graph.dim_types import Reduced
+from ...graph.ir import Graph, Phase
+from ...transform.recompute_copies import first_reader
+from .regions import trimmed
 
 __all__ = ["forward_nodes", "full_length", "linked_nodes"]
 

@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 
-from ..graph.analysis import new_storages, users
-from ..graph.ir import Phase
-from ..plan.remat import remat_plan
-from ..sim.simulate import simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ...graph.analysis import new_storages, users
+from ...graph.ir import Phase
+from ...plan.remat import remat_plan
+from ...sim.simulate import simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .candidates import MIN_RECOMPUTE_S, forward_chains, remat_candidates
 
 __all__ = ["knapsack_keep", "solve_knapsack"]

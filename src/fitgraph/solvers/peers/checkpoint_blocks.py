@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from ..plan.remat import remat_plan
-from ..sim.simulate import simulate
-from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .blocks import block_drop_sets
+from ...plan.remat import remat_plan
+from ...sim.simulate import simulate
+from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
+from ..remat.blocks import block_drop_sets
 
 __all__ = ["solve_checkpoint_blocks"]
 
