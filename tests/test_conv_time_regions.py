@@ -20,7 +20,7 @@ from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim.simulate import simulate
-from fitgraph.solvers.fission.regions import peak_starts
+from fitgraph.solvers.fission.peak_regions import peak_starts
 from fitgraph.transform.fission import split_region
 from fitgraph.transform.fission_halo_grads import separate_input_grads
 

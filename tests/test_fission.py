@@ -30,7 +30,7 @@ from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.fission.regions import trimmed
+from fitgraph.solvers.fission.peak_regions import trimmed
 from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 from fitgraph.transform.fission import FissionError, split_region
 from fitgraph.transform.fission_loss import count_targets_apart, counting_nodes

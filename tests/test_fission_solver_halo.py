@@ -38,7 +38,7 @@ from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
 from fitgraph.solvers.fission import search as fission_solver
-from fitgraph.solvers.fission.regions import peak_starts
+from fitgraph.solvers.fission.peak_regions import peak_starts
 from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 from fitgraph.solvers.fission.spatial import spatial_candidates
 from fitgraph.transform.fission import split_region

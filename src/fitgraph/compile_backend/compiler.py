@@ -41,9 +41,9 @@ from ..units import (
     check_latency_limit,
     is_smallest,
 )
+from .backend_report import BackendReport
 from .boundary_hold import HoldCostModel, StepShares, boundary_node, graph_key
 from .emit import EmitError
-from .report import BackendReport
 from .unread_grads import LeafRuns, drop_grads
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not

@@ -280,7 +280,7 @@ class Executor:
         g = self.graph
         if g.meta.get("optimizer_in_backward"):
             return
-        # NOTE: instructions run one by one (bench/insitu.py) have no step's dict
+        # NOTE: instructions run one by one (bench/instruction_times.py) have no step's dict
         params = self.params or dict(self.model.named_parameters())
         for key, vid in g.outputs.items():
             if key.startswith("grad:") and self.env[vid] is not None:

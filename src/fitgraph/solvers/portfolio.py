@@ -52,7 +52,7 @@ from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import compact_masks, dropout_masks
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .fission.regions import peak_starts, shared_regions
+from .fission.peak_regions import peak_starts, shared_regions
 from .fission.search import FissionConfig, solve_fission
 from .fission.split_backward import split_backward
 from .offload.remat_offload import solve_joint

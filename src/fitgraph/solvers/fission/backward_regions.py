@@ -38,7 +38,7 @@ from ...transform.sums_in_place import sums_in_place
 from ..base import Solution
 from .copies_regions import copies_region, late_copies
 from .forward_regions import forward_nodes, linked_nodes
-from .regions import peak_starts, shared_regions, trimmed
+from .peak_regions import peak_starts, shared_regions, trimmed
 
 __all__ = ["COPIES", "PARTS", "PLAIN", "Recipe", "alike_split_recipe", "candidates",
            "copies_recipe", "plain_recipe", "products_folded"]

@@ -27,7 +27,7 @@ from ...graph.dim_region import Region, grow_region
 from ...graph.dim_types import Reduced
 from ...graph.ir import Graph, Phase
 from ...transform.recompute_copies import first_reader
-from .regions import trimmed
+from .peak_regions import trimmed
 
 __all__ = ["forward_nodes", "full_length", "linked_nodes"]
 

@@ -1,7 +1,7 @@
 """``fission``: operator fission chosen by the simulator, then rematerialization on top.
 
 Simulate the eager plan, look at what is live at the peak, grow fission regions from those
-tensors along each of their dims (``solvers.fission.regions``: whole and trimmed to their large
+tensors along each of their dims (``solvers.fission.peak_regions``: whole and trimmed to their large
 tensors), split each in k parts for k in ``FissionConfig.ks`` (``transform.split_region``) and
 simulate the split graph's eager plan; take the candidate the simulator says is best and repeat
 on the split graph, which may split a part again along another dim (nested fission), until the
@@ -76,7 +76,7 @@ from ...transform.view_chains import collapse_view_chains
 from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from ..offload.remat_offload import solve_joint
 from ..remat.hotspot import solve_hotspot
-from .regions import candidate_regions, peak_starts
+from .peak_regions import candidate_regions, peak_starts
 from .spatial import spatial_candidates
 from .walk import rate
 from .walk import walk_parts as _walk_parts

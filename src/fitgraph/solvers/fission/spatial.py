@@ -34,7 +34,7 @@ from ...graph.dim_region import Region, RegionIndex, grow_region
 from ...graph.ir import Graph
 from ...transform.fission_halo_grads import separate_input_grads
 from ...transform.fission_loss import counting_nodes
-from .regions import trimmed
+from .peak_regions import trimmed
 
 __all__ = ["separated_for", "spatial_candidates"]
 

@@ -9,7 +9,7 @@ largest) and the region nodes between them, so the search can weigh the classic 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
     >>> from fitgraph.graph.dim_region import grow_region
-    >>> from fitgraph.solvers.fission.regions import trimmed
+    >>> from fitgraph.solvers.fission.peak_regions import trimmed
     >>> b = GraphBuilder()
     >>> x = b.add_input("x", (64, 4), "float32", Role.INPUT)
     >>> w = b.add_input("w", (4, 1024), "float32", Role.PARAMETER)

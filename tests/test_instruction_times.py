@@ -1,10 +1,10 @@
-"""bench.insitu: every instruction timed in place, grouped beside the cost model's charge."""
+"""bench.instruction_times: every instruction timed in place, grouped beside the cost model's charge."""
 
 import torch
 from test_hotspot import Ms
 
 import fitgraph
-from fitgraph.bench.insitu import _grouped, misses, timed_plans
+from fitgraph.bench.instruction_times import _grouped, misses, timed_plans
 from fitgraph.solvers import Problem, solve
 
 

@@ -8,7 +8,7 @@ verdicts at each peer's peak, and each error verbatim. Every figure comes from t
 
 Example:
     >>> from fitgraph.bench.harness import BenchRow
-    >>> from fitgraph.bench.report import least_overhead_under, least_peak_within
+    >>> from fitgraph.bench.report_page import least_overhead_under, least_peak_within
     >>> rows = [BenchRow("m", "eager", None, 100, 1.0), BenchRow("m", "x", 0.9, 85, 1.04),
     ...         BenchRow("m", "x", 0.7, 70, 1.2)]
     >>> least_peak_within(rows, "x", 0.05).peak_bytes, least_overhead_under(rows, "x", 0.8).budget

@@ -1,6 +1,6 @@
 """Where does the simulated step miss the measured one? Each instruction timed in place.
 
-    python -m fitgraph.bench.insitu [--model gpt2] [--sweep] [--latency-limit 1.10]
+    python -m fitgraph.bench.instruction_times [--model gpt2] [--sweep] [--latency-limit 1.10]
                                     [--solver hotspot] [--repeats 5] [--top 12]
 
 Plans the zoo model's small configuration (``--sweep``: the sweep's model of that name) (AdamW, this machine's measured op costs, one torch
@@ -12,7 +12,7 @@ model's own weights and batch; optimizer nodes update scratch copies of its stat
 is left as it was.
 
 Example:
-    >>> from fitgraph.bench.insitu import misses
+    >>> from fitgraph.bench.instruction_times import misses
     >>> misses({("Compute", "aten.mm.default"): 3.0}, {("Compute", "aten.mm.default"): 2.0}, 1)
     [(('Compute', 'aten.mm.default'), 3.0, 2.0)]
 """
