@@ -30,7 +30,7 @@ from test_fission_halo import random_chain
 import fitgraph
 from fitgraph.api import graph_fingerprint
 from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.cost.scaled import ScaledCostModel
 from fitgraph.execute import execute
 from fitgraph.graph.dim_region import grow_region
@@ -184,15 +184,16 @@ def test_optimize_picks_the_halo_split_and_measures_as_simulated():
     assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
 
 
-class _SwitchingBackend:
-    """A measured cost model (it must ``profile`` a graph) whose convolutions take another
+class _SwitchingBackend(BaseCostModel):
+    """A measured cost model (it must ``prepare`` a graph) whose convolutions take another
     backend below ``SMALL`` input elements, with a workspace of 6 times their input: what the
     whole graph's costs cannot tell the scaled estimate of its parts (CPU convolutions do this
     below 20480 elements)."""
 
     name = "switching backend"
+    measures = True
 
-    def profile(self, graph):
+    def prepare(self, graph):
         pass
 
     def node_cost(self, graph, node):
@@ -225,7 +226,7 @@ def test_a_measured_split_over_budget_is_measured_again_in_more_parts(monkeypatc
 
 # -- costs without profiling --------------------------------------------------------------------
 
-class _WithWorkspace:
+class _WithWorkspace(BaseCostModel):
     """The roofline, with a workspace of ``WORKSPACE`` bytes for every convolution backward."""
 
     name = "roofline with workspaces"

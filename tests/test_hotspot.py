@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from synthetic_graphs import transformer_like
 from test_graph_plan_sim import random_graphs
 
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.cost.devices import get_device
 from fitgraph.cost.roofline import RooflineCostModel
 from fitgraph.graph.deps import respects_dependencies
@@ -33,7 +33,7 @@ from fitgraph.solvers.remat.moves import build_moves
 RTX3090 = RooflineCostModel(get_device("rtx3090"))
 
 
-class Ms:
+class Ms(BaseCostModel):
     """Every node 1 ms, no workspace."""
 
     name = "toy"

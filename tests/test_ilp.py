@@ -15,6 +15,7 @@ from test_graph_plan_sim import TableCost
 import fitgraph
 from fitgraph.bench.ilp_gap import derived
 from fitgraph.cost import ProfiledCostModel
+from fitgraph.cost.base import BaseCostModel
 from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.measure import measure_plan
 from fitgraph.plan.remat import RematError, remat_plan
@@ -212,7 +213,7 @@ def test_an_unread_view_of_a_view_runs_with_its_storage_not_at_the_end():
     from fitgraph.sim.simulate import simulate
     from fitgraph.solvers.remat.stages import stage_graph
 
-    class Ms:
+    class Ms(BaseCostModel):
         name = "toy"
 
         def node_cost(self, g, n):

@@ -18,7 +18,7 @@ from test_graph_plan_sim import TableCost, random_graphs
 import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.execute import Executor, execute
 from fitgraph.execute.meter import MemoryMeter
 from fitgraph.execute.offload import HostStore
@@ -41,7 +41,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 EPS = 1e-12
 
 
-class SlowCopy:
+class SlowCopy(BaseCostModel):
     """A random graph's node costs, with copies as slow as nodes (tens of microseconds a byte)."""
 
     name = "slow-copy"
@@ -56,7 +56,7 @@ class SlowCopy:
         return nbytes * self.per_byte
 
 
-class Uniform:
+class Uniform(BaseCostModel):
     name = "uniform"
 
     def __init__(self, node_s: float, copy_s: float) -> None:

@@ -217,8 +217,7 @@ class TrainStep:
               solver: str = "loaded") -> _Planned:
         graph = graph if graph is not None else self._capture(batch)
         cm = self._cost()
-        if hasattr(cm, "profile"):
-            cm.profile(graph)
+        cm.prepare(graph)
         eager = solve(Problem(graph, cm, latency_limit=1.0), "eager")
         if plan is not None:
             verify_plan(graph, plan)

@@ -174,8 +174,7 @@ class FitgraphBackend:
 
         device = graph.storages[graph.values[graph.inputs[0]].storage].device
         self.cost_model = choose_cost_model(self.cost_model, device)
-        if hasattr(self.cost_model, "profile"):
-            self.cost_model.profile(graph)
+        self.cost_model.prepare(graph)
         if self.inner == "inductor":
             # NOTE: inductor fuses pointwise ops into the kernels around them: recomputing one
             # in the backward is free there, as its own partitioner assumes (cost.fused)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import CostModel, NodeCost
+from .base import BaseCostModel, CostModel, NodeCost, check_cost_model
 from .cache import CostCache
 from .devices import DEVICES, DeviceSpec, get_device
 from .roofline import RooflineCostModel
@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICES",
+    "BaseCostModel",
     "CostCache",
     "CostModel",
     "DeviceSpec",
     "NodeCost",
     "ProfiledCostModel",
     "RooflineCostModel",
+    "check_cost_model",
     "choose_cost_model",
     "cost_model_for",
     "get_device",
@@ -88,6 +90,7 @@ def choose_cost_model(spec, device: str = "cpu") -> CostModel:
     if isinstance(spec, DeviceSpec):
         return RooflineCostModel(spec)
     if callable(getattr(spec, "node_cost", None)):
+        check_cost_model(spec)
         return spec
     raise TypeError(f"cost_model={spec!r}: pass None or 'measured' (ops timed on this "
                     "machine), a device name or DeviceSpec (a roofline), or a cost model "

@@ -12,7 +12,8 @@ Example:
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.plan.staged import staged_plan
     >>> from fitgraph.solvers.remat.stages import stage_graph
-    >>> class Ms:
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)

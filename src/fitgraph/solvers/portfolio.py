@@ -102,7 +102,7 @@ def _describe(sol: Solution) -> str:
 def _joint(problem: Problem, hot: Solution | None, eager: SimResult, t0: float):
     """``joint`` (remat + offload) where offloading frees device memory and remat alone is
     slower than eager (or a latency limit is asked): (solution, error, why not run)."""
-    if not getattr(problem.cost_model, "host_memory_apart", False):
+    if not problem.cost_model.host_memory_apart:
         return None, None, "host and device are one memory here: offloading frees nothing"
     if problem.budget_bytes is not None and (
             eager.peak_bytes <= problem.budget_bytes
@@ -137,8 +137,7 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
         return None, None, f"no time left ({max(left, 0.0):.1f} s)"
     cm = problem.cost_model
     graph = compact_masks(problem.graph)
-    if hasattr(cm, "profile"):
-        cm.profile(graph)  # NOTE: measured costs: only the bits' new ops are profiled
+    cm.prepare(graph)  # NOTE: measured costs: only the bits' new ops are profiled
     factor = None
     if problem.latency_limit is not None:
         own = simulate(graph, eager_plan(graph), cm).latency_s
@@ -200,8 +199,7 @@ def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
     t0 = time.perf_counter()
     cm, budget = problem.cost_model, problem.budget_bytes
-    if hasattr(cm, "profile"):
-        cm.profile(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
+    cm.prepare(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
     hot, hot_err = None, None
     try:
         hot = solve_hotspot(dataclasses.replace(
@@ -251,7 +249,7 @@ def solve_auto(problem: Problem) -> Solution:
         skip = "no region live at the eager peak can be split"
     fis, fis_err = None, None
     if skip is None:
-        config = _SEARCH_OFFLOAD if getattr(cm, "host_memory_apart", False) else _SEARCH
+        config = _SEARCH_OFFLOAD if cm.host_memory_apart else _SEARCH
         for i, on in enumerate([base, *also]):
             share = (problem.time_budget_s - (time.perf_counter() - t0)) / (1 + len(also) - i)
             try:

@@ -120,14 +120,8 @@ class _Step:
     k: int = 0
 
 
-def _measured(cost_model) -> bool:
-    """True for a cost model that must profile a graph before it can cost its nodes."""
-    return hasattr(cost_model, "profile")
-
-
 def _simulate(graph: Graph, cost_model) -> SimResult:
-    if _measured(cost_model):
-        cost_model.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
+    cost_model.prepare(graph)  # NOTE: measured costs: the parts' new shapes, once each
     return simulate(graph, eager_plan(graph), cost_model)
 
 
@@ -146,7 +140,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     deadline = t0 + problem.time_budget_s
     cm, budget = problem.cost_model, problem.budget_bytes
     eager = _simulate(problem.graph, cm)
-    scaled = config.scaled_costs and _measured(cm)
+    scaled = config.scaled_costs and cm.measures
     search = ScaledCostModel(cm, problem.graph) if scaled else cm
     limit = (problem.latency_limit * eager.latency_s if problem.latency_limit is not None
              else float("inf"))
@@ -477,7 +471,7 @@ def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig
     left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
     # NOTE: joint is never slower than hotspot (it starts from hotspot's plan), only slower to
     # search; it offloads only where the host's memory is apart from the device's
-    plan_on = (solve_joint if config.offload and getattr(cm, "host_memory_apart", False)
+    plan_on = (solve_joint if config.offload and cm.host_memory_apart
                else solve_hotspot)
     if budget is not None:
         if cur.sim.peak_bytes <= budget:

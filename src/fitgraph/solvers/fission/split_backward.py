@@ -346,11 +346,10 @@ def _peak_at(graph: Graph, sol: Solution) -> str | None:
 
 
 def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Solution | None:
-    if hasattr(cm, "profile"):
-        try:
-            cm.profile(graph)  # NOTE: measured costs: the parts' new shapes, once each
-        except RuntimeError:
-            return None  # NOTE: an op of the split graph cannot run: no plan
+    try:
+        cm.prepare(graph)  # NOTE: measured costs: the parts' new shapes, once each
+    except RuntimeError:
+        return None  # NOTE: an op of the split graph cannot run: no plan
     left = max(deadline - time.perf_counter(), 1.0)
     try:
         # NOTE: a share of the whole per plan: each round plans several candidates
@@ -445,8 +444,7 @@ def _screen(graph: Graph, cm, dropped: set[str]) -> int:
     """``graph``'s peak with the nodes named in ``dropped`` (or whose whole was: ``.part<i>``
     suffixes taken off) dropped; a peak above every other where that drop set cannot be
     planned."""
-    if hasattr(cm, "profile"):
-        cm.profile(graph)  # NOTE: measured costs: the parts' workspaces, once each shape
+    cm.prepare(graph)  # NOTE: measured costs: the parts' workspaces, once each shape
     drop = {n.id for n in graph.nodes if original_name(n.name) in dropped}
     try:
         return RematEvaluator(graph, cm).evaluate(drop).peak_bytes

@@ -15,7 +15,8 @@ Example:
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role
     >>> from fitgraph.plan.eager import eager_plan
-    >>> class Cost:  # 1 ms per node, 0.1 ms per copy: every copy hides
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Cost(BaseCostModel):  # 1 ms per node, 0.1 ms per copy: every copy hides
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 1e-4

@@ -112,7 +112,7 @@ def fit_prefetches(graph: Graph, points: list[int], windows: list[OffloadWindow]
         deadline = clock.before(w.reader)
         lo = bisect.bisect_right(points, w.release)
         hi = bisect.bisect_right(points, w.reader)
-        inline = not getattr(cost_model, "copies_overlap", True)
+        inline = not cost_model.copies_overlap
         # NOTE: copies in line on the compute stream hide nowhere: the latest point holds the
         # device bytes least and costs the same time
         i = hi - 1 if inline and hi > lo else stream.latest_fit(issue_at, lo, hi, secs, deadline)

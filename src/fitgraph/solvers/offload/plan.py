@@ -27,7 +27,8 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role
     >>> from fitgraph.plan.eager import eager_plan
     >>> from fitgraph.solvers.offload.plan import offload_candidates, offload_plan
-    >>> class Cost:  # 1 ms per node, 0.5 ms per copy
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Cost(BaseCostModel):  # 1 ms per node, 0.5 ms per copy
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 5e-4
@@ -227,7 +228,7 @@ def offload_gains(graph: Graph, plan: Plan, cost_model: CostModel,
         out[w.storage] = OffloadGain(
             storage=w.storage, nbytes=nbytes, off_device_s=off, byte_seconds=nbytes * off,
             peak_saving=base.peak_bytes - peak,
-            exposed_s=(x.stall_s if getattr(cost_model, "copies_overlap", True)
+            exposed_s=(x.stall_s if cost_model.copies_overlap
                        else 2 * cost_model.copy_seconds(nbytes)),  # NOTE: in line: all exposed
             copy_s=2 * cost_model.copy_seconds(nbytes))
     return out

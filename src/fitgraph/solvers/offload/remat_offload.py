@@ -22,7 +22,8 @@ Example:
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role
     >>> from fitgraph.solvers import Problem, solve
-    >>> class Cost:  # 1 ms per node, 0.1 ms per copy: offloading hides, recompute does not
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Cost(BaseCostModel):  # 1 ms per node, 0.1 ms per copy: offloading hides, recompute does not
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 1e-4

@@ -41,7 +41,8 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.solvers import Problem, solve
-    >>> class Ms:
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 0.0

@@ -16,7 +16,8 @@ Example:
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.plan.remat import remat_tables
     >>> from fitgraph.solvers.remat.moves import build_moves
-    >>> class Ms:
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)

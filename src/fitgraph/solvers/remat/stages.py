@@ -18,7 +18,8 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.solvers.remat.stages import stage_graph
-    >>> class Ms:
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.INPUT)
@@ -77,7 +78,7 @@ def stage_graph(graph: Graph, cost_model: CostModel) -> StageGraph:
     in_chain = {w: ch[0] for ch in chains.values() for w in ch[1:]}
     ok = recomputable(graph)
     keep = output_storages(graph)
-    rng_bytes = int(getattr(cost_model, "rng_state_bytes", 0))
+    rng_bytes = int(cost_model.rng_state_bytes)
     members: dict[int, list[int]] = {}
     folded: list[int] = []
     for n in graph.nodes:
