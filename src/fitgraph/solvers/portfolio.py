@@ -208,6 +208,13 @@ def solve_auto(problem: Problem) -> Solution:
         hot_err = e
     eager = simulate(problem.graph, eager_plan(problem.graph), cm)
     notes = {"hotspot": _summary(hot, hot_err)}
+    flop_errors = problem.graph.meta.get("flop_formula_errors")
+    if flop_errors and not cm.measures:
+        # NOTE: named, not silent: such a node's roofline time is its bytes moved alone
+        first = next(iter(flop_errors.items()))
+        notes["flops_unknown"] = (f"{len(flop_errors)} node(s) have no FLOP estimate (torch's "
+                                  f"formula failed; costed by bytes moved alone), e.g. "
+                                  f"{first[0]} ({first[1]})")
     remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
     bits, bits_err, bits_skip = _compacted(problem, hot, eager, remat_fast, t0)
     notes["compact_masks"] = (_summary(bits, bits_err) if bits_skip is None
