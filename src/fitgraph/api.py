@@ -46,9 +46,9 @@ from .solvers import Problem, Solution, solve, solve_smallest
 from .solvers.grads_in_place import grads_in_place
 from .transform.optimizer_in_backward import (
     OptimizerInBackwardError,
-    optimizer_in_backward,
     why_not,
 )
+from .transform.registry import TRANSFORMS
 from .units import (
     budget_bytes,
     check_budget,
@@ -297,7 +297,7 @@ class TrainStep:
         reason = ("the optimizer has step pre-hooks, which read every gradient before any "
                   "update" if graph.meta.get("updates_after_backward") else why_not(graph))
         if reason is None:
-            return optimizer_in_backward(graph)
+            return TRANSFORMS["optimizer_in_backward"](graph).graph
         if self.in_backward is True:
             raise OptimizerInBackwardError(f"optimizer_in_backward=True is impossible: {reason}; "
                                            "pass optimizer_in_backward='auto' to keep gradients")

@@ -50,7 +50,8 @@ import time
 
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
-from ..transform.compact_masks import compact_masks, dropout_masks
+from ..transform.compact_masks import dropout_masks
+from ..transform.registry import TRANSFORMS
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission.peak_regions import peak_starts, shared_regions
 from .fission.search import FissionConfig, solve_fission
@@ -136,7 +137,7 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
     if left < MIN_FISSION_S:
         return None, None, f"no time left ({max(left, 0.0):.1f} s)"
     cm = problem.cost_model
-    graph = compact_masks(problem.graph)
+    graph = TRANSFORMS["compact_masks"](problem.graph).graph
     cm.prepare(graph)  # NOTE: measured costs: only the bits' new ops are profiled
     factor = None
     if problem.latency_limit is not None:
@@ -227,7 +228,8 @@ def solve_auto(problem: Problem) -> Solution:
         # NOTE: remat alone reaches the budget on neither graph: fission searches both (on
         # GPT-2 small at 40%, its plan on the captured graph replayed seven dropout draws,
         # 7% of the step; on the bits it re-makes masks from bits instead)
-        also = [dataclasses.replace(problem, graph=compact_masks(problem.graph))]
+        also = [dataclasses.replace(problem,
+                                    graph=TRANSFORMS["compact_masks"](problem.graph).graph)]
         hot_err = min(hot_err, bits_err, key=lambda e: e.smallest_peak_bytes)
     if hot is not None and hot.graph is not None:
         base = dataclasses.replace(problem, graph=hot.graph,

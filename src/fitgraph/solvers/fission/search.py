@@ -69,10 +69,8 @@ from ...graph.ir import Graph
 from ...plan.eager import eager_plan
 from ...sim.simulate import SimResult, simulate
 from ...transform.fission import FissionError, split_region
-from ...transform.fission_loss import count_targets_apart, counting_nodes
-from ...transform.fission_shift import unshift_losses
-from ...transform.scatter_sums import stack_scatter_sums
-from ...transform.view_chains import collapse_view_chains
+from ...transform.fission_loss import counting_nodes
+from ...transform.registry import FISSION_SEARCH_READS, fission_reads
 from ..base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from ..offload.remat_offload import solve_joint
 from ..remat.hotspot import solve_hotspot
@@ -147,8 +145,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     # NOTE: reshape round trips (3-D logits between a 2-D head and a 2-D loss) tie the token
     # axis to the batch; read through them so a region can run along every token. A shifted
     # loss (logits[:, :-1]) reads every position first, its dropped ones ignored
-    graph = stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
-        problem.graph))))
+    graph = fission_reads(problem.graph, FISSION_SEARCH_READS)
     start = _Step(graph, eager if graph is problem.graph else _simulate(graph, search), "")
     unsplit = _Step(problem.graph, eager, "")
     options: list[_Option] = []

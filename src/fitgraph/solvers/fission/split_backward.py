@@ -68,18 +68,9 @@ from ...graph.analysis import GraphError
 from ...graph.ir import Graph
 from ...plan.instructions import Recompute
 from ...sim.remat_eval import RematError, RematEvaluator
-from ...transform.compact_masks import compact_masks
-from ...transform.constant_predicates import fold_constant_predicates
-from ...transform.elementwise_expands import elementwise_before_expands
 from ...transform.fission import FissionError
-from ...transform.fission_loss import count_targets_apart
-from ...transform.fission_shift import unshift_losses
-from ...transform.group_norm_stats import group_norms_from_stats
-from ...transform.per_operand_convolution import convolutions_per_operand
 from ...transform.recompute_copies import COPY_SUFFIX, CopyError
-from ...transform.saved_views import copy_saved_views
-from ...transform.scatter_sums import stack_scatter_sums
-from ...transform.view_chains import collapse_view_chains
+from ...transform.registry import FISSION_READS, fission_reads
 from ..base import BudgetInfeasible, EvaluatorMismatch, Problem, Solution
 from ..remat.hotspot import solve_hotspot
 from .backward_regions import COPIES, PARTS, PLAIN, Recipe, candidates, products_folded
@@ -193,9 +184,7 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
 
 def prepared(graph: Graph) -> Graph:
     """``graph`` as split_backward reads it (see the notes in ``split_backward``)."""
-    return stack_scatter_sums(collapse_view_chains(count_targets_apart(unshift_losses(
-        compact_masks(copy_saved_views(elementwise_before_expands(fold_constant_predicates(
-            group_norms_from_stats(convolutions_per_operand(graph))))))))))
+    return fission_reads(graph, FISSION_READS)
 
 
 def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total: float,
