@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 from helpers import assert_bitwise_equal_models, eager_step
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_fission import assert_same_as_eager
 from test_fission_halo import random_chain
@@ -273,6 +273,9 @@ def test_scaled_costs_of_separated_halves_follow_the_whole_backward():
 
 @settings(max_examples=3, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([0.5, 0.7]))
+# NOTE: a 3x3 convolution past a stride-2 pool (11 rows) in a region cut in 16 parts: parts
+# that ran none of its rows read two through its window, which the kernel rejected
+@example(seed=194, frac=0.7)
 def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
     rng = random.Random(seed)
     torch.manual_seed(seed)
