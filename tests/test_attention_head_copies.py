@@ -16,8 +16,8 @@ from torch import nn
 import fitgraph
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.graph.ir import Phase
-from fitgraph.solvers import backward_regions as br
-from fitgraph.solvers.backward_regions import PARTS, _forward_start, copies_recipe
+from fitgraph.solvers.fission import backward_regions as br
+from fitgraph.solvers.fission.backward_regions import PARTS, _forward_start, copies_recipe
 
 BATCH, TOKENS, HEADS, DIM = 2, 32, 4, 8
 

@@ -21,7 +21,7 @@ from fitgraph.bench.harness import (
     sac_context_fn,
     sac_policy,
 )
-from fitgraph.bench.report import least_overhead_under, least_peak_within, write_report
+from fitgraph.bench.report_page import least_overhead_under, least_peak_within, write_report
 from fitgraph.bench.verdicts import fitgraph_at, matched_labels, verdicts
 from fitgraph.cli import main
 

@@ -12,7 +12,7 @@ from helpers import check_same_as_eager
 
 from fitgraph import Phase, Role
 from fitgraph.capture.api import capture
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.plan.remat import per_use, remat_plan, remat_tables
 from fitgraph.sim.remat_eval import RematEvaluator
 from fitgraph.sim.simulate import simulate
@@ -42,7 +42,7 @@ class Net(nn.Module):
         return x
 
 
-class Unit:
+class Unit(BaseCostModel):
     name = "unit"
     rng_state_bytes = 0
 

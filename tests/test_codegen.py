@@ -49,7 +49,8 @@ def test_source_inlines_every_compute_and_free_of_a_deterministic_step():
 
 
 def test_random_recompute_falls_back_to_the_replaying_method():
-    from fitgraph.plan.remat import recomputable, remat_plan
+    from fitgraph.graph.recompute_rules import recomputable
+    from fitgraph.plan.remat import remat_plan
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Dropout(0.5),

@@ -145,7 +145,7 @@ def test_masks_read_through_a_view_are_left_alone(through_view):
 def test_chains_keep_the_bits_and_never_replay_the_draw():
     """A remat move for a re-made mask re-makes it from the bits (and resident inputs) alone:
     its forward chain holds no random draw and no bits; captured graphs have no bits."""
-    from fitgraph.solvers.candidates import forward_chains, random_bits, remat_candidates
+    from fitgraph.solvers.remat.candidates import forward_chains, random_bits, remat_candidates
 
     model, batch, loss_fn = _case()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -185,7 +185,7 @@ class _FusedDropout(torch.nn.Module):
 def test_fused_dropout_output_is_a_remat_candidate_and_replays_bitwise():
     """CUDA's ``native_dropout`` writes its mask into the drawn storage and outputs the dropped
     tensor: it is no "bits" node; re-made, it replays the draw, bitwise like eager."""
-    from fitgraph.solvers.candidates import random_bits, remat_candidates
+    from fitgraph.solvers.remat.candidates import random_bits, remat_candidates
 
     torch.manual_seed(0)
     model, batch = _FusedDropout(), torch.randn(512, 64)
@@ -217,7 +217,7 @@ def test_fused_dropout_masks_are_packed_bitwise_and_as_simulated(tmp_path):
     it eight to a byte; a plan that re-makes the unpacked bits keeps 1/8 of the mask's bytes
     into the backward, runs bitwise like eager and measures what it simulates."""
     from fitgraph.graph.own_ops import PACK_BITS
-    from fitgraph.solvers.candidates import random_bits
+    from fitgraph.solvers.remat.candidates import random_bits
 
     torch.manual_seed(0)
     model, batch = _FusedDropout(), torch.randn(512, 64)

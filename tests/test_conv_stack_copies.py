@@ -15,9 +15,9 @@ import fitgraph
 from fitgraph.cost import ProfiledCostModel
 from fitgraph.graph.ir import Phase
 from fitgraph.solvers import Problem
-from fitgraph.solvers.backward_regions import COPIES, candidates, copies_recipe
-from fitgraph.solvers.fission_backward import prepared
-from fitgraph.solvers.hotspot import solve_hotspot
+from fitgraph.solvers.fission.backward_regions import COPIES, candidates, copies_recipe
+from fitgraph.solvers.fission.split_backward import prepared
+from fitgraph.solvers.remat.hotspot import solve_hotspot
 from fitgraph.transform.group_norm_stats import group_norms_from_stats
 from fitgraph.transform.recompute_copies import recompute_copies
 

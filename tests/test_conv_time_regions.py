@@ -20,7 +20,7 @@ from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim.simulate import simulate
-from fitgraph.solvers.fission_regions import peak_starts
+from fitgraph.solvers.fission.peak_regions import peak_starts
 from fitgraph.transform.fission import split_region
 from fitgraph.transform.fission_halo_grads import separate_input_grads
 
@@ -89,9 +89,9 @@ def test_a_forward_start_is_offered_at_every_trim_tightest_first():
     untrimmed copy was offered, which re-made the first layer's output whole (1.45x -> 1.34x
     the lower bound once the tightest was)."""
     from fitgraph.solvers import Problem
-    from fitgraph.solvers.backward_regions import COPIES, SHARES, candidates
-    from fitgraph.solvers.fission_backward import prepared
-    from fitgraph.solvers.hotspot import solve_hotspot
+    from fitgraph.solvers.fission.backward_regions import COPIES, SHARES, candidates
+    from fitgraph.solvers.fission.split_backward import prepared
+    from fitgraph.solvers.remat.hotspot import solve_hotspot
 
     model, batch = _case()
     g = prepared(fitgraph.capture(model, batch, _loss))

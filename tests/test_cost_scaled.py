@@ -22,8 +22,8 @@ from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers.fission import FissionConfig, solve_fission
-from fitgraph.solvers.fission_regions import trimmed
+from fitgraph.solvers.fission.peak_regions import trimmed
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 from fitgraph.transform.fission import split_region
 from fitgraph.transform.fission_loss import count_targets_apart, counting_nodes
 

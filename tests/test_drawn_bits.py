@@ -9,7 +9,7 @@ import torch
 import fitgraph
 from fitgraph.cost.drawn_bits import UNKNOWN_DENSITY, bit_densities
 from fitgraph.cost.profiler import node_signature
-from fitgraph.cost.synthetic import SyntheticRunner
+from fitgraph.execute.synthetic import SyntheticRunner
 from fitgraph.transform.compact_masks import compact_masks
 
 

@@ -13,8 +13,8 @@ from fitgraph import zoo
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.plan.verify import verify_plan
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.dtr import DtrRun
-from fitgraph.solvers.stages import stage_graph
+from fitgraph.solvers.peers.dtr import DtrRun
+from fitgraph.solvers.remat.stages import stage_graph
 
 
 @settings(max_examples=40, deadline=None)

@@ -74,3 +74,22 @@ def test_first_touch_is_measured_once_and_cached(monkeypatch):
                         lambda: calls.append(1) or 1.0)
     again = ProfiledCostModel(repeats=1, warmup=0, progress=False)
     assert again.first_touch_seconds_per_byte() == measured and calls == []
+
+
+def test_the_process_allocator_is_changed_only_where_asked():
+    """``keep_host_memory`` changes glibc's malloc for the whole process: the cost model does it
+    only with ``keep_host_memory=True`` (the command, benchmarks and tests ask for it)."""
+    import platform
+    import subprocess
+    import sys
+
+    code = ("from fitgraph.cost import ProfiledCostModel; "
+            "from fitgraph.execute.host_memory import kept; "
+            "ProfiledCostModel('cpu', progress=False{}); print(kept())")
+    default = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True,
+                             text=True, timeout=300)
+    asked = subprocess.run([sys.executable, "-c", code.format(", keep_host_memory=True")],
+                           capture_output=True, text=True, timeout=300)
+    assert default.stdout.split()[-1] == "False", default.stderr[-2000:]
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert asked.stdout.split()[-1] == str(glibc), asked.stderr[-2000:]

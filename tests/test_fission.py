@@ -30,8 +30,8 @@ from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.fission import FissionConfig, solve_fission
-from fitgraph.solvers.fission_regions import trimmed
+from fitgraph.solvers.fission.peak_regions import trimmed
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 from fitgraph.transform.fission import FissionError, split_region
 from fitgraph.transform.fission_loss import count_targets_apart, counting_nodes
 
@@ -436,7 +436,7 @@ def test_fission_modules_never_import_torch():
     from test_boundary import _import_without_torch
 
     for mod in ("fitgraph.transform.fission", "fitgraph.transform.fission_loss",
-                "fitgraph.transform.fission_halo_grads", "fitgraph.solvers.fission"):
+                "fitgraph.transform.fission_halo_grads", "fitgraph.solvers.fission.search"):
         r = _import_without_torch(mod)
         assert r.returncode == 0, r.stderr.strip().splitlines()[-1]
 
@@ -451,7 +451,8 @@ def test_parts_assembled_into_one_buffer_can_be_recomputed():
     parts, assembled for the output projection, kept every layer's attention residual in
     memory."""
     from fitgraph.graph.ir import Phase
-    from fitgraph.plan.remat import recomputable, remat_plan
+    from fitgraph.graph.recompute_rules import recomputable
+    from fitgraph.plan.remat import remat_plan
     from fitgraph.sim.remat_eval import RematEvaluator
 
     model, batch, loss_fn = _mlp_case(depth=2, classes=10, rows=512)

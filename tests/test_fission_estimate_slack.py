@@ -7,25 +7,26 @@ import torch
 
 import fitgraph
 from fitgraph.cost import RooflineCostModel, get_device
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import Problem
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import FissionConfig, solve_fission
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 
 ROOFLINE = RooflineCostModel(get_device("cpu-generic"))
 
 
-class _CacheFriendlyParts:
-    """A measured cost model (it must ``profile`` a graph) where the parts of a split run at
+class _CacheFriendlyParts(BaseCostModel):
+    """A measured cost model (it must ``prepare`` a graph) where the parts of a split run at
     ``FACTOR`` of their share of the whole (a CPU's cache holds a part, not the whole): what
     the whole graph's measurements cannot tell the scaled estimate of a split."""
 
     name = "cache-friendly parts"
+    measures = True
     FACTOR = 0.5
 
-    def profile(self, graph):
+    def prepare(self, graph):
         pass
 
     def node_cost(self, graph, node):

@@ -22,7 +22,7 @@ from fitgraph.graph.ir import Node, Phase, ValueRef
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.fission import solve_fission
+from fitgraph.solvers.fission.search import solve_fission
 
 ROOFLINE = RooflineCostModel(get_device("cpu-generic"))
 INDEX_OPS = {"aten._unsafe_index.Tensor", "aten._unsafe_index_put.default",

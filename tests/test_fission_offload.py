@@ -19,7 +19,7 @@ from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.fission import FissionConfig, solve_fission
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
 
 
 @pytest.fixture(scope="module")

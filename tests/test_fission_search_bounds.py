@@ -18,8 +18,8 @@ import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import solve_fission
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.search import solve_fission
 
 ROOFLINE = RooflineCostModel(get_device("rtx3090"))
 

@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 from helpers import assert_bitwise_equal_models, eager_step
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_fission import assert_same_as_eager
 from test_fission_halo import random_chain
@@ -30,17 +30,17 @@ from test_fission_halo import random_chain
 import fitgraph
 from fitgraph.api import graph_fingerprint
 from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.cost.scaled import ScaledCostModel
 from fitgraph.execute import execute
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import FissionConfig, solve_fission
-from fitgraph.solvers.fission_regions import peak_starts
-from fitgraph.solvers.fission_spatial import spatial_candidates
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.peak_regions import peak_starts
+from fitgraph.solvers.fission.search import FissionConfig, solve_fission
+from fitgraph.solvers.fission.spatial import spatial_candidates
 from fitgraph.transform.fission import split_region
 from fitgraph.transform.fission_halo_grads import separate_input_grads
 
@@ -184,15 +184,16 @@ def test_optimize_picks_the_halo_split_and_measures_as_simulated():
     assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
 
 
-class _SwitchingBackend:
-    """A measured cost model (it must ``profile`` a graph) whose convolutions take another
+class _SwitchingBackend(BaseCostModel):
+    """A measured cost model (it must ``prepare`` a graph) whose convolutions take another
     backend below ``SMALL`` input elements, with a workspace of 6 times their input: what the
     whole graph's costs cannot tell the scaled estimate of its parts (CPU convolutions do this
     below 20480 elements)."""
 
     name = "switching backend"
+    measures = True
 
-    def profile(self, graph):
+    def prepare(self, graph):
         pass
 
     def node_cost(self, graph, node):
@@ -225,7 +226,7 @@ def test_a_measured_split_over_budget_is_measured_again_in_more_parts(monkeypatc
 
 # -- costs without profiling --------------------------------------------------------------------
 
-class _WithWorkspace:
+class _WithWorkspace(BaseCostModel):
     """The roofline, with a workspace of ``WORKSPACE`` bytes for every convolution backward."""
 
     name = "roofline with workspaces"
@@ -272,6 +273,9 @@ def test_scaled_costs_of_separated_halves_follow_the_whole_backward():
 
 @settings(max_examples=3, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([0.5, 0.7]))
+# NOTE: a 3x3 convolution past a stride-2 pool (11 rows) in a region cut in 16 parts: parts
+# that ran none of its rows read two through its window, which the kernel rejected
+@example(seed=194, frac=0.7)
 def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -294,6 +298,6 @@ def test_random_conv_chains_solved_tight_run_like_eager(seed, frac):
 def test_spatial_search_modules_never_import_torch():
     from test_boundary import _import_without_torch
 
-    for mod in ("fitgraph.solvers.fission_spatial", "fitgraph.cost.scaled"):
+    for mod in ("fitgraph.solvers.fission.spatial", "fitgraph.cost.scaled"):
         r = _import_without_torch(mod)
         assert r.returncode == 0, r.stderr.strip().splitlines()[-1]

@@ -12,8 +12,8 @@ from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.plan.eager import eager_plan
 from fitgraph.sim import simulate
 from fitgraph.solvers import Problem
-from fitgraph.solvers import fission as fission_solver
-from fitgraph.solvers.fission import solve_fission
+from fitgraph.solvers.fission import search as fission_solver
+from fitgraph.solvers.fission.search import solve_fission
 
 CM = RooflineCostModel(get_device("rtx3090"))
 

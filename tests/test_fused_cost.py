@@ -11,12 +11,12 @@ import torch.nn as nn
 
 import fitgraph
 from fitgraph.cost import RooflineCostModel, get_device
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost, check_cost_model
 from fitgraph.cost.fused import FusedCostModel, is_fused
 from fitgraph.graph.ir import GraphBuilder, Role
 from fitgraph.plan.instructions import Recompute
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers.hotspot import solve_hotspot
+from fitgraph.solvers.remat.hotspot import solve_hotspot
 
 ROOF = RooflineCostModel(get_device("cpu-generic"))
 
@@ -56,13 +56,17 @@ def test_fused_nodes_cost_nothing_and_the_rest_is_the_base_models():
 
 
 def test_a_measured_base_stays_measured():
-    """Callers tell a measured model by its ``profile``: the wrapper has one iff the base has."""
-    class Measured:
+    """Callers tell a measured model by ``measures`` and make it cost a graph with ``prepare``:
+    the wrapper answers as its base."""
+    seen = []
+
+    class Measured(BaseCostModel):
         name = "m"
         copies_overlap = False
+        measures = True
 
-        def profile(self, graph):
-            return "profiled"
+        def prepare(self, graph):
+            seen.append(graph)
 
         def node_cost(self, graph, node):
             return NodeCost(1.0, 0)
@@ -70,9 +74,11 @@ def test_a_measured_base_stays_measured():
         def copy_seconds(self, nbytes):
             return 0.0
 
-    assert FusedCostModel(Measured()).profile(None) == "profiled"
-    assert FusedCostModel(Measured()).copies_overlap is False
-    assert not hasattr(FusedCostModel(ROOF), "profile")
+    fused = FusedCostModel(Measured())
+    fused.prepare("g")
+    assert seen == ["g"] and fused.measures and fused.copies_overlap is False
+    check_cost_model(fused)
+    assert not FusedCostModel(ROOF).measures
 
 
 class _Block(nn.Module):

@@ -216,7 +216,7 @@ def test_cuda_dropout_masks_are_fused_packed_bitwise_and_as_simulated():
     bitwise like eager (the draws are not replayed) and measures the bytes it simulates."""
     from fitgraph.graph.own_ops import PACK_BITS
     from fitgraph.plan.remat import remat_plan
-    from fitgraph.solvers.candidates import random_bits
+    from fitgraph.solvers.remat.candidates import random_bits
     from fitgraph.transform.compact_masks import compact_masks, dropout_masks
 
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.graph.analysis import GraphError, storage_last_use, users, verify_graph
 from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.plan.eager import eager_plan, plan_in_order
@@ -15,7 +15,7 @@ from fitgraph.plan.verify import PlanError, verify_plan
 from fitgraph.sim.simulate import simulate
 
 
-class TableCost:
+class TableCost(BaseCostModel):
     """Per-node seconds and workspace from a table (ids are node ids)."""
 
     name = "table"

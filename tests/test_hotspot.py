@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from synthetic_graphs import transformer_like
 from test_graph_plan_sim import random_graphs
 
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.cost.devices import get_device
 from fitgraph.cost.roofline import RooflineCostModel
 from fitgraph.graph.deps import respects_dependencies
@@ -20,14 +20,20 @@ from fitgraph.plan.verify import verify_plan
 from fitgraph.sim.remat_eval import RematEvaluator
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.greedy import LOCAL_MAX_EVALS, LOCAL_NODE_EVALS, Run, Search, local_evals
-from fitgraph.solvers.hotspot import solve_hotspot
-from fitgraph.solvers.moves import build_moves
+from fitgraph.solvers.remat.greedy import (
+    LOCAL_MAX_EVALS,
+    LOCAL_NODE_EVALS,
+    Run,
+    Search,
+    local_evals,
+)
+from fitgraph.solvers.remat.hotspot import solve_hotspot
+from fitgraph.solvers.remat.moves import build_moves
 
 RTX3090 = RooflineCostModel(get_device("rtx3090"))
 
 
-class Ms:
+class Ms(BaseCostModel):
     """Every node 1 ms, no workspace."""
 
     name = "toy"
@@ -239,7 +245,7 @@ def test_hotspot_looks_ahead_to_reach_the_optimum():
 def test_latency_mode_budget_searches_keep_the_limit_and_never_raise_the_peak(case, limit):
     """Latency mode: the budget-mode searches after the descent (``_bisect_budgets``) keep
     the limit, and their plan's peak is never above the descent's."""
-    import fitgraph.solvers.hotspot as hs
+    import fitgraph.solvers.remat.hotspot as hs
 
     g, cost = case
     eager = solve(Problem(g, cost, latency_limit=1.0), "eager").sim
@@ -257,7 +263,7 @@ def test_latency_mode_keeps_the_lowest_of_descent_and_budget_searches():
     reached a peak 6.5% below the descent's, when chains stopped at views (descent 192.8 MB,
     bisected 180.2 MB); with chains through views the descent reaches 176.0 MB itself."""
     import fitgraph
-    import fitgraph.solvers.hotspot as hs
+    import fitgraph.solvers.remat.hotspot as hs
     from fitgraph import zoo
 
     case = zoo.build("bert-base", "small")
@@ -302,7 +308,7 @@ def test_a_forward_chain_goes_through_views_to_what_made_their_storage():
     """``clone(transpose(view(add(mm(x, w)))))`` read by the backward (nn.MultiheadAttention's
     packed q, k, v): dropping the clone alone keeps ``add`` (as big) to remake it, so the
     chain must take ``add`` and ``mm`` through the views."""
-    from fitgraph.solvers.candidates import forward_chains, remat_candidates
+    from fitgraph.solvers.remat.candidates import forward_chains, remat_candidates
 
     b = GraphBuilder()
     x = b.add_input("x", (64, 32), "float32", Role.INPUT)

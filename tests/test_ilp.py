@@ -15,6 +15,7 @@ from test_graph_plan_sim import TableCost
 import fitgraph
 from fitgraph.bench.ilp_gap import derived
 from fitgraph.cost import ProfiledCostModel
+from fitgraph.cost.base import BaseCostModel
 from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.measure import measure_plan
 from fitgraph.plan.remat import RematError, remat_plan
@@ -22,10 +23,11 @@ from fitgraph.plan.staged import staged_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.sim.simulate import simulate
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.candidates import remat_candidates
-from fitgraph.solvers.hotspot import solve_hotspot
-from fitgraph.solvers.ilp import MIP_REL_GAP, START_SHARE, plan_to_stages
-from fitgraph.solvers.stages import stage_graph
+from fitgraph.solvers.remat.candidates import remat_candidates
+from fitgraph.solvers.remat.hotspot import solve_hotspot
+from fitgraph.solvers.remat.ilp import START_SHARE, plan_to_stages
+from fitgraph.solvers.remat.ilp_highs import MIP_REL_GAP
+from fitgraph.solvers.remat.stages import stage_graph
 
 
 @st.composite
@@ -147,7 +149,7 @@ def test_ilp_plan_runs_bitwise_equal_within_budget_and_beats_hotspot():
 @settings(max_examples=25, deadline=None)
 @given(train_like_graphs(), st.floats(0.4, 1.0))
 def test_lp_relaxation_bounds_the_optimum_from_below(case, frac):
-    from fitgraph.solvers.ilp import solve_stages
+    from fitgraph.solvers.remat.ilp import solve_stages
 
     g, cost = case
     sg = stage_graph(g, cost)
@@ -209,9 +211,9 @@ def test_an_unread_view_of_a_view_runs_with_its_storage_not_at_the_end():
     from fitgraph.graph.ir import GraphBuilder, Phase, Role
     from fitgraph.plan.staged import staged_plan
     from fitgraph.sim.simulate import simulate
-    from fitgraph.solvers.stages import stage_graph
+    from fitgraph.solvers.remat.stages import stage_graph
 
-    class Ms:
+    class Ms(BaseCostModel):
         name = "toy"
 
         def node_cost(self, g, n):
@@ -233,3 +235,36 @@ def test_an_unread_view_of_a_view_runs_with_its_storage_not_at_the_end():
     assert computes.index(4) < computes.index(5), computes
     # NOTE: relu's 1 KiB is freed before exp's 1 KiB is made: one of them at a time
     assert simulate(g, plan, Ms()).peak_bytes < 4 + 4 + 1024 + 1024
+
+
+def test_which_highs_ran_is_in_the_notes_and_its_config_is_explicit(monkeypatch, capfd):
+    """The ILP names the HiGHS route it took (scipy's private bindings, warm-started, or the
+    public ``milp`` without a start: never a silent fallback), and HiGHS's log and options
+    come from a ``HighsConfig``, not the environment."""
+    import builtins
+
+    import numpy as np
+    from scipy.sparse import csc_matrix
+
+    from fitgraph.solvers.remat import ilp_highs
+    from fitgraph.solvers.remat.ilp_highs import HighsConfig, solve_milp
+
+    args = (np.array([-1.0, -1.0]), csc_matrix([[1.0, 1.0]]), np.array([-np.inf]),
+            np.array([1.5]), np.array([1.0, 1.0]), np.array([1, 1]), 5.0, {0: 1.0, 1: 0.0}, 0.0)
+    warm = solve_milp(*args, HighsConfig())
+    assert warm.route == ilp_highs.WARM and warm.status == "optimal"
+    assert capfd.readouterr().out == ""
+    solve_milp(*args, HighsConfig(log=True, options=(("mip_rel_gap", 0.5),)))
+    assert "Running HiGHS" in capfd.readouterr().out     # NOTE: HiGHS's own log
+
+    real = builtins.__import__
+
+    def no_bindings(name, *a, **kw):
+        if name == "scipy.optimize._highspy":
+            raise ImportError(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_bindings)
+    public = solve_milp(*args, HighsConfig())
+    assert public.route == ilp_highs.PUBLIC and public.status == "optimal"
+    assert round(public.objective, 6) == round(warm.objective, 6) == -1.0

@@ -147,7 +147,8 @@ def test_a_cache_within_its_noise_is_kept(tmp_path, monkeypatch):
 def test_ops_are_timed_with_subnormal_floats_flushed_and_the_mode_is_put_back(monkeypatch):
     # NOTE: synthetic inputs carried through a step make subnormal floats a real batch does
     # not; x86 computes them many times slower (Gemma-2's eager plan: 150 ms against 73)
-    from fitgraph.cost import in_situ, synthetic
+    from fitgraph.cost import in_situ
+    from fitgraph.execute import synthetic
 
     seen = []
 

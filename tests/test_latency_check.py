@@ -181,7 +181,7 @@ def test_eager_pytorch_is_timed_without_side_effects():
 
 
 def test_the_synthetic_steps_run_with_subnormal_floats_flushed():
-    from fitgraph.cost.synthetic import _flushing
+    from fitgraph.execute.synthetic import _flushing
     from fitgraph.latency_check import _timed
 
     seen = []

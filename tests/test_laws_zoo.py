@@ -3,7 +3,7 @@
 1. same results: executing the eager plan is bitwise equal to eager PyTorch (loss, grads,
    updated weights, optimizer state, BatchNorm running stats);
 2. the simulator tells the truth: the simulated peak equals the measured peak;
-and the eager plan's peak is within 5% of eager PyTorch's own measured peak.
+and the eager plan's peak is within ``EAGER_GAP_BYTES`` of eager PyTorch's own measured peak.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from fitgraph.sim import simulate
 FAST = ["gpt2", "resnet50", "unet", "vit-b16"]
 OTHERS = [n for n in zoo.names() if n not in FAST]
 HF = ["hf-gpt2", "hf-bert", "hf-llama", "hf-t5", "hf-vit"]
+# NOTE: the eager plan against eager PyTorch, measured: the gaps seen are -4 to -804 bytes (an
+# autograd buffer or a scalar's tensor made a little earlier or later), never a tensor
+EAGER_GAP_BYTES = 4096
 
 
 def _adamw(params):
@@ -58,7 +61,7 @@ def _simulator_tells_truth(case, model, opt):
     assert sim.resident_bytes == measured.resident_bytes
     assert sim.peak_bytes == measured.peak_bytes, (
         f"{case.name}: simulated {sim.peak_bytes} != measured {measured.peak_bytes}")
-    assert abs(measured.peak_bytes - eager.peak_bytes) <= 0.05 * eager.peak_bytes, (
+    assert abs(measured.peak_bytes - eager.peak_bytes) <= EAGER_GAP_BYTES, (
         f"{case.name}: eager plan {measured.peak_bytes} vs eager PyTorch {eager.peak_bytes}")
 
 

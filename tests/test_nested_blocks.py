@@ -12,7 +12,7 @@ import torch
 import fitgraph
 from fitgraph.execute.meter import MemoryMeter
 from fitgraph.measure import resident_bytes
-from fitgraph.solvers.blocks import block_drop_sets, blocks_of
+from fitgraph.solvers.remat.blocks import block_drop_sets, blocks_of
 
 
 def test_blocks_of_every_level():

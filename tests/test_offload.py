@@ -18,7 +18,7 @@ from test_graph_plan_sim import TableCost, random_graphs
 import fitgraph
 from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.execute import Executor, execute
 from fitgraph.execute.meter import MemoryMeter
 from fitgraph.execute.offload import HostStore
@@ -26,22 +26,22 @@ from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.measure import measure_plan
 from fitgraph.plan.eager import eager_plan, plan_in_order
 from fitgraph.plan.instructions import Compute, Free, Offload, Plan, Prefetch, Wait
-from fitgraph.plan.offload import (
+from fitgraph.plan.verify import PlanError, verify_plan
+from fitgraph.sim.simulate import simulate
+from fitgraph.solvers.offload.plan import (
     OffloadError,
     offload_candidates,
     offload_gains,
     offload_plan,
     offload_windows,
 )
-from fitgraph.plan.verify import PlanError, verify_plan
-from fitgraph.sim.simulate import simulate
 
 gpu = pytest.mark.gpu
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 EPS = 1e-12
 
 
-class SlowCopy:
+class SlowCopy(BaseCostModel):
     """A random graph's node costs, with copies as slow as nodes (tens of microseconds a byte)."""
 
     name = "slow-copy"
@@ -56,7 +56,7 @@ class SlowCopy:
         return nbytes * self.per_byte
 
 
-class Uniform:
+class Uniform(BaseCostModel):
     name = "uniform"
 
     def __init__(self, node_s: float, copy_s: float) -> None:
@@ -306,7 +306,7 @@ def test_remat_plans_offload_what_they_keep():
     from test_ilp import train_like_graphs
 
     from fitgraph.plan.remat import remat_plan
-    from fitgraph.solvers.candidates import remat_candidates
+    from fitgraph.solvers.remat.candidates import remat_candidates
 
     @settings(max_examples=60, deadline=None)
     @given(train_like_graphs(), st.data())
@@ -326,7 +326,7 @@ def test_remat_plans_offload_what_they_keep():
 def test_planning_offload_never_imports_torch():
     from test_boundary import _import_without_torch
 
-    r = _import_without_torch("fitgraph.plan.offload")
+    r = _import_without_torch("fitgraph.solvers.offload.plan")
     assert r.returncode == 0, r.stderr
 
 

@@ -18,8 +18,9 @@ from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
 from fitgraph.execute import execute
 from fitgraph.graph.deps import dependencies, respects_dependencies
 from fitgraph.graph.ir import Phase
+from fitgraph.graph.recompute_rules import recomputable
 from fitgraph.measure import measure_plan
-from fitgraph.plan.remat import recomputable, remat_plan
+from fitgraph.plan.remat import remat_plan
 from fitgraph.plan.reorder import memory_aware_order
 from fitgraph.plan.verify import verify_plan
 from fitgraph.sim import simulate

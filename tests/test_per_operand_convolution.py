@@ -12,7 +12,7 @@ from test_fission import assert_same_as_eager, assert_simulator_tells_truth
 from torch import nn
 
 import fitgraph
-from fitgraph.solvers.fission_backward import prepared
+from fitgraph.solvers.fission.split_backward import prepared
 from fitgraph.transform.per_operand_convolution import convolutions_per_operand
 
 CAT, CONV = "aten.cat.default", "aten.convolution.default"

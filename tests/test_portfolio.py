@@ -21,7 +21,7 @@ import fitgraph
 from fitgraph import zoo
 from fitgraph.api import graph_fingerprint
 from fitgraph.cost import ProfiledCostModel, RooflineCostModel, get_device
-from fitgraph.cost.base import NodeCost
+from fitgraph.cost.base import BaseCostModel, NodeCost
 from fitgraph.execute import execute
 from fitgraph.graph.ir import GraphBuilder, Phase, Role
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
@@ -100,7 +100,7 @@ def test_auto_keeps_hotspot_where_fission_does_not_win():
     assert auto.graph is None and auto.plan == hot.plan
 
 
-class _Ms:
+class _Ms(BaseCostModel):
     name = "1 ms per node"
 
     def node_cost(self, g, n):
@@ -207,7 +207,7 @@ class _ResidualDropout(torch.nn.Module):
 DRAW_FACTOR = 10
 
 
-class _RooflineTimesMeasuredBytes:
+class _RooflineTimesMeasuredBytes(BaseCostModel):
     """Times from the generic CPU roofline, random draws ``DRAW_FACTOR`` times dearer (the same
     plan on any machine, however loaded), and bytes from the profile: measured workspaces (a
     Python scalar wrapped in a tensor, the RNG state a replayed draw sets) make measured ==
@@ -215,12 +215,14 @@ class _RooflineTimesMeasuredBytes:
 
     name = "roofline times, measured bytes"
 
+    measures = True
+
     def __init__(self, measured):
         self.measured = measured
         self.rng_state_bytes = measured.rng_state_bytes
 
-    def profile(self, graph):
-        return self.measured.profile(graph)
+    def prepare(self, graph):
+        self.measured.prepare(graph)
 
     def node_cost(self, g, n):
         seconds = CPU.node_cost(g, n).seconds * (DRAW_FACTOR if n.random else 1)
@@ -237,7 +239,7 @@ def test_auto_keeps_dropout_masks_as_bits_where_that_lowers_the_peak(tmp_path):
     g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
     cm = _RooflineTimesMeasuredBytes(ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0,
                                                        progress=False))
-    cm.profile(g)
+    cm.prepare(g)
     # NOTE: on the roofline, making the bits and the float mask again is 5% of this step (on
     # a CPU the draw it saves is dearer): within 1.10 both graphs reach the same peak
     limit = 1.20

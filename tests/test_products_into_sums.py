@@ -42,8 +42,8 @@ def _head_split(fold: bool = True):
     """Two attention layers captured, every layer's attention re-made in the backward in head
     parts (``split_backward``'s copies recipe along the heads), and (``fold``) each part's
     products summed in place, as ``split_backward`` does once its path is made."""
-    from fitgraph.solvers.backward_regions import copies_recipe, products_folded
-    from fitgraph.solvers.fission_backward import prepared
+    from fitgraph.solvers.fission.backward_regions import copies_recipe, products_folded
+    from fitgraph.solvers.fission.split_backward import prepared
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _Attention(), _Attention())
@@ -79,7 +79,7 @@ def test_the_folded_products_peak_where_the_simulator_says_and_lower():
     from fitgraph.cost import ProfiledCostModel
     from fitgraph.measure import measure_plan
     from fitgraph.solvers import Problem
-    from fitgraph.solvers.hotspot import solve_hotspot
+    from fitgraph.solvers.remat.hotspot import solve_hotspot
 
     model, x, _, split = _head_split()
     cm = ProfiledCostModel("cpu", progress=False)

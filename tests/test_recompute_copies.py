@@ -1,5 +1,5 @@
 """Forward regions re-made in the backward (``transform.recompute_copies``) and run there in
-parts in every block (``solvers.fission_backward``): the same results as eager, a lower
+parts in every block (``solvers.fission.split_backward``): the same results as eager, a lower
 least peak than remat alone, and ``auto`` reaching budgets remat alone cannot."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.execute import execute
 from fitgraph.graph.ir import Phase
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers.fission_backward import split_backward
-from fitgraph.solvers.hotspot import solve_hotspot
+from fitgraph.solvers.fission.split_backward import split_backward
+from fitgraph.solvers.remat.hotspot import solve_hotspot
 from fitgraph.transform.compact_masks import compact_masks
 from fitgraph.transform.recompute_copies import (
     COPY_SUFFIX,
@@ -133,7 +133,7 @@ def test_auto_reaches_a_budget_below_remat_alone():
 
 
 def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
-    from fitgraph.solvers.backward_regions import _copied_in_parts, _forward_in_parts
+    from fitgraph.solvers.fission.backward_regions import _copied_in_parts, _forward_in_parts
 
     model = _encoder()
     g = compact_masks(fitgraph.capture(model, BATCH, _loss))
@@ -170,8 +170,8 @@ def test_the_forward_loss_runs_in_parts_once_the_backward_reads_the_logits_copie
     """The backward's ``ones_like(loss)`` reads only the loss's shape: it does not keep the
     loss whole, nor the log-probabilities assembled for it (ALBERT: 2 MiB at its least
     peak); and the flattened tokens run in every part they have, not in the batch's two."""
-    from fitgraph.solvers.backward_regions import copies_recipe
-    from fitgraph.solvers.fission_backward import prepared
+    from fitgraph.solvers.fission.backward_regions import copies_recipe
+    from fitgraph.solvers.fission.split_backward import prepared
 
     torch.manual_seed(0)
     model = _MaskedLM()
@@ -189,7 +189,7 @@ def test_the_forward_loss_runs_in_parts_once_the_backward_reads_the_logits_copie
 
 def test_a_region_keeps_its_own_block_not_the_other_readers_of_a_shared_mask():
     from fitgraph.graph.ir import GraphBuilder, Role
-    from fitgraph.solvers.forward_regions import linked_nodes as _linked
+    from fitgraph.solvers.fission.forward_regions import linked_nodes as _linked
 
     b = GraphBuilder()
     mask = b.add_input("mask", (4, 8), "bool", Role.INPUT)
@@ -253,8 +253,8 @@ def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts(par
     """Grown from a copy, a region stays in its own block's backward: grown into the later
     blocks' (which run before it), its convexity cut took away its own backward, and only the
     last block's attention ran in parts. In the search's parts and in the replay's."""
-    from fitgraph.solvers.backward_regions import PARTS, copies_recipe
-    from fitgraph.solvers.fission_backward import REPLAY_PARTS
+    from fitgraph.solvers.fission.backward_regions import PARTS, copies_recipe
+    from fitgraph.solvers.fission.split_backward import REPLAY_PARTS
 
     assert (PARTS, REPLAY_PARTS) == (8, 16)
 
@@ -271,7 +271,7 @@ def test_every_block_of_torch_multihead_attention_runs_its_backward_in_parts(par
 def test_the_gradient_of_a_copied_mlp_hidden_runs_in_parts_with_it():
     """The MLP hidden's gradient (``dY @ W2``) runs in the backward just before the first
     reader of the hidden's copy: it joins the region and runs in parts, never whole."""
-    from fitgraph.solvers.backward_regions import _copied_in_parts
+    from fitgraph.solvers.fission.backward_regions import _copied_in_parts
 
     model = _encoder(dropout=0.0)
     g = fitgraph.capture(model, BATCH, _loss)
@@ -297,7 +297,7 @@ def test_a_copied_mlp_along_its_flattened_tokens_keeps_every_token():
     on through the 3-D norm and residual, which tie the tokens to the batch: cut in 2 parts at
     batch 2. The region keeps to where every token is a unit, and runs in up to PARTS parts."""
     from fitgraph.graph.dim_region import grow_region
-    from fitgraph.solvers.backward_regions import PARTS, _copied_in_parts
+    from fitgraph.solvers.fission.backward_regions import PARTS, _copied_in_parts
     from fitgraph.transform.view_chains import collapse_view_chains
 
     model = _encoder(dropout=0.0)
@@ -337,7 +337,7 @@ def test_a_layer_re_made_along_its_channels_leaves_the_sum_over_them_to_the_forw
     copies, whole. Left to the forward, the layer's copies and its backward (the next
     convolution's gradients by input channel, GELU, GroupNorm, the first convolution's
     weight gradient) run in parts, like eager."""
-    from fitgraph.solvers.backward_regions import PARTS, _copied_in_parts
+    from fitgraph.solvers.fission.backward_regions import PARTS, _copied_in_parts
 
     torch.manual_seed(0)
     model, audio = ConvFrontEnd(), torch.randn(2, 800)
@@ -381,7 +381,7 @@ def test_blocks_sharing_a_tensor_sum_its_gradient_in_parts():
     # T], in parts into a whole buffer that lived through block 2's backward (the regions
     # are now grown last block first; this small model shows no such buffer either way: the
     # sweep's T5 row measures it). Each forward runs in parts, no softmax left whole
-    from fitgraph.solvers.backward_regions import copies_recipe
+    from fitgraph.solvers.fission.backward_regions import copies_recipe
 
     torch.manual_seed(0)
     model, x = _SharedBias(), torch.randn(4, 32, 16)

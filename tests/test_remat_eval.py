@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
 
 from fitgraph.graph.deps import dependencies
-from fitgraph.plan.remat import RematError, per_use, recomputable, remat_plan
+from fitgraph.graph.recompute_rules import recomputable
+from fitgraph.plan.remat import RematError, per_use, remat_plan
 from fitgraph.plan.reorder import memory_aware_order
 from fitgraph.sim.remat_eval import RematEvaluator
 from fitgraph.sim.simulate import simulate

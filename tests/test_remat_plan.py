@@ -16,15 +16,9 @@ from fitgraph import zoo
 from fitgraph.cost import ProfiledCostModel
 from fitgraph.execute import execute
 from fitgraph.graph.ir import GraphBuilder, Phase, Role, ValueRef
+from fitgraph.graph.recompute_rules import inplace_chains, recomputable, recompute_without_writes
 from fitgraph.measure import measure_plan
-from fitgraph.plan.remat import (
-    RematError,
-    inplace_chains,
-    per_use,
-    recomputable,
-    recompute_without_writes,
-    remat_plan,
-)
+from fitgraph.plan.remat import RematError, per_use, remat_plan
 from fitgraph.plan.verify import verify_plan
 from fitgraph.sim import simulate
 

@@ -13,7 +13,7 @@ import fitgraph
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.graph.ir import Phase
 from fitgraph.solvers import Problem, solve
-from fitgraph.solvers.blocks import block_drop_sets, blocks_of
+from fitgraph.solvers.remat.blocks import block_drop_sets, blocks_of
 from tests.helpers import assert_bitwise_equal_models, eager_step
 
 
@@ -107,7 +107,7 @@ def test_torch_compile_route_labels_each_call_too():
     """The compile backend reads Dynamo's ``nn_module_stack``, whose keys mark the k-th call
     of a module ``@k``: its graphs have a block per call as well."""
     from fitgraph.capture.joint import module_path
-    from fitgraph.solvers.blocks import block_of
+    from fitgraph.solvers.remat.blocks import block_of
 
     model, batch = _case()
     paths: set[str] = set()

@@ -22,10 +22,10 @@ from fitgraph.measure import measure_plan
 from fitgraph.plan.instructions import Recompute
 from fitgraph.plan.verify import verify_plan
 from fitgraph.solvers import BudgetInfeasible, Problem, solve
-from fitgraph.solvers.blocks import block_of
-from fitgraph.solvers.rotor import rotor_chain
-from fitgraph.solvers.rotor_chain import ChainModel, RotorTable, replay, rotor_dp
-from fitgraph.solvers.stages import stage_graph
+from fitgraph.solvers.peers.rotor import rotor_chain
+from fitgraph.solvers.peers.rotor_chain import ChainModel, RotorTable, replay, rotor_dp
+from fitgraph.solvers.remat.blocks import block_of
+from fitgraph.solvers.remat.stages import stage_graph
 
 ROOFLINE = RooflineCostModel(get_device("rtx3090"))
 

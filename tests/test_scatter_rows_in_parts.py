@@ -72,7 +72,7 @@ def test_the_table_gradient_is_scattered_in_parts_and_matches_eager():
 def test_the_bias_is_gathered_in_parts_where_the_backward_re_makes_the_scores():
     """Re-made in the backward along the query rows (``split_backward``'s copies), the scores
     gather their own rows of the bias from the table: it is never whole in the backward."""
-    from fitgraph.solvers.backward_regions import copies_recipe
+    from fitgraph.solvers.fission.backward_regions import copies_recipe
 
     model, x, g = _captured(layers=3)
     softmax = next(n for n in g.nodes if n.target == "aten._softmax.default")

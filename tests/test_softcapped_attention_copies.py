@@ -14,7 +14,7 @@ from torch import nn
 
 import fitgraph
 from fitgraph.graph.ir import Phase
-from fitgraph.solvers.backward_regions import PARTS, copies_recipe
+from fitgraph.solvers.fission.backward_regions import PARTS, copies_recipe
 
 BATCH, TOKENS, HEADS, DIM, CAP = 2, 32, 4, 8, 50.0
 

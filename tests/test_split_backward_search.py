@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from fitgraph.solvers import fission_backward as fb
+from fitgraph.cost.base import BaseCostModel
 from fitgraph.solvers.base import Problem, Solution
+from fitgraph.solvers.fission import split_backward as fb
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ def rounds(monkeypatch):
         monkeypatch.setattr(fb, "_peak_at",
                             lambda graph, sol: "elsewhere" if graph in moved else "here")
         monkeypatch.setattr(fb, "prepared", lambda g: "start")
-        s = fb.split_backward(Problem("start", None, latency_limit=1e9, time_budget_s=60),
+        s = fb.split_backward(Problem("start", BaseCostModel(), latency_limit=1e9, time_budget_s=60),
                               target_bytes=budget)
         planned = [t.split(": screened")[0] for t in s.notes["tried"] if ": screened" in t]
         return s.notes["splits"], s.sim.peak_bytes, planned
@@ -244,7 +245,7 @@ def test_every_block_alike_stops_at_the_deadline():
 
     import fitgraph
     from fitgraph.graph.ir import Phase
-    from fitgraph.solvers.backward_regions import alike_split_recipe
+    from fitgraph.solvers.fission.backward_regions import alike_split_recipe
 
     mlp = lambda: torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),  # noqa: E731
                                       torch.nn.Linear(64, 8))

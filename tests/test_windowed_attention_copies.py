@@ -15,7 +15,7 @@ from torch import nn
 import fitgraph
 from fitgraph.graph.dim_region import grow_region
 from fitgraph.graph.ir import Phase
-from fitgraph.solvers.backward_regions import PARTS, _forward_start, copies_recipe
+from fitgraph.solvers.fission.backward_regions import PARTS, _forward_start, copies_recipe
 
 WINDOWS, TOKENS, HEADS, DIM = 16, 16, 2, 16
 

@@ -46,9 +46,9 @@ from .solvers import Problem, Solution, solve, solve_smallest
 from .solvers.grads_in_place import grads_in_place
 from .transform.optimizer_in_backward import (
     OptimizerInBackwardError,
-    optimizer_in_backward,
     why_not,
 )
+from .transform.registry import TRANSFORMS
 from .units import (
     budget_bytes,
     check_budget,
@@ -170,13 +170,10 @@ class TrainStep:
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self):
-        from .cost import ProfiledCostModel, RooflineCostModel, get_device
+        from .cost import choose_cost_model
 
-        if self.cost_model is None:
-            # NOTE: ops are timed where the model runs: a CUDA model's costs are its kernels'
-            self.cost_model = ProfiledCostModel(self.device, progress=False)
-        elif isinstance(self.cost_model, str):
-            self.cost_model = RooflineCostModel(get_device(self.cost_model))
+        # NOTE: ops are timed where the model runs: a CUDA model's costs are its kernels'
+        self.cost_model = choose_cost_model(self.cost_model, self.device)
         return self.cost_model
 
     @property
@@ -220,8 +217,7 @@ class TrainStep:
               solver: str = "loaded") -> _Planned:
         graph = graph if graph is not None else self._capture(batch)
         cm = self._cost()
-        if hasattr(cm, "profile"):
-            cm.profile(graph)
+        cm.prepare(graph)
         eager = solve(Problem(graph, cm, latency_limit=1.0), "eager")
         if plan is not None:
             verify_plan(graph, plan)
@@ -301,7 +297,7 @@ class TrainStep:
         reason = ("the optimizer has step pre-hooks, which read every gradient before any "
                   "update" if graph.meta.get("updates_after_backward") else why_not(graph))
         if reason is None:
-            return optimizer_in_backward(graph)
+            return TRANSFORMS["optimizer_in_backward"](graph).graph
         if self.in_backward is True:
             raise OptimizerInBackwardError(f"optimizer_in_backward=True is impossible: {reason}; "
                                            "pass optimizer_in_backward='auto' to keep gradients")
@@ -485,8 +481,9 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     ``budget``: bytes, a size string ("12GiB", "800MB"), a fraction of the eager peak (0.5), or
     ``"smallest"`` (the least peak the solver reaches: the search an infeasible budget runs,
     its plan kept); or ``latency_limit``: a factor of the eager step time (1.10), then the peak is minimised
-    within it. ``cost_model``: None measures ops on this machine (cached); a device name
-    ("a100-80gb") plans with a roofline model. Raises ``BudgetInfeasible`` naming the smallest
+    within it. ``cost_model``: None or "measured" measures ops on this machine (cached); a
+    device name ("a100-80gb") or ``DeviceSpec`` plans with a roofline model; a cost model
+    object is used as given (``cost.choose_cost_model``, as ``fitgraph.backend`` reads it). Raises ``BudgetInfeasible`` naming the smallest
     peak reached and what dominates it. A batch of new shapes is re-planned (cached per shape)
     or, with ``on_new_shape="error"``, refused. ``time_budget``: the solvers' seconds; a budget
     below what remat alone reaches also runs ``split_backward`` (regions re-made in the

@@ -131,6 +131,11 @@ def cmd_models(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .capture.errors import CaptureError
+    from .execute.host_memory import keep_host_memory
+
+    # NOTE: the command is a process of its own that times eager and planned steps: freed host
+    # memory stays mapped for both (opt-in in a user's process: execute/host_memory.py)
+    keep_host_memory()
     from .cli_bench import cmd_bench
     from .cli_optimize import cmd_optimize
     from .solvers import BudgetInfeasible

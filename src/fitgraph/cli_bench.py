@@ -4,7 +4,7 @@ every system side by side, measured.
 Writes a CSV (one row per system and budget), one PNG per model (measured peak vs step time, one
 curve per system) and prints a Markdown table, then one verdict per peer: fitgraph asked for that
 peer's measured peak, and whether it is faster there. ``--report DIR``: also one Markdown page
-(``bench.report``) with the machine, the command, and per model the plot and summary tables.
+(``bench.report_page``) with the machine, the command, and per model the plot and summary tables.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shlex
 import time
 
 from .bench.harness import COMPILERS, SYSTEMS
-from .bench.report import markdown_table
+from .bench.report_page import markdown_table
 from .report.plot import plot_tradeoff
 from .units import parse_budget
 
@@ -105,7 +105,7 @@ def cmd_bench(args) -> int:
 
     from . import zoo
     from .bench.harness import BenchRow, bench_model
-    from .bench.report import write_csv, write_report
+    from .bench.report_page import write_csv, write_report
     from .bench.verdicts import verdicts
 
     systems = chosen_systems(args)

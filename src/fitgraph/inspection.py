@@ -97,11 +97,18 @@ def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = No
                  progress: bool = False, reprofile: bool = False) -> InspectResult:
     """Capture, simulate and (when it fits in this machine's memory) measure one step.
 
-    ``cost_model``: None for the measured cost model of this device (ops profiled and cached),
-    or a device name (``"a100-80gb"``) for a roofline model. Simulate-only happens when asked,
+    ``cost_model``: None or ``"measured"`` for the measured cost model of this device (ops
+    profiled and cached), a device name (``"a100-80gb"``) or ``DeviceSpec`` for a roofline
+    model, or a cost model object (``cost.choose_cost_model``). Simulate-only happens when asked,
     when the model lives on the meta device, or when the predicted peak exceeds free memory.
     """
-    from .cost import ProfiledCostModel, RooflineCostModel, get_device
+    from .cost import (
+        DeviceSpec,
+        ProfiledCostModel,
+        RooflineCostModel,
+        choose_cost_model,
+        get_device,
+    )
 
     meta = _is_meta(model)
     if optimizer is not None and not meta:
@@ -110,8 +117,13 @@ def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = No
         measure_eager(model, batch, loss_fn, optimizer, repeats=0)
     g = capture(model, batch, loss_fn, optimizer)
     plan = eager_plan(g)
-    roofline = RooflineCostModel(get_device(cost_model if isinstance(cost_model, str)
-                                            else "cpu-generic"))
+    measured = cost_model is None or (isinstance(cost_model, str)
+                                      and cost_model.strip().lower().startswith("measured"))
+    # NOTE: the device's roofline guesses whether the step fits here (cpu-generic where the
+    # cost model measures or is the caller's own)
+    roofline = (choose_cost_model(cost_model)
+                if isinstance(cost_model, str | DeviceSpec) and not measured
+                else RooflineCostModel(get_device("cpu-generic")))
     reason = ""
     if simulate_only is None:
         simulate_only = False
@@ -127,12 +139,13 @@ def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = No
     elif simulate_only:
         reason = "asked for (--simulate-only)"
     profile_s = 0.0
-    if isinstance(cost_model, str) or simulate_only:
+    if simulate_only or not measured and isinstance(cost_model, str | DeviceSpec):
         cm = roofline
-    elif cost_model is not None:
-        cm = cost_model
+    elif not measured:
+        cm = choose_cost_model(cost_model)
     else:
-        cm = ProfiledCostModel(progress=progress, refresh=reprofile)
+        cm = (ProfiledCostModel(progress=progress, refresh=reprofile) if cost_model is None
+              else choose_cost_model(cost_model))
         t0 = time.perf_counter()
         cm.profile(g)
         profile_s = time.perf_counter() - t0

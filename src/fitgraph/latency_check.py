@@ -86,7 +86,7 @@ class Measured:
 
 
 def _runner(graph: Graph, cm):
-    from .cost.synthetic import SyntheticRunner
+    from .execute.synthetic import SyntheticRunner
 
     return SyntheticRunner(graph, cm.device, cm._graph_facts(graph)[1])
 
@@ -120,8 +120,8 @@ def _timed(ex, runner, graph: Graph, real: dict | None = None) -> float:
     NOTE: around the plan itself the executor checks and binds every input, writes each
     gradient and state back and drops the env: ~1 ms a step on T5 (750 inputs), 0.65% of
     it, which the user's step pays and a check that timed the plan alone read under."""
-    from .cost.synthetic import no_subnormals
     from .execute.executor import check_bound
+    from .execute.synthetic import no_subnormals
 
     env = runner.values(graph.inputs)
     for vid, t in (real or {}).items():
@@ -142,7 +142,7 @@ def _timed(ex, runner, graph: Graph, real: dict | None = None) -> float:
     if cm_sync := getattr(runner.device, "type", "cpu") == "cuda":
         torch.cuda.synchronize()
     # NOTE: a whole step on synthetic inputs makes subnormal floats a real batch does not
-    # (``cost.synthetic.no_subnormals``): timed with them, Gemma-2's eager plan read 2.2x
+    # (``execute.synthetic.no_subnormals``): timed with them, Gemma-2's eager plan read 2.2x
     # eager PyTorch on the real batch, 1.0x with them flushed
     with no_subnormals():
         t0 = time.perf_counter()

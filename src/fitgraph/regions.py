@@ -59,7 +59,7 @@ import torch
 
 from .capture.calling import LossFn, compute_loss
 from .capture.errors import CaptureError
-from .compile_backend.report import BackendReport
+from .compile_backend.backend_report import BackendReport
 from .compile_backend.unread_grads import LeafRuns
 from .execute.meter import MemoryMeter
 from .measure import _sync, grad_bytes, resident_bytes, trainable_grad_bytes

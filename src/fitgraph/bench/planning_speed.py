@@ -88,6 +88,9 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..execute.host_memory import keep_host_memory
+
+    keep_host_memory()  # NOTE: timed with warm host memory (execute/host_memory.py)
     p = argparse.ArgumentParser(prog="python -m fitgraph.bench.planning_speed",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--models", default="bert-base", help="paper configs, comma-separated")

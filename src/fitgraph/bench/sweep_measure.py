@@ -297,10 +297,12 @@ def measure_model(name: str, rounds: int = 7, time_budget: float = 30.0,
     keeps the last one when this process dies). Errors end the row; nothing is raised."""
     from ..capture.api import capture
     from ..capture.errors import CaptureError
+    from ..execute.host_memory import keep_host_memory
     from ..regions import breaks_into_regions
     from .sweep_models import build
 
     torch.set_num_threads(1)
+    keep_host_memory()   # NOTE: eager and every plan timed with warm host memory (harness)
     row: dict = {"model": name, "status": "", "stage": "", "error": "", "notes": "",
                  "stage_s": {}}
     clock = [time.perf_counter()]

@@ -79,6 +79,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         "params_without_grad": no_grad,
         "capture_s": time.perf_counter() - t0,
         "user_checkpoints": traced.checkpoints,
+        "flop_formula_errors": cs.flop_errors,
     }, inputs_first=True)
     for key, vid in graph.outputs.items():  # NOTE: finish renumbered the values
         if key.startswith("state:"):

@@ -55,6 +55,9 @@ class ConvertState:
         self.fx_multi: dict[torch.fx.Node, list[int | None]] = {}  # multi-output op -> outputs
         self.keepalive: list[torch.Tensor] = []  # NOTE: weakrefs need their storages kept alive
         self.constants: dict[str, torch.Tensor] = {}
+        # NOTE: node name -> why torch's FLOP formula failed on it (the graph's meta keeps it:
+        # a roofline costs such a node by its bytes alone, and ``auto``'s notes say so)
+        self.flop_errors: dict[str, str] = {}
 
     def value_for(self, t: torch.Tensor, name: str, role: Role, phase: Phase, module: str,
                   producer: int | None, as_input: bool, traced: Any = None) -> int:
@@ -112,7 +115,7 @@ def _mutated_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[
 _EXTRA_FLOPS = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 
 
-def _flops(op: torch._ops.OpOverload, node: torch.fx.Node) -> float:
+def _flops(op: torch._ops.OpOverload, node: torch.fx.Node, errors: dict[str, str]) -> float:
     fn = flop_registry.get(op.overloadpacket) or _EXTRA_FLOPS.get(op.overloadpacket)
     if fn is None:
         return 0.0
@@ -120,7 +123,8 @@ def _flops(op: torch._ops.OpOverload, node: torch.fx.Node) -> float:
     kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
     try:
         return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # NOTE: a formula that rejects odd arguments only loses the FLOP estimate
+    except Exception as e:  # NOTE: a formula that rejects odd arguments loses the FLOP estimate
+        errors[node.name] = f"{_op_name(op)}: {type(e).__name__}: {e}"[:200]
         return 0.0
 
 
@@ -221,7 +225,7 @@ def _convert_op(cs: ConvertState, node: torch.fx.Node, phase: Phase, module: str
         id=nid, name=name, target=_op_name(op), args=tuple(args), kwargs=dict(kwargs),
         inputs=ins, outputs=tuple(out_ids), mutates=tuple(dict.fromkeys(mutates)), phase=phase,
         module=module, random=_draws(op, node),
-        flops=_flops(op, node), bytes_moved=in_bytes + out_bytes, out_is_tuple=is_tuple))
+        flops=_flops(op, node, cs.flop_errors), bytes_moved=in_bytes + out_bytes, out_is_tuple=is_tuple))
     if is_tuple:
         cs.fx_multi[node] = out_ids
     elif out_ids[0] is not None:

@@ -9,7 +9,7 @@ tracer counts as compiling, which turns the cache off — the ops that build it.
 graph, the index lives from the forward to the backward's gradient of the bias table that
 reads it again, and its builders' temporaries (coordinates twice its size) come first: remat
 cannot make it again, since a recompute re-makes what a node made, not the writes into its
-views (``plan.remat.inplace_chains``). The same model then planned otherwise from one capture
+views (``graph.recompute_rules.inplace_chains``). The same model then planned otherwise from one capture
 to the next: 1.257x the lower bound with the ops, 1.239x with the constant.
 
 Here a storage qualifies where every node that makes or writes it depends on no graph input

@@ -12,7 +12,7 @@ channels-last inputs (8.9 MB with its workspace) while the step ran it on contig
 
 ``strides_as_run`` runs, in order, each node that makes a tensor with a dimension of size 1,
 or reads a value whose layout it changed, once on synthetic inputs laid out as the graph now
-says (``cost.synthetic``: one op at a time, never the whole step); where an output
+says (``execute.synthetic``: one op at a time, never the whole step); where an output
 comes out with other strides than the trace recorded (same shape and offset), records the
 kernel's (and a view's offset): later nodes then run on what the step will give them. A
 view the trace made where the fake strides allowed one, and the kernels' strides do not,
@@ -49,7 +49,7 @@ _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default"})
 def strides_as_run(graph: Graph) -> Graph:
     """``graph`` with each value's strides as its kernel makes them (see the module doc);
     changed in place, and returned."""
-    from ..cost.synthetic import SyntheticRunner
+    from ..execute.synthetic import SyntheticRunner
 
     if not graph.inputs:
         return graph
@@ -74,7 +74,7 @@ def _run_all(graph: Graph, runner) -> tuple[int, set[int]]:
     """Run each node that may lay out apart once (module doc, ``_ambiguous``): the number of
     values whose strides changed, and the view nodes that cannot view their input as it is
     laid out for real."""
-    from ..cost.synthetic import OPTIMIZER_PREFIX
+    from ..execute.synthetic import OPTIMIZER_PREFIX
 
     changed, copied = 0, set()
     moved: set[int] = set()   # NOTE: values whose layout the kernels changed

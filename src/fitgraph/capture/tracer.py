@@ -42,7 +42,7 @@ class PhaseTracker:
     A module's call is its path, with ``@k`` after a module called for the k-th time (from 0)
     within one call of its parent: ALBERT runs its one shared layer four times, as
     ``albert.encoder.albert_layer_groups.0``, ``...groups.0@1``, ``...@2``, ``...@3``, so each
-    call is a block of its own for the planners (``solvers.blocks``), as Dynamo's
+    call is a block of its own for the planners (``solvers.remat.blocks``), as Dynamo's
     ``nn_module_stack`` keys them. A module called once keeps its plain path."""
 
     transitions: list[tuple[int, Phase, str]] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """The torch.compile backend: ``torch.compile(model, backend=fitgraph.backend(budget=...))``."""
 
+from .backend_report import BackendReport
 from .compiler import FitgraphBackend, backend
-from .report import BackendReport
 
 __all__ = ["BackendReport", "FitgraphBackend", "backend"]

@@ -41,9 +41,9 @@ from ..units import (
     check_latency_limit,
     is_smallest,
 )
+from .backend_report import BackendReport
 from .boundary_hold import HoldCostModel, StepShares, boundary_node, graph_key
 from .emit import EmitError
-from .report import BackendReport
 from .unread_grads import LeafRuns, drop_grads
 
 # NOTE: torch._dynamo and the partitioners (2 s to import) load when a backend is made, not
@@ -170,19 +170,11 @@ class FitgraphBackend:
 
     # -- planning -------------------------------------------------------------------------------
     def _cost(self, graph: Graph):
-        from ..cost import DeviceSpec, RooflineCostModel, cost_model_for
+        from ..cost import choose_cost_model
 
-        if self.cost_model is None:
-            from ..cost import ProfiledCostModel
-
-            device = graph.storages[graph.values[graph.inputs[0]].storage].device
-            self.cost_model = ProfiledCostModel(device, progress=False)
-        elif isinstance(self.cost_model, str):
-            self.cost_model = cost_model_for(self.cost_model)
-        elif isinstance(self.cost_model, DeviceSpec):
-            self.cost_model = RooflineCostModel(self.cost_model)
-        if hasattr(self.cost_model, "profile"):
-            self.cost_model.profile(graph)
+        device = graph.storages[graph.values[graph.inputs[0]].storage].device
+        self.cost_model = choose_cost_model(self.cost_model, device)
+        self.cost_model.prepare(graph)
         if self.inner == "inductor":
             # NOTE: inductor fuses pointwise ops into the kernels around them: recomputing one
             # in the backward is free there, as its own partitioner assumes (cost.fused)
@@ -474,7 +466,7 @@ def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
         return graph
     if pinned:
         # NOTE: a graph that transformations rewrite (operator fission) keeps its writes
-        # truthful (verify_graph): the ban is by name (plan.remat.recomputable), and the
+        # truthful (verify_graph): the ban is by name (graph.recompute_rules.recomputable), and the
         # modules refuse a recomputed random node (compile_backend.emit)
         return dataclasses.replace(graph, meta=graph.meta | {
             "pinned": tuple(graph.nodes[i].name for i in sorted(banned))})

@@ -34,8 +34,8 @@ import torch.fx as fx
 
 from ..execute.ops import GRAD_MODE_OPS, OVERSIZED_OUTPUT_OPS
 from ..graph.ir import Graph, Phase, ValueRef
+from ..graph.recompute_rules import recompute_without_writes
 from ..plan.instructions import Compute, Free, Plan, Recompute
-from ..plan.remat import recompute_without_writes
 from .partition import Split
 
 __all__ = ["EmitError", "check_emittable", "emit_split", "phased"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import CostModel, NodeCost
+from .base import BaseCostModel, CostModel, NodeCost, check_cost_model
 from .cache import CostCache
 from .devices import DEVICES, DeviceSpec, get_device
 from .roofline import RooflineCostModel
@@ -30,12 +30,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICES",
+    "BaseCostModel",
     "CostCache",
     "CostModel",
     "DeviceSpec",
     "NodeCost",
     "ProfiledCostModel",
     "RooflineCostModel",
+    "check_cost_model",
+    "choose_cost_model",
     "cost_model_for",
     "get_device",
     "measures_here",
@@ -60,7 +63,41 @@ def measures_here(cost_model) -> bool:
     return isinstance(cost_model, ProfiledCostModel)
 
 
-def cost_model_for(spec: str) -> CostModel:
+def choose_cost_model(spec, device: str = "cpu") -> CostModel:
+    """The cost model a user's ``cost_model=`` argument names, for a model on ``device``: the
+    one choice ``optimize`` and ``fitgraph.backend`` both make.
+
+    * None or ``"measured"``: ops measured on ``device`` (``ProfiledCostModel``, cached);
+      ``"measured:cuda:1"`` names another device;
+    * a device name (``"h100"``) or a ``DeviceSpec``: ``RooflineCostModel`` on it;
+    * a cost model object (anything with ``node_cost``): itself.
+
+    Example:
+        >>> from fitgraph.cost import choose_cost_model, get_device
+        >>> choose_cost_model("h100").name, choose_cost_model(get_device("a100-80gb")).name
+        ('h100 (roofline)', 'a100-80gb (roofline)')
+        >>> choose_cost_model(3)
+        Traceback (most recent call last):
+        ...
+        TypeError: cost_model=3: pass None or 'measured' (ops timed on this machine), a device name or DeviceSpec (a roofline), or a cost model object
+    """
+    if spec is None or isinstance(spec, str) and spec.strip().lower() == "measured":
+        from .profiler import ProfiledCostModel  # NOTE: imports torch: only where asked
+
+        return ProfiledCostModel(str(device), progress=False)
+    if isinstance(spec, str):
+        return cost_model_for(spec, progress=False)
+    if isinstance(spec, DeviceSpec):
+        return RooflineCostModel(spec)
+    if callable(getattr(spec, "node_cost", None)):
+        check_cost_model(spec)
+        return spec
+    raise TypeError(f"cost_model={spec!r}: pass None or 'measured' (ops timed on this "
+                    "machine), a device name or DeviceSpec (a roofline), or a cost model "
+                    "object")
+
+
+def cost_model_for(spec: str, progress: bool = True) -> CostModel:
     """A cost model from a short spec.
 
     * ``"measured"``: ``ProfiledCostModel`` on the current CUDA device if there is one, else
@@ -77,7 +114,7 @@ def cost_model_for(spec: str) -> CostModel:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return ProfiledCostModel(device)
+        return ProfiledCostModel(device, progress=progress)
     if s.lower() not in DEVICES:
         raise ValueError(f"unknown cost model {spec!r}: use 'measured' (this machine) or a "
                          f"device name: {', '.join(sorted(DEVICES))}")

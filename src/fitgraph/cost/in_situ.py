@@ -34,10 +34,10 @@ import time
 
 import torch
 
+from ..execute.synthetic import SyntheticRunner, no_subnormals
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from .cache import CacheEntry
-from .synthetic import SyntheticRunner, no_subnormals
 
 __all__ = ["cached_over_now", "check_cache", "profile_in_situ", "time_in_situ"]
 

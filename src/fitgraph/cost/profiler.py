@@ -59,17 +59,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execute.host_memory import MMAP_CEILING_BYTES, keep_host_memory, kept
+from ..execute.host_memory import MMAP_CEILING_BYTES, kept
+from ..execute.host_memory import keep_host_memory as keep_warm
 from ..execute.meter import MemoryMeter
+from ..execute.synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Node, ValueRef
-from .base import NodeCost
+from .base import BaseCostModel, NodeCost
 from .cache import CacheEntry, CostCache
 from .drawn_bits import bit_densities
 from .first_touch import measure_seconds_per_byte, untouched_writes
 from .in_situ import check_cache, profile_in_situ
 from .opaque import OpaqueInputs, opaque_inputs, producers
-from .synthetic import OPTIMIZER_PREFIX, SyntheticRunner
 
 __all__ = ["Measurement", "NotProfiledError", "ProfiledCostModel", "cpu_model", "node_signature"]
 
@@ -162,7 +163,9 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
     return f"{node.target}|{';'.join(ins)}|{consts}"
 
 
-class ProfiledCostModel:
+class ProfiledCostModel(BaseCostModel):
+    measures = True
+
     """Costs measured on ``device`` ("cpu", "cuda", "cuda:1"), cached across processes.
 
     Args:
@@ -190,7 +193,7 @@ class ProfiledCostModel:
     def __init__(self, device: str | torch.device = "cpu",
                  cache: CostCache | str | os.PathLike | None = None, repeats: int = 5,
                  warmup: int = 2, progress: bool = True, refresh: bool = False,
-                 in_situ: bool | None = None) -> None:
+                 in_situ: bool | None = None, keep_host_memory: bool = False) -> None:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
@@ -207,8 +210,10 @@ class ProfiledCostModel:
                              "serialise its asynchronous kernels: use in_situ=False there")
         self.in_situ = dev.type == "cpu" if in_situ is None else in_situ
         self.device = dev
-        if dev.type == "cpu":  # NOTE: steps then reuse warm memory, as the profile does
-            keep_host_memory()
+        if dev.type == "cpu" and keep_host_memory:
+            # NOTE: steps then reuse warm memory, as the profile does (opt-in: it changes the
+            # whole process's malloc; execute/host_memory.py)
+            keep_warm()
         # NOTE: on the CPU the executor copies in line, and "host" is the same RAM
         self.copies_overlap = self.host_memory_apart = dev.type == "cuda"
         self.cache = cache if isinstance(cache, CostCache) else CostCache(cache)
@@ -300,6 +305,9 @@ class ProfiledCostModel:
         return latency + nbytes * per_byte
 
     # -- profiling ------------------------------------------------------------------------------
+    def prepare(self, graph: Graph) -> None:
+        self.profile(graph)
+
     def profile(self, graph: Graph) -> int:
         """Measure every distinct node of ``graph`` not in the cache; return how many were.
 

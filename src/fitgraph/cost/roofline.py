@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from ..graph.ir import Graph, Node
-from .base import NodeCost
+from .base import BaseCostModel, NodeCost
 from .devices import DeviceSpec
 
 __all__ = ["RooflineCostModel", "is_metadata_node", "node_dtype"]
@@ -54,7 +54,7 @@ def node_dtype(graph: Graph, node: Node) -> str:
     return "float32"
 
 
-class RooflineCostModel:
+class RooflineCostModel(BaseCostModel):
     """Latency = overhead + max(compute time, memory time) on a ``DeviceSpec``.
 
     Args:

@@ -29,7 +29,7 @@ seconds per FLOP (its fastest FLOP rate) — and the share is the ratio of that 
 ``max(flops * s_per_flop, bytes * s_per_byte)``, of the part to the original's. On a roofline
 base model this reproduces the roofline; on a measured one it keeps each node's own measured
 speed. All of it is a function of the base model's costs of the original graph: deterministic.
-The estimate guides a search; the graph it picks is then measured (``solvers.fission``
+The estimate guides a search; the graph it picks is then measured (``solvers.fission.search``
 profiles that one graph).
 
 Example:
@@ -62,7 +62,7 @@ import statistics
 from collections import OrderedDict
 
 from ..graph.ir import Graph, Node
-from .base import CostModel, NodeCost
+from .base import BaseCostModel, CostModel, NodeCost
 from .roofline import is_metadata_node
 
 __all__ = ["ScaledCostModel", "origin", "original_name"]
@@ -98,7 +98,7 @@ def origin(name: str) -> tuple[str, ...]:
     return (first,) if whole == first else (first, original_name(whole))
 
 
-class ScaledCostModel:
+class ScaledCostModel(BaseCostModel):
     """Costs of graphs rewritten from ``graph`` (fission), from ``base``'s costs of ``graph``.
 
     Args:
@@ -112,9 +112,9 @@ class ScaledCostModel:
     def __init__(self, base: CostModel, graph: Graph) -> None:
         self.base, self.graph = base, graph
         self.name = f"{base.name}, fission parts scaled"
-        self.rng_state_bytes = getattr(base, "rng_state_bytes", 0)
-        self.copies_overlap = getattr(base, "copies_overlap", True)
-        self.host_memory_apart = getattr(base, "host_memory_apart", False)
+        self.rng_state_bytes = base.rng_state_bytes
+        self.copies_overlap = base.copies_overlap
+        self.host_memory_apart = base.host_memory_apart
         self._costs = [base.node_cost(graph, n) for n in graph.nodes]
         self.calls_to_base = len(self._costs)
         self._by_name = {n.name: n for n in graph.nodes}

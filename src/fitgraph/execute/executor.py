@@ -25,8 +25,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..graph.ir import Graph, Node
+from ..graph.recompute_rules import recompute_without_writes
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
-from ..plan.remat import recompute_without_writes
 from .codegen import compile_plan
 from .input_specs import InputSpec, input_specs
 from .offload import HostStore
@@ -280,7 +280,7 @@ class Executor:
         g = self.graph
         if g.meta.get("optimizer_in_backward"):
             return
-        # NOTE: instructions run one by one (bench/insitu.py) have no step's dict
+        # NOTE: instructions run one by one (bench/instruction_times.py) have no step's dict
         params = self.params or dict(self.model.named_parameters())
         for key, vid in g.outputs.items():
             if key.startswith("grad:") and self.env[vid] is not None:

@@ -27,9 +27,12 @@ the new block is carved from the heap's top, fresh pages again: an op run on the
 a loop faulted its whole 8 MiB output each time in some processes and never in others (3.5
 against 0.9 ms). That stays as run-to-run noise, in the profile and in the step.
 
-``ProfiledCostModel`` on the CPU applies it (set ``FITGRAPH_KEEP_HOST_MEMORY=0`` to opt out);
-the benchmarks apply it before timing eager PyTorch and fitgraph alike. Other C libraries:
-nothing is changed and ``kept()`` is False.
+It changes the whole process's allocator, so a library must not do it behind the user's back:
+it is opt-in. ``ProfiledCostModel(keep_host_memory=True)`` applies it where it profiles on the
+CPU; the ``fitgraph`` command (a process of its own), the benchmarks and the tests apply it
+before timing eager PyTorch and fitgraph alike. Without it the simulator's times may miss page
+faults a plan meets (``cost/first_touch.py`` reads ``kept()``). Other C libraries: nothing is
+changed and ``kept()`` is False.
 
 Example:
     >>> from fitgraph.execute.host_memory import keep_host_memory, kept
@@ -40,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 
 __all__ = ["MMAP_CEILING_BYTES", "keep_host_memory", "kept"]
@@ -64,13 +66,12 @@ def kept() -> bool:
 def keep_host_memory() -> bool:
     """Fix glibc malloc's trim and mmap thresholds (see the module doc); True if they are.
 
-    Idempotent. Does nothing (False) on other C libraries or with
-    ``FITGRAPH_KEEP_HOST_MEMORY=0``.
+    Idempotent. Does nothing (False) on other C libraries.
     """
     if "kept" in _state:
         return _state["kept"]
     ok = False
-    if os.environ.get("FITGRAPH_KEEP_HOST_MEMORY", "1") != "0" and platform.libc_ver()[0] == "glibc":
+    if platform.libc_ver()[0] == "glibc":
         try:
             mallopt = ctypes.CDLL(None).mallopt
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -18,7 +18,7 @@ storage, and reused by every step.
 Example:
     >>> import torch, fitgraph
     >>> from fitgraph.execute import execute
-    >>> from fitgraph.plan.offload import offload_candidates, offload_plan
+    >>> from fitgraph.solvers.offload.plan import offload_candidates, offload_plan
     >>> from fitgraph.cost import RooflineCostModel, get_device
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     >>> batch = torch.randn(4, 8)

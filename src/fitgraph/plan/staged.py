@@ -11,8 +11,9 @@ Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Role, Phase
     >>> from fitgraph.cost.base import NodeCost
     >>> from fitgraph.plan.staged import staged_plan
-    >>> from fitgraph.solvers.stages import stage_graph
-    >>> class Ms:
+    >>> from fitgraph.solvers.remat.stages import stage_graph
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     >>> b = GraphBuilder(); x = b.add_input("x", (4,), "float32", Role.PARAMETER)
@@ -30,14 +31,15 @@ from collections.abc import Sequence
 
 from ..graph.analysis import new_storages, output_storages
 from ..graph.ir import Graph
+from ..graph.recompute_rules import is_view_node
 from .instructions import Compute, Instruction, Plan, Recompute
-from .remat import RematError, _with_frees, is_view_node
+from .remat import RematError, _with_frees
 
 __all__ = ["staged_plan"]
 
 
 def staged_plan(graph: Graph, stages, recompute: Sequence[Sequence[int]]) -> Plan:
-    """``stages``: a ``solvers.stages.StageGraph``; ``recompute[t]``: the units recomputed in
+    """``stages``: a ``solvers.remat.stages.StageGraph``; ``recompute[t]``: the units recomputed in
     stage ``t`` before unit ``t`` is computed (each earlier than ``t``)."""
     units = stages.units
     if len(recompute) != len(units):

@@ -17,7 +17,8 @@ Example:
     >>> from fitgraph.plan.remat import remat_plan
     >>> from fitgraph.sim.simulate import simulate
     >>> from fitgraph.sim.remat_eval import RematEvaluator
-    >>> class Ms:
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Ms(BaseCostModel):
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 0.0
@@ -42,12 +43,12 @@ import numpy as np
 
 from ..cost.base import CostModel
 from ..graph.ir import Graph
+from ..graph.recompute_rules import is_view_node
 from ..plan.remat import (
     RematError,
     RematTables,
     complete_drop,
     drop_points,
-    is_view_node,
     per_use,
     remat_tables,
     split_drop,
@@ -92,7 +93,7 @@ class _GraphTables:
         self.t = remat_tables(graph) if tables is None else tables
         costs = [cost_model.node_cost(graph, n) for n in graph.nodes]
         self.seconds = np.array([c.seconds for c in costs], dtype=np.float64)
-        rng = getattr(cost_model, "rng_state_bytes", 0)
+        rng = cost_model.rng_state_bytes
         # NOTE: a view holds no workspace (the simulator)
         ws = [0 if is_view_node(graph, n.id, self.t.fresh) else c.workspace_bytes
               for c, n in zip(costs, graph.nodes)]

@@ -15,7 +15,8 @@ Example:
     >>> from fitgraph.plan.eager import eager_plan
     >>> from fitgraph.sim.simulate import simulate
     >>> from fitgraph.cost.base import NodeCost
-    >>> class Free:  # a cost model where every node takes 1 ms and no workspace
+    >>> from fitgraph.cost.base import BaseCostModel
+    >>> class Free(BaseCostModel):  # a cost model where every node takes 1 ms and no workspace
     ...     name = "toy"
     ...     def node_cost(self, g, n): return NodeCost(1e-3, 0)
     ...     def copy_seconds(self, nbytes): return 0.0
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field
 from ..cost.base import CostModel
 from ..graph.analysis import new_storages
 from ..graph.ir import Graph, Phase, Role
+from ..graph.recompute_rules import is_view_node
 from ..plan.instructions import Compute, Free, Offload, Plan, Prefetch, Recompute, Wait
-from ..plan.remat import is_view_node
 
 __all__ = ["BREAKDOWN_GROUPS", "CopySpan", "SimResult", "Simulator", "TensorAtPeak", "simulate"]
 
@@ -100,7 +101,7 @@ class Simulator:
         self.graph, self.cost = graph, cost_model
         self.fresh = new_storages(graph)
         self.nbytes = [s.nbytes for s in graph.storages]
-        self.copies_overlap = bool(getattr(cost_model, "copies_overlap", True))
+        self.copies_overlap = bool(cost_model.copies_overlap)
 
     def run(self, plan: Plan) -> SimResult:
         g = self.graph
@@ -155,7 +156,7 @@ class Simulator:
         if node.random and isinstance(ins, Recompute):
             # NOTE: replaying the RNG: restoring the main stream after the op makes a transient
             # copy of the generator state while the outputs are live (see the executor)
-            workspace = max(workspace, getattr(self.cost, "rng_state_bytes", 0))
+            workspace = max(workspace, self.cost.rng_state_bytes)
         self.transient = self.live_bytes + added + workspace
         self.workspace, self.node = workspace, ins.node
         self.live.update(fresh)

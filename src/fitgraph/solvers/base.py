@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cost.base import CostModel
+from ..cost.base import CostModel, check_cost_model
 from ..graph.ir import Graph
 from ..plan.instructions import Plan
 from ..sim.simulate import SimResult
@@ -63,6 +63,7 @@ class Problem:
     exact: bool = False
 
     def __post_init__(self) -> None:
+        check_cost_model(self.cost_model)
         if (self.budget_bytes is None) == (self.latency_limit is None):
             raise ValueError("give exactly one of budget_bytes and latency_limit")
         if self.latency_limit is not None and self.latency_limit < 1.0:

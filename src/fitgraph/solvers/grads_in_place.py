@@ -80,8 +80,7 @@ def grads_in_place(sol: Solution, graph: Graph, cost_model) -> Solution:
     if not nodes:
         return sol
     g2, plan = _rewritten(g, sol.plan, nodes)
-    if hasattr(cost_model, "profile"):
-        cost_model.profile(g2)  # NOTE: the out= variants' own times, for whoever asks later
+    cost_model.prepare(g2)  # NOTE: the out= variants' own times, for whoever asks later
     # NOTE: timed as the ops they were (the same kernels): measured apart, a variant's time
     # differs by the machine's noise, and a plan made at its latency limit would then read
     # over it (the simulated step must not move where only the output's storage did)

@@ -19,7 +19,7 @@ fission's split graphs are planned by ``joint`` too (``FissionConfig(offload=Tru
 splits, remat and offloading combine in one plan.
 Where every option misses the budget, the least-peak plan (hotspot, a latency limit that never
 binds) is tried, and where it misses too and results need not be bitwise, ``split_backward``
-(``solvers.fission_backward``: the remat plan's peak region re-made in the backward in parts,
+(``solvers.fission.split_backward``: the remat plan's peak region re-made in the backward in parts,
 in every block alike; up to the time budget again, stopping at its first plan within the
 budget): the first that fits is returned, else BudgetInfeasible names the least peak found.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
@@ -50,13 +50,14 @@ import time
 
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
-from ..transform.compact_masks import compact_masks, dropout_masks
+from ..transform.compact_masks import dropout_masks
+from ..transform.registry import TRANSFORMS
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
-from .fission import FissionConfig, solve_fission
-from .fission_backward import split_backward
-from .fission_regions import peak_starts, shared_regions
-from .hotspot import solve_hotspot
-from .joint import solve_joint
+from .fission.peak_regions import peak_starts, shared_regions
+from .fission.search import FissionConfig, solve_fission
+from .fission.split_backward import split_backward
+from .offload.remat_offload import solve_joint
+from .remat.hotspot import solve_hotspot
 
 __all__ = ["solve_auto", "splittable_regions"]
 
@@ -102,7 +103,7 @@ def _describe(sol: Solution) -> str:
 def _joint(problem: Problem, hot: Solution | None, eager: SimResult, t0: float):
     """``joint`` (remat + offload) where offloading frees device memory and remat alone is
     slower than eager (or a latency limit is asked): (solution, error, why not run)."""
-    if not getattr(problem.cost_model, "host_memory_apart", False):
+    if not problem.cost_model.host_memory_apart:
         return None, None, "host and device are one memory here: offloading frees nothing"
     if problem.budget_bytes is not None and (
             eager.peak_bytes <= problem.budget_bytes
@@ -136,9 +137,8 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
     if left < MIN_FISSION_S:
         return None, None, f"no time left ({max(left, 0.0):.1f} s)"
     cm = problem.cost_model
-    graph = compact_masks(problem.graph)
-    if hasattr(cm, "profile"):
-        cm.profile(graph)  # NOTE: measured costs: only the bits' new ops are profiled
+    graph = TRANSFORMS["compact_masks"](problem.graph).graph
+    cm.prepare(graph)  # NOTE: measured costs: only the bits' new ops are profiled
     factor = None
     if problem.latency_limit is not None:
         own = simulate(graph, eager_plan(graph), cm).latency_s
@@ -200,8 +200,7 @@ def solve_auto(problem: Problem) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
     t0 = time.perf_counter()
     cm, budget = problem.cost_model, problem.budget_bytes
-    if hasattr(cm, "profile"):
-        cm.profile(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
+    cm.prepare(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
     hot, hot_err = None, None
     try:
         hot = solve_hotspot(dataclasses.replace(
@@ -210,6 +209,13 @@ def solve_auto(problem: Problem) -> Solution:
         hot_err = e
     eager = simulate(problem.graph, eager_plan(problem.graph), cm)
     notes = {"hotspot": _summary(hot, hot_err)}
+    flop_errors = problem.graph.meta.get("flop_formula_errors")
+    if flop_errors and not cm.measures:
+        # NOTE: named, not silent: such a node's roofline time is its bytes moved alone
+        first = next(iter(flop_errors.items()))
+        notes["flops_unknown"] = (f"{len(flop_errors)} node(s) have no FLOP estimate (torch's "
+                                  f"formula failed; costed by bytes moved alone), e.g. "
+                                  f"{first[0]} ({first[1]})")
     remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
     bits, bits_err, bits_skip = _compacted(problem, hot, eager, remat_fast, t0)
     notes["compact_masks"] = (_summary(bits, bits_err) if bits_skip is None
@@ -222,7 +228,8 @@ def solve_auto(problem: Problem) -> Solution:
         # NOTE: remat alone reaches the budget on neither graph: fission searches both (on
         # GPT-2 small at 40%, its plan on the captured graph replayed seven dropout draws,
         # 7% of the step; on the bits it re-makes masks from bits instead)
-        also = [dataclasses.replace(problem, graph=compact_masks(problem.graph))]
+        also = [dataclasses.replace(problem,
+                                    graph=TRANSFORMS["compact_masks"](problem.graph).graph)]
         hot_err = min(hot_err, bits_err, key=lambda e: e.smallest_peak_bytes)
     if hot is not None and hot.graph is not None:
         base = dataclasses.replace(problem, graph=hot.graph,
@@ -251,7 +258,7 @@ def solve_auto(problem: Problem) -> Solution:
         skip = "no region live at the eager peak can be split"
     fis, fis_err = None, None
     if skip is None:
-        config = _SEARCH_OFFLOAD if getattr(cm, "host_memory_apart", False) else _SEARCH
+        config = _SEARCH_OFFLOAD if cm.host_memory_apart else _SEARCH
         for i, on in enumerate([base, *also]):
             share = (problem.time_budget_s - (time.perf_counter() - t0)) / (1 + len(also) - i)
             try:

@@ -8,7 +8,7 @@ on a CPU is the dearest op of a transformer's forward. Here each such mask becom
 CPU the draw goes straight into a bool tensor (``empty_like(x, dtype=bool) → bernoulli_(p)``:
 the same draw, the generator left in the same state, ``draws_alike``), elsewhere the float mask
 is read once, right after it is made, into ``bits = mask != 0``. The bits are packed eight to a
-byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and ``packs_alike`` its
+byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and ``kernel_facts().packs_alike`` its
 device; in rows of the last dim where that is a multiple of 8, ``own_ops.packed_shape``, so a
 part of a split region unpacks its own rows) and unpacked again (``unpacked``). Every reader
 gets ``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
@@ -30,7 +30,7 @@ of eager's step time reaches 0.609x / 0.616x / 0.493x of the eager peak (GPT-2 /
 the rewritten graph against 0.710x / 0.666x / 0.661x on the captured one; at a budget of 0.5x it
 plans 6-13% faster. Where no remat is needed the captured graph is faster, so ``auto`` plans
 both graphs and keeps the better.
-Remat moves never absorb the bits nor their packed bytes (``solvers.candidates.forward_chains``):
+Remat moves never absorb the bits nor their packed bytes (``solvers.remat.candidates.forward_chains``):
 re-made, a mask needs only its packed bits.
 
 Only clean chains are rewritten: a fresh storage made by ``empty_like``/``empty``, written in
@@ -41,7 +41,7 @@ CUDA runs dropout as one fused kernel, ``native_dropout(x, p, train) -> (output,
 mask is already bool (a byte an element) and read by ``native_dropout_backward``. There the
 mask is only packed: ``fitgraph::pack_bits`` right after the kernel, ``unpack_bits`` for its
 readers (a cheap deterministic recompute of the packed bytes, as above), where the mask is
-contiguous, its size a multiple of 8 and ``packs_alike`` its device: 1/8 of the bytes kept.
+contiguous, its size a multiple of 8 and ``kernel_facts().packs_alike`` its device: 1/8 of the bytes kept.
 
 Example:
     >>> import torch, fitgraph
@@ -70,8 +70,9 @@ from numbers import Real
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
+from ..graph.kernel_facts import kernel_facts
 from ..graph.own_ops import PACK_BITS, UNPACK_BITS, packed_shape
-from ..plan.remat import inplace_chains
+from ..graph.recompute_rules import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
@@ -137,8 +138,6 @@ def dropout_masks(graph: Graph) -> list[DropoutMask]:
 def _fused_masks(graph: Graph, readers: dict[int, set[int]],
                  reader_names: dict[int, set[str]]) -> list[DropoutMask]:
     """The bool masks of fused ``native_dropout`` nodes that packing shrinks."""
-    from ..execute.bit_packing import packs_alike
-
     out = []
     for n in graph.nodes:
         if n.target != _FUSED or len(n.outputs) != 2 or n.outputs[1] is None:
@@ -148,7 +147,7 @@ def _fused_masks(graph: Graph, readers: dict[int, set[int]],
                 or m.stride != contiguous_strides(m.shape)
                 or graph.storages[m.storage].nbytes != m.nbytes
                 or readers.get(m.storage, set()) - {m.id}
-                or not packs_alike(graph.storages[m.storage].device)):
+                or not kernel_facts().packs_alike(graph.storages[m.storage].device)):
             continue  # NOTE: read through a view, or not packable: left as it is
         if m.id in reader_names and all(r.startswith(f"{n.name}.mask.")
                                         for r in reader_names[m.id]):
@@ -284,13 +283,11 @@ def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
 def _packed(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: str,
             kw: dict) -> int:
     """The bits packed eight to a byte and unpacked again (the value the mask is re-made
-    from), where the mask's size is a multiple of 8 and ``packs_alike`` its device; else
+    from), where the mask's size is a multiple of 8 and ``kernel_facts().packs_alike`` its device; else
     ``bits`` itself. The packed bytes are what a plan keeps: the unpacked bits are a cheap
     deterministic recompute (0.12 ms for 1.2M elements on this CPU)."""
-    from ..execute.bit_packing import packs_alike
-
     v = graph.values[mask.value]
-    if v.numel % 8 or not packs_alike(kw["device"]):
+    if v.numel % 8 or not kernel_facts().packs_alike(kw["device"]):
         return bits
     rows = packed_shape(v.shape)
     packed = w.add_node(f"{name}.packed", PACK_BITS, (ValueRef(bits),), {},

@@ -45,6 +45,7 @@ from ..graph.analysis import flatten_refs, verify_graph
 from ..graph.dim_rules import RULES
 from ..graph.dim_rules_pointwise import elementwise
 from ..graph.ir import DTYPE_BYTES, Graph, Node, ValueRef, contiguous_strides
+from ..graph.kernel_facts import kernel_facts
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec, map_refs
 
@@ -171,23 +172,9 @@ def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
 
 def strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> bool:
     """Whether node ``n``, run on meta tensors with value ``vid`` strided as ``stride``, makes
-    tensors strided as the graph records them."""
-    import torch  # NOTE: local (planning modules import without torch): meta kernels' strides
-
-    from ..execute.ops import ArgBinder, resolve_target
-
-    env = {v: torch.empty_strided(graph.values[v].shape,
-                                  stride if v == vid else graph.values[v].stride,
-                                  dtype=getattr(torch, graph.values[v].dtype), device="meta")
-           for v in n.inputs}
-    try:
-        args, kwargs = ArgBinder(n)(env)
-        made = resolve_target(n.target)(*args, **kwargs)
-    except Exception:   # NOTE: any op that cannot run on meta tensors is left as it is
-        return False
-    made = made if isinstance(made, (tuple, list)) else (made,)
-    return all(o is None or tuple(t.stride()) == graph.values[o].stride
-               for o, t in zip(n.outputs, made))
+    tensors strided as the graph records them (the runtime's answer: ``graph.kernel_facts``;
+    False without one)."""
+    return kernel_facts().strides_kept(graph, n, vid, stride)
 
 
 def _note_expand(w: GraphWriter, n: Node, expanded: dict[int, int]) -> None:

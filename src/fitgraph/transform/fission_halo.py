@@ -169,6 +169,14 @@ class HaloRows:
                     rows = Rows(op[0] * e.unit, op[1] * e.unit)
                 else:
                     rows = Rows(*e.window.input_range(op[0], op[1], size))
+                    if op[0] >= op[1] and rows.stop > rows.start:
+                        # NOTE: more parts than the op has rows: a part that runs none still
+                        # reads a window's rows, which a kernel larger than them rejects (a
+                        # 3x3 weight gradient past a stride-2 pool, 16 parts of 11 rows)
+                        raise FissionError(
+                            f"{n.name} ({n.target}): part {i} of {self.k} runs none of its "
+                            f"{self.length[nid]} rows but reads {rows.stop - rows.start} rows "
+                            "through its window: split it in fewer parts")
                 self._reads[(nid, q, i)] = rows
                 if vid in r.dims:
                     need[vid] = _hull([rows.span] + ([need[vid]] if vid in need else []))

@@ -15,7 +15,7 @@ over the rows too).
 
 The two nodes do the work of the one (their FLOPs split accordingly); on every backend the
 input and weight gradients are separate kernels anyway (on CPU the separated graph gives the
-same bits). The fission search (``solvers.fission_spatial``) separates only the nodes whose
+same bits). The fission search (``solvers.fission.spatial``) separates only the nodes whose
 halves a spatial region it splits holds; ``cost.scaled`` costs a half as a share of the whole.
 
 Example:

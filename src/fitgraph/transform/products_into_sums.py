@@ -15,7 +15,7 @@ a running sum.
 
 Values: ``x + a b`` fused, where the graph rounded ``a b`` first: allclose, not bitwise, so
 only fission's (allclose) graphs get it. Only backward adds are folded: ``x``'s producer
-cannot be recomputed once ``x`` is written in place (``plan.remat.recomputable``).
+cannot be recomputed once ``x`` is written in place (``graph.recompute_rules.recomputable``).
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role

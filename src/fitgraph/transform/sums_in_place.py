@@ -19,7 +19,7 @@ into takes a later chain after it.
 Values: ``p + a0 b0 + a1 b1 ...`` in that order, where the graph summed the products first:
 allclose, not bitwise, which is why only fission's (allclose) graphs get it. Only backward
 sums are folded: ``p``'s producer cannot be recomputed once ``p`` is written in place
-(``plan.remat.recomputable``), and backward nodes are not.
+(``graph.recompute_rules.recomputable``), and backward nodes are not.
 
 Example:
     >>> from fitgraph.graph.ir import GraphBuilder, Phase, Role

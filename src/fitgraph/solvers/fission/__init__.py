@@ -1,0 +1,1 @@
+"""Operator fission: regions of the graph run in parts along a dimension, found by search."""

@@ -1,0 +1,1 @@
+"""Offloading to host memory with prefetch: where the copies go, and offloading weighed against remat."""
