@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fitgraph.cost", "fitgraph.plan"),
     ("fitgraph.transform", "fitgraph.sim"),
     ("fitgraph.solvers",),
+    ("fitgraph.dist",),
     ("fitgraph.capture", "fitgraph.execute"),
     ("fitgraph.cost.profiler", "fitgraph.cost.in_situ", "fitgraph.cost.drawn_bits",
      "fitgraph.cost.first_touch", "fitgraph.cost.opaque"),
