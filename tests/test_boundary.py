@@ -34,7 +34,9 @@ sys.modules["fitgraph"] = pkg  # NOTE: skip fitgraph/__init__, which imports tor
 importlib.import_module(MOD)
 """
     code += then
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    # NOTE: a hang fails the test instead of stalling the run
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
 
 
 def test_planning_core_never_imports_torch():

@@ -41,8 +41,7 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("saved_views", copy_saved_views, exact=True),
     Transform("view_chains", collapse_view_chains, exact=True),
     Transform("count_targets_apart", count_targets_apart, exact=True),
-    Transform("optimizer_in_backward", optimizer_in_backward, exact=True,
-              why_not=lambda g: why_not(g)),
+    Transform("optimizer_in_backward", optimizer_in_backward, exact=True, why_not=why_not),
     Transform("unshift_losses", unshift_losses, exact=False),
     Transform("group_norm_stats", group_norms_from_stats, exact=False),
     Transform("per_operand_convolution", convolutions_per_operand, exact=False),
@@ -69,6 +68,6 @@ FISSION_SEARCH_READS = FISSION_READS[-4:]
 def fission_reads(graph, names: tuple[str, ...] = FISSION_READS):
     """``graph`` rewritten by the transforms ``names``, in order (the very graph where none
     changes it)."""
-    from .rewrite import compose
-
-    return compose(graph, [TRANSFORMS[n] for n in names]).graph
+    for n in names:
+        graph = TRANSFORMS[n].apply(graph)
+    return graph

@@ -62,21 +62,26 @@ class Transform:
     why_not: Callable[[Graph], str | None] | None = None
 
     def __call__(self, graph: Graph) -> Rewritten:
+        out = self.apply(graph)
+        return Rewritten(graph, (self.name,), (), ()) if out is graph else _diff(
+            graph, out, (self.name,))
+
+    def apply(self, graph: Graph) -> Graph:
+        """The graph out alone, checked (``TransformError`` where the rewrite does not apply)."""
         if self.why_not is not None and (reason := self.why_not(graph)) is not None:
             raise TransformError(f"{self.name} does not apply: {reason}")
         out = self.rewrite(graph)
-        if out is graph:
-            return Rewritten(graph, (self.name,), (), ())
-        verify_graph(out)
-        return _diff(graph, out, (self.name,))
+        if out is not graph:
+            verify_graph(out)
+        return out
 
 
 def compose(graph: Graph, transforms: Iterable[Transform]) -> Rewritten:
     """``transforms`` run in order on ``graph``: the last graph out, every transform's name, and
-    what changed from ``graph`` to it."""
+    what changed from ``graph`` to it (one comparison, not one per transform)."""
     out, names = graph, []
     for t in transforms:
-        out = t(out).graph
+        out = t.apply(out)
         names.append(t.name)
     if out is graph:
         return Rewritten(graph, tuple(names), (), ())
