@@ -37,13 +37,13 @@ class GptShape:
     @property
     def parameters(self) -> float:
         """Megatron's eq. 2: ``12 l h² (1 + 13/(12h) + (V + s)/(12 l h))``."""
-        l, h = self.layers, self.hidden
-        return 12 * l * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq) / (12 * l * h))
+        n, h = self.layers, self.hidden
+        return 12 * n * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq) / (12 * n * h))
 
     def flops_per_iteration(self, batch: int) -> float:
         """Megatron's eq. 3 (full recompute: a second forward counted)."""
-        l, h, s = self.layers, self.hidden, self.seq
-        return 96 * batch * s * l * h * h * (1 + s / (6 * h) + self.vocab / (16 * l * h))
+        n, h, s = self.layers, self.hidden, self.seq
+        return 96 * batch * s * n * h * h * (1 + s / (6 * h) + self.vocab / (16 * n * h))
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,13 @@ Example:
     (0.109375, 0.0546875)
     >>> in_flight("1f1b", p=8, m=64, stage=0), in_flight("interleaved", p=8, m=64, stage=0, v=2)
     (8.0, 11.5)
+    >>> chunks_held(p=8, m=64, stage=0, v=2)       # after each forward, by chunk
+    [(15, 8), (16, 7)]
 """
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "bubble_fraction", "in_flight"]
+__all__ = ["SCHEDULES", "bubble_fraction", "chunks_held", "in_flight"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -56,3 +58,27 @@ def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> float:
         return float(min(p - stage, m))
     warmup = min(2 * (p - stage - 1) + (v - 1) * p, m * v)
     return min(warmup + 1, m * v) / v
+
+
+def chunks_held(p: int, m: int, stage: int, v: int) -> list[tuple[int, ...]]:
+    """Interleaved 1F1B: the micro-batches each of stage ``stage``'s ``v`` chunks holds right
+    after each of its forwards (where its memory peaks), distinct vectors, the end of the
+    warm-up first. The ``k``-th forward runs local chunk ``(k // p) % v``, the ``k``-th
+    backward chunk ``v - 1 - (k // p) % v``; warm-up forwards first, then a forward and a
+    backward in turn. The steady state repeats every ``p v`` pairs: two periods are walked."""
+    _check("interleaved", p, m, v)
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} of {p}")
+    total = m * v
+    warm = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    held = [0] * v
+    for k in range(warm):
+        held[(k // p) % v] += 1
+    seen: dict[tuple[int, ...], None] = {}
+    if warm == total:
+        seen[tuple(held)] = None
+    for j in range(min(total - warm, 2 * p * v + 1)):
+        held[((warm + j) // p) % v] += 1
+        seen.setdefault(tuple(held), None)
+        held[v - 1 - (j // p) % v] -= 1
+    return list(seen)

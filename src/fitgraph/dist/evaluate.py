@@ -1,0 +1,376 @@
+"""One parallel configuration, predicted: its stages and memory plans, every device's time and
+memory.
+
+The step of a ``Parallelism`` on a cluster: the model's blocks at its tensor-parallel width and
+micro-batch, priced on the device (``dist.block_cost``), cut into pipeline stages (the least
+bottleneck, each stage with the memory plan that fits its device: ``dist.partition``,
+``dist.stage``), the schedule simulated across the stages (``dist.simulate``: compute, the
+point-to-point sends between stages, each stage's activations held), then each stage's
+data-parallel gradient reduction (overlapped with its last backward where asked), the tied
+embedding's reduction between the first and last stage, and the optimizer step. ZeRO-3 gathers
+a stage's weights in every micro-batch's forward and backward, overlapped with compute.
+
+The interleaved schedule splits the body's blocks evenly over ``pp × chunks`` chunks (the
+embedding on the first, the head on the last), as Megatron-LM does.
+
+Example:
+    >>> from fitgraph.dist.cluster import dgx_a100
+    >>> from fitgraph.dist.config import Parallelism
+    >>> from fitgraph.dist.megatron_table import GptShape
+    >>> from fitgraph.dist.model import GptModel
+    >>> par = Parallelism(tp=2, pp=2, dp=2, micro_batch=1, n_micro=8)
+    >>> pred = evaluate(GptModel(GptShape(24, 2304, 24)), dgx_a100(1), par)
+    >>> pred.fits, len(pred.stages), pred.step_s > 0
+    (True, 2, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .block_cost import BlockCost, price_block
+from .cluster import Cluster
+from .collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from .config import Parallelism
+from .memory import MIXED_ADAM, Precision, optimizer_step_bytes
+from .model import ModelSpec
+from .partition import partition_bisect, partition_dp
+from .schedules import chunks_held, in_flight
+from .simulate import ZB_W_HOLD, Timeline, simulate
+from .stage import StagePlan, plan_stage
+
+__all__ = ["GIB", "Prediction", "StageReport", "default_budget", "evaluate"]
+
+GIB = 2**30
+# NOTE: what a GPU process holds besides tensors (CUDA context, NCCL's buffers, the caching
+# allocator's fragmentation) is commonly 1-3 GiB; plans leave 2 GiB of each device free.
+RESERVE_BYTES = 2 * GIB
+DP_SIZE_LIMIT = 20_000  # blocks² × stages up to which the exact DP cuts the stages
+
+
+def default_budget(cluster: Cluster) -> float:
+    return max(cluster.device.memory_bytes - RESERVE_BYTES, cluster.device.memory_bytes * 0.5)
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One pipeline stage (``pp`` of them; each runs on ``tp × dp`` devices alike)."""
+
+    index: int
+    plan: StagePlan                # blocks, memory plan, per-micro-batch seconds, bytes
+    ranks: tuple[int, ...]
+    busy_s: float                  # compute over the step
+    bubble_s: float                # idle inside the pipeline part of the step
+    tp_comm_s: float               # tensor-parallel collectives inside busy_s
+    p2p_s: float                   # sending one micro-batch's activations to the next stage
+    dp_sync_s: float               # gradient reduction (+ ZeRO's gather), exposed
+    tied_sync_s: float             # tied embedding/head gradient reduction, exposed
+    optimizer_s: float
+    end_s: float                   # when this stage's devices finish the step
+    activations: float             # bytes held at the schedule's worst moment (simulated)
+
+    @property
+    def peak_bytes(self) -> float:
+        p = self.plan
+        return p.weights + p.gradients + p.optimizer + self.activations + p.working_bytes
+
+    def memory(self) -> dict[str, float]:
+        p = self.plan
+        return {"weights": p.weights, "gradients": p.gradients, "optimizer": p.optimizer,
+                "activations": self.activations, "working": p.working_bytes}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A configuration's predicted step: ``fits`` when every device's peak is within budget
+    (else ``binding`` names the stage and the memory term that does not fit)."""
+
+    model: str
+    parallelism: Parallelism
+    stages: tuple[StageReport, ...]
+    step_s: float
+    pipeline_s: float
+    budget_bytes: float
+    tokens_per_s: float
+    tflops_per_device: float       # FLOPs executed (recompute included) per second per device
+    mfu: float                     # the model's FLOPs (no recompute) over the datasheet peak
+    model_flops: float
+    executed_flops: float
+    fits: bool
+    binding: str = ""
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def peak_bytes_per_device(self) -> float:
+        return max(s.peak_bytes for s in self.stages)
+
+
+def _price(blocks, cluster: Cluster, par: Parallelism, precision: Precision,
+           cache: dict) -> list[BlockCost]:
+    link = cluster.link(range(par.tp))
+    out = []
+    for b in blocks:
+        key = ("price", b.kind, b.ops, b.params, b.input_bytes, b.role, link,
+               precision.activation_dtype)
+        if key not in cache:
+            cache[key] = price_block(b, cluster.device, link, precision.activation_dtype)
+        out.append(cache[key])
+    return out
+
+
+def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cache: dict):
+    """(first, last) block ranges of the stages, and each stage's plan."""
+    n, p = len(costs), par.pp
+    ids = [id(c) for c in costs]
+    uniform = len(set(ids[1:-1])) <= 1
+    # NOTE: a stage's plan depends on its blocks' costs (shared across configurations of one
+    # width and micro-batch through ``cache``), its in-flight count and its memory terms.
+    setting = (budget, precision, par.zero, par.dp, par.recompute)
+    memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n),
+                            {})
+
+    def plan(first: int, last: int, k: int) -> StagePlan | None:
+        key = ((first == 0, last == n, last - first) if uniform
+               else tuple(ids[first:last])) + (flights[k],) + setting
+        if key not in memo:
+            memo[key] = plan_stage(costs[first:last], flights[k], budget, precision, par.zero,
+                                   par.dp, par.recompute)
+        return memo[key]
+
+    def time(first: int, last: int, k: int) -> float | None:
+        st = plan(first, last, k)
+        return None if st is None else st.time_s
+
+    solver = partition_dp if n * n * p <= DP_SIZE_LIMIT else partition_bisect
+    cuts = solver(n, p, time)
+    if cuts is None:
+        return None
+    return [(a, b, _renamed(plan(a, b, k), names[a:b])) for k, (a, b) in enumerate(cuts)]
+
+
+def _renamed(st: StagePlan, names) -> StagePlan:
+    from dataclasses import replace
+    return replace(st, blocks=tuple(names))
+
+
+def _interleaved_chunks(n: int, p: int, v: int) -> list[tuple[int, int]]:
+    """Block ranges of ``p × v`` chunks: the body spread evenly (the first chunks one more),
+    the embedding with chunk 0, the head with the last."""
+    body, chunks = n - 2, p * v
+    if body < chunks:
+        return []
+    sizes = [body // chunks + (1 if c < body % chunks else 0) for c in range(chunks)]
+    out, first = [], 1
+    for c, size in enumerate(sizes):
+        a, b = first, first + size
+        out.append((0 if c == 0 else a, n if c == chunks - 1 else b))
+        first = b
+    return out
+
+
+def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
+                       par: Parallelism) -> StagePlan:
+    """A device's chunks under one memory plan. Its activations peak right after one of its
+    forwards, holding ``vector[c]`` micro-batches of chunk ``c`` (``vectors[0]``: the end of
+    the warm-up). Plan for that vector, then tighten the budget by what the plan's own worst
+    vector holds beyond it, a few rounds; the plan's held bytes are its worst vector's."""
+    from dataclasses import replace
+    sizes = [b - a for a, b in ranges]
+    blocks = [costs[i] for i in idx]
+    per_block = [w for w, size in zip(vectors[0], sizes) for _ in range(size)]
+    room, best = budget, None
+    for _ in range(8):
+        st = plan_stage(blocks, per_block, room, precision, par.zero, par.dp, par.recompute,
+                        names=names)
+        if st is None:
+            break
+        kept, pos = [], 0
+        for size, (a, _) in zip(sizes, ranges):
+            kept.append(sum(costs[a + k].option(st.plan[pos + k]).kept_bytes
+                            for k in range(size)))
+            pos += size
+        exact = max(sum(h * x for h, x in zip(vec, kept)) for vec in vectors)
+        best = replace(st, held_bytes=exact)
+        if best.peak_bytes <= budget * (1 + 1e-9):
+            return best
+        room -= best.peak_bytes - budget
+    if best is not None:
+        return best
+    st = plan_stage(blocks, per_block, math.inf, precision, par.zero, par.dp, par.recompute,
+                    names=names)
+    kept, pos = [], 0
+    for size, (a, _) in zip(sizes, ranges):
+        kept.append(sum(costs[a + k].option(st.plan[pos + k]).kept_bytes for k in range(size)))
+        pos += size
+    return replace(st, held_bytes=max(sum(h * x for h, x in zip(vec, kept))
+                                      for vec in vectors))
+
+
+def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
+             precision: Precision = MIXED_ADAM, budget: float | None = None,
+             simulated: bool = True, cache: dict | None = None) -> Prediction | None:
+    """The predicted step of ``par``; None when the configuration cannot be cut at all (fewer
+    blocks than stages, a model that cannot be split so). With ``simulated=False`` the
+    pipeline's time is the closed form of its schedule (what the search ranks with). ``cache``
+    (any dict, kept by the caller) shares priced blocks and stage plans across calls."""
+    cache = {} if cache is None else cache
+    if par.devices != cluster.devices:
+        raise ValueError(f"{par.tp}x{par.pp}x{par.dp} = {par.devices} devices on a cluster of "
+                         f"{cluster.devices}")
+    why = model.why_not(par.tp, par.micro_batch, par.sp)
+    if why:
+        raise ValueError(why)
+    budget = default_budget(cluster) if budget is None else budget
+    blocks = model.blocks(par.tp, par.micro_batch, par.sp)
+    costs = _price(blocks, cluster, par, precision, cache)
+    names = [b.name for b in blocks]
+    p, m, v = par.pp, par.n_micro, par.chunks
+    shape_schedule = "1f1b" if par.schedule == "zb-h1" else par.schedule
+    if par.schedule == "interleaved" and m % p:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) a multiple of "
+                         f"the stages ({p})")
+    flights = [in_flight(shape_schedule, p, m, k, v) for k in range(p)]
+    if par.schedule == "zb-h1":
+        # NOTE: ZB-H1 holds 1F1B's micro-batches whole until their B and, on stage k, k more
+        # partly (what their deferred W reads) until their W (``dist.simulate``).
+        flights = [min(p - k, m) + min(k, max(0, m - (p - k))) * ZB_W_HOLD for k in range(p)]
+    if v == 1:
+        cut = _stage_cuts(costs, names, par, flights, budget, precision, cache)
+        if cut is None and par.recompute == "auto":
+            # nothing fits: cut as if memory were free, to say what does not fit
+            cut = _stage_cuts(costs, names, par, flights, math.inf, precision, cache)
+        if cut is None:
+            return None
+        chunk_ranges = [(a, b) for a, b, _ in cut]
+        plans = [st for _, _, st in cut]
+        chunk_opts = [st.plan for st in plans]
+    else:
+        chunk_ranges = _interleaved_chunks(len(blocks), p, v)
+        if not chunk_ranges:
+            return None
+        plans, chunk_opts = [], [None] * (p * v)
+        for d in range(p):
+            mine = [c for c in range(p * v) if c % p == d]
+            idx = [i for c in mine for i in range(*chunk_ranges[c])]
+            st = _interleaved_stage(costs, idx, [names[i] for i in idx],
+                                    [chunk_ranges[c] for c in mine],
+                                    chunks_held(p, m, d, v), budget, precision, par)
+            plans.append(st)
+            pos = 0
+            for c in mine:
+                size = chunk_ranges[c][1] - chunk_ranges[c][0]
+                chunk_opts[c] = st.plan[pos:pos + size]
+                pos += size
+    fwd, bwd, wgt, act, tp_comm = [], [], [], [], []
+    for (a, b), opts in zip(chunk_ranges, chunk_opts):
+        cs = costs[a:b]
+        chosen = [c.option(o) for c, o in zip(cs, opts)]
+        fwd.append(sum(c.fwd_s for c in cs))
+        bwd.append(sum(c.bwd_s for c in cs) + sum(o.recompute_s for o in chosen))
+        wgt.append(sum(c.bwd_w_s for c in cs))
+        act.append(sum(o.kept_bytes for o in chosen))
+        tp_comm.append(sum(c.fwd_comm_s + c.bwd_comm_s for c in cs)
+                       + sum(o.recompute_s * (c.fwd_comm_s / c.fwd_s if c.fwd_s else 0)
+                             for c, o in zip(cs, chosen)))
+    if par.zero >= 3 and par.dp > 1:
+        # NOTE: FSDP gathers a chunk's weights for its forward and again for its backward and
+        # reduce-scatters its gradients, every micro-batch, prefetched beside compute.
+        for c, (a, b) in enumerate(chunk_ranges):
+            params = sum(x.block.params for x in costs[a:b])
+            link = cluster.link(par.dp_group(c % p))
+            gather = all_gather_s(params * precision.weight, par.dp, link)
+            scatter = reduce_scatter_s(params * precision.grad, par.dp, link)
+            fwd[c] = max(fwd[c], gather)
+            bwd[c] = max(bwd[c], gather + scatter)
+    tp_link = cluster.link(range(par.tp))
+    p2p = []
+    for c in range(len(chunk_ranges) - 1):
+        out_bytes = blocks[chunk_ranges[c][1] - 1].output_bytes
+        src, dst = par.rank(c % p, 0, 0), par.rank((c + 1) % p, 0, 0)
+        if src == dst:
+            p2p.append(0.0)
+            continue
+        link = cluster.link([src, dst])
+        if par.tp > 1 and not par.sp:
+            # NOTE: Megatron's scatter-gather (SC'21 §4.1): each tensor-parallel rank sends
+            # 1/t of the activation over the network, then they all-gather it over NVLink.
+            p2p.append(p2p_s(out_bytes / par.tp, link) + all_gather_s(out_bytes, par.tp, tp_link))
+        else:
+            p2p.append(p2p_s(out_bytes, link))
+    zb = par.schedule == "zb-h1"
+    timeline = None
+    if simulated:
+        timeline = simulate(par.schedule, fwd, [b - w for b, w in zip(bwd, wgt)] if zb else bwd,
+                            m, v=v, p2p_s=p2p, act_bytes=act, w_s=wgt if zb else None)
+        ends = list(timeline.end_s)
+        busy = list(timeline.busy_s)
+        held = list(timeline.peak_bytes)
+        pipeline = timeline.makespan_s
+    else:
+        per_dev = [0.0] * p
+        for c in range(len(fwd)):
+            per_dev[c % p] += fwd[c] + bwd[c]
+        worst = max(per_dev)
+        if zb:
+            idle = max(max(0.0, f + b - 2 * w) for f, b, w in zip(fwd, bwd, wgt))
+            pipeline = m * worst + (p - 1) * idle + 2 * sum(p2p)
+        elif v > 1:
+            pipeline = (m + (p - 1) / v) * worst + 2 * sum(p2p)
+        else:
+            pipeline = sum(per_dev) + (m - 1) * worst + 2 * sum(p2p)
+        ends = [pipeline] * p
+        busy = [m * x for x in per_dev]
+        held = [plans[d].held_bytes for d in range(p)]
+    stages = []
+    for d in range(p):
+        st = plans[d]
+        link = cluster.link(par.dp_group(d))
+        grads = st.params * precision.grad
+        if par.dp == 1 or par.zero >= 3:
+            sync = 0.0
+        elif par.zero == 0:
+            sync = all_reduce_s(grads, par.dp, link)
+        else:
+            sync = (reduce_scatter_s(grads, par.dp, link)
+                    + all_gather_s(st.params * precision.weight, par.dp, link))
+        last_bwd = sum(bwd[c] for c in range(len(fwd)) if c % p == d)
+        exposed = max(0.0, sync - last_bwd) if par.overlap_grad_reduce else sync
+        tied = 0.0
+        if p > 1 and d in (0, p - 1):
+            ends_blocks = [blocks[0]] if d == 0 else [blocks[-1]]
+            tied_params = sum(b.extra.get("tied_params", 0.0) for b in ends_blocks)
+            if tied_params:
+                pair = [par.rank(0, 0, 0), par.rank(p - 1, 0, 0)]
+                tied = all_reduce_s(tied_params * precision.grad, 2, cluster.link(pair))
+        opt = optimizer_step_bytes(st.params, precision, par.zero, par.dp) / cluster.device.bandwidth
+        end = ends[d] + exposed + tied + opt
+        stages.append(StageReport(
+            index=d, plan=st, ranks=tuple(par.stage_ranks(d)), busy_s=busy[d],
+            bubble_s=max(0.0, pipeline - busy[d]),
+            tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if c % p == d),
+            p2p_s=p2p[d] if d < len(p2p) else 0.0, dp_sync_s=exposed, tied_sync_s=tied,
+            optimizer_s=opt, end_s=end, activations=held[d]))
+    step = max(s.end_s for s in stages)
+    samples = par.global_batch
+    model_flops = model.model_flops(samples)
+    recompute_flops = sum(st.recompute_flops for st in plans) * par.tp * par.dp * m
+    executed = model_flops + recompute_flops
+    peak_dtype = precision.activation_dtype
+    peak = cluster.device.peak_flops.get(peak_dtype, cluster.device.peak_flops["float32"])
+    over = [(s.peak_bytes - budget, s) for s in stages if s.peak_bytes > budget * (1 + 1e-9)]
+    binding = ""
+    if over:
+        _, worst_stage = max(over, key=lambda x: x[0])
+        terms = worst_stage.memory()
+        term = max(terms, key=terms.get)
+        binding = (f"stage {worst_stage.index} needs {worst_stage.peak_bytes / GIB:.1f} GiB of "
+                   f"{budget / GIB:.1f} GiB; its largest term is {term} "
+                   f"({terms[term] / GIB:.1f} GiB)")
+    return Prediction(
+        model=model.name, parallelism=par, stages=tuple(stages), step_s=step,
+        pipeline_s=pipeline, budget_bytes=budget,
+        tokens_per_s=samples * model.seq / step,
+        tflops_per_device=executed / step / par.devices / 1e12,
+        mfu=model_flops / step / par.devices / peak, model_flops=model_flops,
+        executed_flops=executed, fits=not over, binding=binding, timeline=timeline)

@@ -1,0 +1,205 @@
+"""One pipeline stage: its blocks, the memory plan that fits it on its device, and its cost.
+
+A stage runs a micro-batch's forward and backward through its blocks and holds, at its
+schedule's worst moment, ``in_flight`` micro-batches' kept activations. Its device's memory is
+the sum of: weights, gradients, optimizer state (``dist.memory``, ZeRO-sharded), activations
+(``in_flight`` × the kept bytes of every block under its memory plan) and the working bytes of
+one block's backward (the largest: what it re-makes plus its gradients; with ZeRO-3 also a
+block's gathered weights, twice for prefetch).
+
+The memory plan picks, per block, a point of its curve (``BlockCost.options``). ``"auto"``
+takes the least recompute that fits: blocks of one cost move together along the lower convex
+hull of their curve, the step that frees bytes for the fewest seconds first — exact on the hull,
+within one block's step of the best mix. A name (``"none"``, ``"selective"``, ``"full"``)
+applies that plan to every body block that has it (Megatron's global policies).
+
+Example:
+    >>> from fitgraph.cost.devices import get_device
+    >>> from fitgraph.dist.block_cost import price_block
+    >>> from fitgraph.dist.cluster import LINKS
+    >>> from fitgraph.dist.gpt_blocks import gpt_layer
+    >>> from fitgraph.dist.megatron_table import GptShape
+    >>> from fitgraph.dist.memory import MIXED_ADAM
+    >>> layer = price_block(gpt_layer(GptShape(24, 2304, 24), 1, 1), get_device("a100-80gb"),
+    ...                     LINKS["nvlink3"])
+    >>> st = plan_stage([layer] * 24, in_flight=4, budget=80 * 2**30, precision=MIXED_ADAM)
+    >>> st.plan.count("none"), st.plan.count("drop:attn_dropout"), st.peak_bytes <= 80 * 2**30
+    (21, 3, True)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .block_cost import BlockCost, MemoryOption
+from .memory import Precision, parameter_bytes
+
+__all__ = ["StagePlan", "hull", "plan_stage"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage's blocks under a memory plan: seconds per micro-batch and bytes on its device."""
+
+    blocks: tuple[str, ...]
+    plan: tuple[str, ...]          # per block, its memory option's name
+    fwd_s: float
+    bwd_s: float                   # recompute included
+    bwd_w_s: float                 # weight-gradient part (zero-bubble schedules defer it)
+    recompute_s: float
+    recompute_flops: float
+    params: float
+    in_flight: float               # the most micro-batches held (per block when they differ)
+    kept_bytes: float              # per micro-batch
+    held_bytes: float              # activations at the schedule's worst moment
+    working_bytes: float
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def activations(self) -> float:
+        return self.held_bytes
+
+    @property
+    def peak_bytes(self) -> float:
+        """The sum of the parts (the breakdown adds up to it)."""
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.working_bytes)
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def hull(options: Sequence[MemoryOption]) -> list[int]:
+    """Indices of the lower convex hull of a curve (kept bytes decreasing): the steps in the
+    order a greedy should take them, each freeing bytes at a higher price than the last."""
+    out: list[int] = [0]
+    for i in range(1, len(options)):
+        if options[i].kept_bytes >= options[out[-1]].kept_bytes:
+            continue
+        while len(out) >= 2:
+            a, b = options[out[-2]], options[out[-1]]
+            c = options[i]
+            # NOTE: slope = seconds per byte freed; drop b when a->c is no dearer than a->b.
+            ab = (b.recompute_s - a.recompute_s) / (a.kept_bytes - b.kept_bytes)
+            ac = (c.recompute_s - a.recompute_s) / (a.kept_bytes - c.kept_bytes)
+            if ac <= ab:
+                out.pop()
+            else:
+                break
+        out.append(i)
+    return out
+
+
+def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], budget: float,
+               precision: Precision, zero: int = 0, dp: int = 1,
+               recompute: str = "auto", names: Sequence[str] | None = None) -> StagePlan | None:
+    """The stage of ``costs`` (its blocks in order, named ``names``) under the least recompute
+    that fits ``budget`` bytes, or None when even the most recompute does not fit. A named
+    ``recompute`` is applied whether it fits or not (the caller reads ``peak_bytes``)."""
+    if not costs:
+        raise ValueError("a stage needs at least one block")
+    flights = ([float(in_flight)] * len(costs) if isinstance(in_flight, (int, float))
+               else [float(f) for f in in_flight])
+    if len(flights) != len(costs):
+        raise ValueError(f"{len(flights)} in-flight counts for {len(costs)} blocks")
+    params = sum(c.block.params for c in costs)
+    static = parameter_bytes(params, precision, zero, dp)
+    gather = 2 * precision.weight * max(c.block.params for c in costs) if zero >= 3 else 0.0
+    fixed = sum(static.values()) + gather
+    if recompute == "auto":
+        choice = _greedy(costs, flights, budget - fixed)
+        if choice is None:
+            return None
+    else:
+        choice = [c.option(recompute) if c.block.role == "body" and _has(c, recompute)
+                  else c.options[0] for c in costs]
+    kept = sum(o.kept_bytes for o in choice)
+    held = sum(f * o.kept_bytes for f, o in zip(flights, choice))
+    working = max(o.working_bytes for o in choice) + gather
+    plan = StagePlan(
+        blocks=tuple(names) if names is not None else tuple(c.block.name for c in costs), plan=tuple(o.name for o in choice),
+        fwd_s=sum(c.fwd_s for c in costs),
+        bwd_s=sum(c.bwd_s for c in costs) + sum(o.recompute_s for o in choice),
+        bwd_w_s=sum(c.bwd_w_s for c in costs), recompute_s=sum(o.recompute_s for o in choice),
+        recompute_flops=sum(o.recompute_flops for o in choice),
+        params=params, in_flight=max(flights), kept_bytes=kept, held_bytes=held,
+        working_bytes=working,
+        weights=static["weights"], gradients=static["gradients"], optimizer=static["optimizer"])
+    if recompute == "auto" and plan.peak_bytes > budget * (1 + 1e-12):
+        return None
+    return plan
+
+
+def _has(cost: BlockCost, name: str) -> bool:
+    return any(o.name == name for o in cost.options)
+
+
+def _greedy(costs: Sequence[BlockCost], flights: Sequence[float],
+            room: float) -> list[MemoryOption] | None:
+    """Per block, the option of the least recompute whose activations and working bytes fit
+    in ``room``."""
+    if room < 0:
+        return None
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, c in enumerate(costs):
+        groups.setdefault((id(c), flights[i]), []).append(i)
+    keys = list(groups)
+    opts = {g: costs[groups[g][0]].options for g in keys}
+    hulls = {g: hull(opts[g]) for g in keys}
+    # per group: hull position h (its blocks at hull[h]) and j of them already at hull[h + 1]
+    state = {g: [0, 0] for g in keys}
+
+    def at(g: tuple[int, float], h: int) -> MemoryOption:
+        return opts[g][hulls[g][min(h, len(hulls[g]) - 1)]]
+
+    def excess() -> float:
+        kept, working = 0.0, 0.0
+        for g in keys:
+            h, j = state[g]
+            a, b = at(g, h), at(g, h + 1)
+            kept += g[1] * ((len(groups[g]) - j) * a.kept_bytes + j * b.kept_bytes)
+            working = max(working, a.working_bytes if j < len(groups[g]) else 0.0,
+                          b.working_bytes if j else 0.0)
+        return kept + working - room
+
+    heap: list[tuple[float, int, tuple[int, float]]] = []
+
+    def push(g: tuple[int, float]) -> None:
+        h = state[g][0]
+        if h + 1 < len(hulls[g]):
+            # NOTE: a block held f times frees f bytes per byte dropped: its price per byte
+            # held is the slope over f
+            heapq.heappush(heap, (_slope(opts[g], hulls[g], h) / max(g[1], 1e-30),
+                                  groups[g][0], g))
+
+    for g in keys:
+        push(g)
+    over = excess()
+    while over > 0:
+        if not heap:
+            return None
+        _, _, g = heapq.heappop(heap)
+        h, j = state[g]
+        count = len(groups[g])
+        step = g[1] * (at(g, h).kept_bytes - at(g, h + 1).kept_bytes)
+        j = min(count, j + max(1, math.ceil(over / step)) if step > 0 else count)
+        state[g] = [h + 1, 0] if j >= count else [h, j]
+        over = excess()
+        push(g)
+    out: list[MemoryOption] = [costs[0].options[0]] * len(costs)
+    for g in keys:
+        h, j = state[g]
+        for k, i in enumerate(groups[g]):
+            out[i] = at(g, h + (k < j))
+    return out
+
+
+def _slope(opts: Sequence[MemoryOption], hl: list[int], h: int) -> float:
+    a, b = opts[hl[h]], opts[hl[h + 1]]
+    return (b.recompute_s - a.recompute_s) / (a.kept_bytes - b.kept_bytes)
