@@ -5,6 +5,8 @@
     fitgraph optimize MODEL --budget 50% | --latency-limit 1.1 [--config small|paper] [--json]
                             [--optimizer-in-backward off|on|auto] [--plot FILE] [--csv FILE]
     fitgraph bench [--models gpt2,unet] [--budgets 0.9,0.7,0.5] [--out DIR]
+    fitgraph plan-dist MODEL --devices N --global-batch B [--device a100-80gb]
+                             [--gpus-per-node 8] [--fix tp=8,pp=8,...] [--json] [--plot FILE]
     fitgraph models
 
 Example:
@@ -50,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch threads (1 gives stable timings on small machines)")
     from .cli_bench import add_parser as add_bench
     from .cli_optimize import add_parser
+    from .cli_plan_dist import add_parser as add_plan_dist
 
     add_parser(sub)
     add_bench(sub)
+    add_plan_dist(sub)
     sub.add_parser("models", help="list the built-in models")
     return p
 
@@ -138,11 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     keep_host_memory()
     from .cli_bench import cmd_bench
     from .cli_optimize import cmd_optimize
+    from .cli_plan_dist import cmd_plan_dist
     from .solvers import BudgetInfeasible
 
     try:
         return {"inspect": cmd_inspect, "models": cmd_models,
-                "optimize": cmd_optimize, "bench": cmd_bench}[args.command](args)
+                "optimize": cmd_optimize, "bench": cmd_bench,
+                "plan-dist": cmd_plan_dist}[args.command](args)
     except (CaptureError, ValueError, BudgetInfeasible) as e:
         print(f"fitgraph: error: {e}", file=sys.stderr)
         return 2

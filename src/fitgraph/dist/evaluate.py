@@ -8,7 +8,8 @@ bottleneck, each stage with the memory plan that fits its device: ``dist.partiti
 point-to-point sends between stages, each stage's activations held), then each stage's
 data-parallel gradient reduction (overlapped with its last backward where asked), the tied
 embedding's reduction between the first and last stage, and the optimizer step. ZeRO-3 gathers
-a stage's weights in every micro-batch's forward and backward, overlapped with compute.
+a stage's weights in every micro-batch's forward and backward, block by block, prefetched
+beside compute (all but the first block's gather and the last one's reduce-scatter hidden).
 
 The interleaved schedule splits the body's blocks evenly over ``pp × chunks`` chunks (the
 embedding on the first, the head on the last), as Megatron-LM does.
@@ -281,8 +282,13 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
             link = cluster.link(par.dp_group(c % p))
             gather = all_gather_s(params * precision.weight, par.dp, link)
             scatter = reduce_scatter_s(params * precision.grad, par.dp, link)
-            fwd[c] = max(fwd[c], gather)
-            bwd[c] = max(bwd[c], gather + scatter)
+            # NOTE: the first block's gather (forward) and the last one's reduce-scatter
+            # (backward) have nothing to hide behind
+            block = max(x.block.params for x in costs[a:b])
+            first = all_gather_s(block * precision.weight, par.dp, link)
+            last = reduce_scatter_s(block * precision.grad, par.dp, link)
+            fwd[c] = max(fwd[c], gather) + first
+            bwd[c] = max(bwd[c], gather + scatter) + first + last
     tp_link = cluster.link(range(par.tp))
     p2p = []
     for c in range(len(chunk_ranges) - 1):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TABLE1", "GptShape", "MegatronRow"]
+__all__ = ["GPT_PRESETS", "TABLE1", "GptShape", "MegatronRow"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,15 @@ TABLE1: tuple[MegatronRow, ...] = tuple(
         (529.6, 20480, 105, 128, 8, 35, 2520, 2520, 163),
         (1008.0, 25600, 128, 160, 8, 64, 3072, 3072, 163),
     ))
+
+
+def _billions(b: float) -> str:
+    return f"{round(b / 1000)}t" if b >= 1000 else f"{b:g}b"
+
+
+# NOTE: GPT shapes by name for `fitgraph plan-dist`: GPT-3 175B (Brown et al., 2020: 96 layers,
+# 12288 wide, 96 heads) and every Table 1 model ("gpt-1.7b" ... "gpt-1t").
+GPT_PRESETS: dict[str, GptShape] = {
+    "gpt3-175b": GptShape(96, 12288, 96),
+    **{f"gpt-{_billions(row.billions)}": row.shape for row in TABLE1},
+}

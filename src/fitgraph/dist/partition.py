@@ -4,13 +4,15 @@
 included; None when they do not fit its device). Two exact solvers of the same problem:
 
 - ``partition_dp``: the dynamic program over (stages, blocks) of Piper and Alpa, ``best[k][i] =
-  min_j max(best[k-1][j], stage(j, i, k))``, ties broken by the least sum of stage times;
-  O(p n²) stage prices — for short chains and as the reference.
+  min_j max(best[k-1][j], stage(j, i, k))``, then a second pass for the least sum of stage
+  times among the cuts of that bottleneck; O(p n²) stage prices — for short chains and as the
+  reference.
 - ``partition_bisect``: bisection on the bottleneck; for a bound ``T`` the first stage takes the
-  longest prefix whose time is at most ``T``, then the next stage, and so on — feasible within
-  ``p`` stages iff ``T`` is at least the optimum, because a stage's time never falls when it
-  gains a block (more work, less memory). O(p log n) stage prices per probe, which is what
-  makes GPT-3 on 1024 devices plan in seconds.
+  longest prefix whose time is at most ``T``, then the next stage, and so on (or from the last
+  stage backwards) — feasible within ``p`` stages iff ``T`` is at least the optimum when a
+  stage's time never falls as it gains a block (more work, less memory) and is monotone in the
+  stage's index (1F1B: the first stages hold the most). O(p log n) stage prices per probe,
+  which is what makes GPT-3 on 1024 devices plan in seconds.
 
 Both return the cuts ``[(first, last), ...]`` (one per stage) or None when no cut fits.
 
@@ -51,25 +53,38 @@ def partition_dp(n: int, p: int, stage: StageFn) -> list[tuple[int, int]] | None
     _check(n, p)
     if p > n:
         return None
-    inf = (math.inf, math.inf)
-    # best[k][i]: (bottleneck, sum) of the first i blocks in k + 1 stages; back[k][i]: the cut
-    best = [[inf] * (n + 1) for _ in range(p)]
+    # pass 1: best[k][i], the least bottleneck of the first i blocks in k + 1 stages
+    best = [[math.inf] * (n + 1) for _ in range(p)]
+    times: dict[tuple[int, int, int], float] = {}
+
+    def t(j: int, i: int, k: int) -> float:
+        if (j, i, k) not in times:
+            times[j, i, k] = _t(stage, j, i, k)
+        return times[j, i, k]
+
+    for i in range(1, n - p + 2):
+        best[0][i] = t(0, i, 0)
+    for k in range(1, p):
+        for i in range(k + 1, n - (p - k - 1) + 1):
+            best[k][i] = min((max(best[k - 1][j], t(j, i, k)) for j in range(k, i)
+                              if best[k - 1][j] < math.inf), default=math.inf)
+    bound = best[p - 1][n]
+    if bound == math.inf:
+        return None
+    # pass 2: among cuts within that bottleneck, the least sum of stage times (a per-state
+    # (bottleneck, sum) pair would not: a prefix of lower bottleneck may cost more in all)
+    total = [[math.inf] * (n + 1) for _ in range(p)]
     back = [[-1] * (n + 1) for _ in range(p)]
     for i in range(1, n - p + 2):
-        t = _t(stage, 0, i, 0)
-        best[0][i] = (t, t)
+        if t(0, i, 0) <= bound:
+            total[0][i] = t(0, i, 0)
     for k in range(1, p):
         for i in range(k + 1, n - (p - k - 1) + 1):
             for j in range(k, i):
-                prev = best[k - 1][j]
-                if prev[0] == math.inf:
-                    continue
-                t = _t(stage, j, i, k)
-                cand = (max(prev[0], t), prev[1] + t)
-                if cand < best[k][i]:
-                    best[k][i], back[k][i] = cand, j
-    if best[p - 1][n][0] == math.inf:
-        return None
+                if total[k - 1][j] < math.inf and t(j, i, k) <= bound:
+                    cand = total[k - 1][j] + t(j, i, k)
+                    if cand < total[k][i]:
+                        total[k][i], back[k][i] = cand, j
     cuts, i = [], n
     for k in range(p - 1, -1, -1):
         j = back[k][i] if k else 0
@@ -82,8 +97,8 @@ def _within(t: float, bound: float) -> bool:
     return t < math.inf and t <= bound
 
 
-def _fits(n: int, p: int, stage: StageFn, bound: float) -> list[tuple[int, int]] | None:
-    """The greedy cut under ``bound``: each stage the longest prefix within it."""
+def _fits_forward(n: int, p: int, stage: StageFn, bound: float) -> list[tuple[int, int]] | None:
+    """The greedy cut under ``bound``: each stage, first to last, the longest prefix within it."""
     cuts, first = [], 0
     for k in range(p):
         hi = n - (p - k - 1)                  # leave one block for each stage after this one
@@ -104,6 +119,23 @@ def _fits(n: int, p: int, stage: StageFn, bound: float) -> list[tuple[int, int]]
         cuts.append((first, lo))
         first = lo
     return cuts
+
+
+def _fits(n: int, p: int, stage: StageFn, bound: float) -> list[tuple[int, int]] | None:
+    """A cut under ``bound``, greedy from the first stage or from the last: the first is exact
+    when a stage's time does not fall with its index, the second when it does not rise (a 1F1B
+    pipeline's first stages hold the most micro-batches)."""
+    cut = _fits_forward(n, p, stage, bound)
+    if cut is not None:
+        return cut
+
+    def mirrored(first: int, last: int, k: int):
+        return stage(n - last, n - first, p - 1 - k)
+
+    back = _fits_forward(n, p, mirrored, bound)
+    if back is None:
+        return None
+    return [(n - b, n - a) for a, b in reversed(back)]
 
 
 def partition_bisect(n: int, p: int, stage: StageFn, *,

@@ -1,0 +1,196 @@
+"""``fitgraph plan-dist MODEL --devices N``: the best multi-device plan of a training step, or
+(``--fix``) the prediction of a given configuration; text, ``--json``, ``--plot`` (Gantt PNG),
+``--save`` (the plan as JSON for the executor).
+
+Example:
+    >>> args = build_parser().parse_args(["gpt", "--layers", "24", "--hidden", "2304",
+    ...                                   "--heads", "24", "--devices", "8",
+    ...                                   "--global-batch", "64"])
+    >>> args.devices, args.gpus_per_node, args.device
+    (8, 8, 'a100-80gb')
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_parser", "build_parser", "cmd_plan_dist", "format_plan"]
+
+GIB = 2**30
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), or a GPT preset: "
+                   "gpt3-175b, gpt-1.7b ... gpt-1t (Megatron-LM's Table 1 models)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int, default=51200)
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    p.add_argument("--devices", type=int, required=True, help="devices in all")
+    p.add_argument("--device", default="a100-80gb",
+                   help="device kind: a100-80gb, a100-40gb, h100, rtx3090, cpu-generic")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra-gbps", type=float, default=None,
+                   help="link inside a node, GB/s per device one way (default NVLink 3: 300)")
+    p.add_argument("--inter-gbps", type=float, default=None,
+                   help="link between nodes, GB/s per device one way (default HDR IB: 25)")
+    p.add_argument("--intra-latency-us", type=float, default=None)
+    p.add_argument("--inter-latency-us", type=float, default=None)
+    p.add_argument("--global-batch", type=int, required=True, help="samples per step")
+    p.add_argument("--precision", default="mixed-adam",
+                   choices=["mixed-adam", "fp32-adam", "mixed-sgd"],
+                   help="bytes per parameter: mixed-adam is 16 (bf16 weights and grads, fp32 "
+                        "master and Adam moments)")
+    p.add_argument("--budget-gib", type=float, default=None,
+                   help="memory per device for the plan (default: the device's less 2 GiB)")
+    p.add_argument("--fix", default="", help="pin fields: tp=8,pp=8,dp=16,microbatch=1,"
+                   "schedule=1f1b[,chunks=2,zero=1,sp=1,recompute=full|selective|none|auto,"
+                   "overlap=0]; tp, pp, dp, microbatch and schedule together predict that "
+                   "configuration")
+    p.add_argument("--datasheet", action="store_true",
+                   help="plan on datasheet peaks, without the device's calibration")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE", help="write the schedule's Gantt chart (PNG)")
+    p.add_argument("--save", metavar="FILE", help="write the plan (JSON) for the executor")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan-dist", help="plan pipeline, tensor and data parallelism with "
+                       "per-stage memory plans over many devices; predicted time and memory")
+    _arguments(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fitgraph plan-dist")
+    _arguments(p)
+    return p
+
+
+def _shape(args):
+    from .dist.megatron_table import GPT_PRESETS, GptShape
+
+    seq = args.seq or 2048
+    if args.model == "gpt":
+        missing = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is None]
+        if missing:
+            raise SystemExit(f"plan-dist gpt needs {', '.join(missing)}")
+        return GptShape(args.layers, args.hidden, args.heads, args.vocab, seq)
+    if args.model in GPT_PRESETS:
+        s = GPT_PRESETS[args.model]
+        return GptShape(s.layers, s.hidden, s.heads, args.vocab, seq)
+    raise SystemExit(f"plan-dist: unknown model {args.model!r}: 'gpt' with --layers/--hidden/"
+                     f"--heads, or one of {', '.join(GPT_PRESETS)}. Planning a zoo model's "
+                     f"captured graph across devices is not built yet.")
+
+
+def _cluster(args):
+    from .dist.calibration import calibrated_device
+    from .dist.cluster import LINKS, Cluster, Link
+
+    if args.devices % args.gpus_per_node and args.devices > args.gpus_per_node:
+        raise SystemExit(f"--devices {args.devices} is not a whole number of nodes of "
+                         f"{args.gpus_per_node}")
+    per_node = min(args.gpus_per_node, args.devices)
+    if args.datasheet:
+        from .cost.devices import get_device
+        device, note = get_device(args.device), "datasheet peaks"
+    else:
+        device, note = calibrated_device(args.device)
+
+    def link(base: Link, gbps, lat_us) -> Link:
+        if gbps is None and lat_us is None:
+            return base
+        return Link(base.name + "*", base.bandwidth if gbps is None else gbps * 1e9,
+                    base.latency_s if lat_us is None else lat_us * 1e-6, "given on the command line")
+
+    intra = link(LINKS["nvlink3"], args.intra_gbps, args.intra_latency_us)
+    inter = link(LINKS["hdr-ib"], args.inter_gbps, args.inter_latency_us)
+    return Cluster(device, per_node, args.devices // per_node, intra, inter), note
+
+
+def format_plan(p) -> str:
+    """The plan as a newcomer reads it: the configuration, the prediction, each stage."""
+    par, pr, c = p.parallelism, p.predicted, p.cluster
+    lines = [f"fitgraph plan-dist: {p.model} on {c['devices']} x {c['device']} "
+             f"({c['nodes']} nodes of {c['devices_per_node']}), global batch {p.global_batch}, "
+             f"seq {p.seq}, {p.precision}", f"device model   {p.device_note}"]
+    if p.search:
+        s = p.search
+        lines.append(f"search         {s['candidates']} configurations, {s['evaluated']} "
+                     f"evaluated, {s['simulated']} simulated, {p.plan_s:.2f} s")
+    lines += [
+        "",
+        f"parallelism    tp {par.tp} x pp {par.pp} x dp {par.dp}; micro-batch {par.micro_batch}"
+        f" x {par.n_micro}; schedule {par.schedule}"
+        + (f" ({par.chunks} chunks)" if par.chunks > 1 else "")
+        + f"; ZeRO-{par.zero}; sequence parallel {'on' if par.sp else 'off'}; recompute "
+        f"{par.recompute}; gradient reduction {'overlapped' if par.overlap_grad_reduce else 'after backward'}",
+        f"step           {pr['step_s']:.3f} s   ({pr['tokens_per_s']:,.0f} tokens/s, "
+        f"{pr['tflops_per_device']:.1f} TFLOP/s per device, MFU {pr['mfu'] * 100:.1f}%)",
+        f"peak memory    {pr['peak_bytes_per_device'] / GIB:.1f} GiB per device (budget "
+        f"{pr['budget_bytes'] / GIB:.1f} GiB)" + ("" if p.fits else f"  DOES NOT FIT: {p.binding}"),
+        "",
+        f"{'stage':>5} {'blocks':>14} {'busy s':>8} {'bubble':>7} {'tp comm':>8} {'dp sync':>8} "
+        f"{'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>6} {'peak GiB':>9}"
+        f"  memory plan"]
+    for s in p.stages:
+        t, m = s["time"], s["memory"]
+        blocks = s["blocks"]
+        span = blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
+        plan = ", ".join(f"{n} x{k}" for k, n in s["memory_plan"].items())
+        lines.append(
+            f"{s['index']:>5} {span:>14} {t['busy_s']:>8.2f} {t['bubble_s']:>7.2f} "
+            f"{t['tp_comm_s']:>8.2f} {t['dp_sync_s']:>8.3f} {m['weights'] / GIB:>8.1f} "
+            f"{m['gradients'] / GIB:>7.1f} {m['optimizer'] / GIB:>7.1f} "
+            f"{m['activations'] / GIB:>7.1f} {m['working'] / GIB:>6.1f} "
+            f"{s['peak_bytes'] / GIB:>9.1f}  {plan}")
+    lines += ["", "busy: compute per step (tensor-parallel collectives included); bubble: idle "
+              "in the pipeline; dp sync: exposed gradient reduction; memory in GiB per device; "
+              "memory plan: how many blocks keep everything ('none'), re-make some ops "
+              "('drop:...'), or keep only their input ('full')."]
+    return "\n".join(lines)
+
+
+def cmd_plan_dist(args) -> int:
+    from .dist.config import parse_fix
+    from .dist.memory import PRECISIONS
+    from .dist.plan import Infeasible, plan
+
+    shape = _shape(args)
+    cluster, note = _cluster(args)
+    try:
+        fix = parse_fix(args.fix)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    budget = args.budget_gib * GIB if args.budget_gib else None
+    try:
+        p = plan(shape, cluster, args.global_batch, fix=fix,
+                 precision=PRECISIONS[args.precision], budget=budget, device_note=note)
+    except Infeasible as e:
+        if args.json:
+            print(json.dumps({"fits": False, "error": str(e), "binding": e.binding,
+                              "smallest_devices": e.smallest_devices}))
+        else:
+            print(f"fitgraph plan-dist: {e}")
+        return 2
+    except ValueError as e:
+        raise SystemExit(f"plan-dist: {e}") from None
+    if args.save:
+        p.save(args.save)
+    if args.plot:
+        _plot(p, shape, cluster, args.plot)
+    print(json.dumps(p.to_json(), indent=1) if args.json else format_plan(p))
+    return 0 if p.fits else 3
+
+
+def _plot(p, shape, cluster, path: str) -> None:
+    from .dist.gantt import plot_gantt
+
+    timeline = p.prediction.timeline if p.prediction is not None else None
+    if timeline is None:
+        return
+    par = p.parallelism
+    plot_gantt(timeline, path, title=f"{p.model}: tp {par.tp} x pp {par.pp} x dp {par.dp}, "
+               f"{par.schedule}, {par.n_micro} micro-batches of {par.micro_batch}")
