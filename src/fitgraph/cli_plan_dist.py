@@ -21,8 +21,16 @@ GIB = 2**30
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), or a GPT preset: "
-                   "gpt3-175b, gpt-1.7b ... gpt-1t (Megatron-LM's Table 1 models)")
+    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), a GPT preset "
+                   "(gpt3-175b, gpt-1.7b ... gpt-1t: Megatron-LM's Table 1 models), or a zoo "
+                   "model (`fitgraph models`: its step captured, planned with tp=1)")
+    p.add_argument("--config", default="small", choices=["small", "paper"],
+                   help="zoo model size (paper: built on the meta device)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="zoo model: the batch to capture at (micro-batches scale from it)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="zoo model: the dtype to capture in (default bfloat16, float32 on "
+                        "cpu-generic); float32 plans with --precision fp32-adam")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
@@ -39,10 +47,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-latency-us", type=float, default=None)
     p.add_argument("--inter-latency-us", type=float, default=None)
     p.add_argument("--global-batch", type=int, required=True, help="samples per step")
-    p.add_argument("--precision", default="mixed-adam",
+    p.add_argument("--precision", default=None,
                    choices=["mixed-adam", "fp32-adam", "mixed-sgd"],
                    help="bytes per parameter: mixed-adam is 16 (bf16 weights and grads, fp32 "
-                        "master and Adam moments)")
+                        "master and Adam moments; the default), fp32-adam 16 (float32 weights)")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="memory per device for the plan (default: the device's less 2 GiB)")
     p.add_argument("--fix", default="", help="pin fields: tp=8,pp=8,dp=16,microbatch=1,"
@@ -68,6 +76,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model(args, cluster):
+    """A GPT by its shape, or a zoo model's captured step (timed on the cluster's device)."""
+    from .dist.megatron_table import GPT_PRESETS
+
+    if args.model == "gpt" or args.model in GPT_PRESETS:
+        return _shape(args)
+    import torch
+
+    from . import zoo
+    from .capture.api import capture
+    from .cost import RooflineCostModel
+    from .dist.graph_model import GraphModel
+
+    dtype = args.dtype or ("float32" if cluster.device.name.startswith("cpu") else "bfloat16")
+    try:
+        case = zoo.build(args.model, args.config, batch_size=args.batch,
+                         device="meta" if args.config == "paper" else "cpu",
+                         dtype=getattr(torch, dtype))
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"plan-dist: {e}; or 'gpt' with --layers/--hidden/--heads, or one of "
+                         f"{', '.join(GPT_PRESETS)}") from None
+    graph = capture(case.model, case.batch, case.loss_fn, None)
+    batch, seq = _batch_shape(case.batch)
+    if args.precision is None:
+        args.precision = "fp32-adam" if dtype == "float32" else "mixed-adam"
+    return GraphModel(graph, RooflineCostModel(cluster.device), batch_size=batch,
+                      name=f"{args.model} ({args.config}, {dtype})", seq=seq)
+
+
+def _batch_shape(batch) -> tuple[int, int]:
+    """Samples in a batch (the first tensor's first dim) and tokens per sample (its second,
+    where it holds token ids; else 1)."""
+    import torch
+
+    stack = [batch]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            seq = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1
+            return int(x.shape[0]), int(seq)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    raise SystemExit("plan-dist: the zoo model's batch holds no tensor")
+
+
 def _shape(args):
     from .dist.megatron_table import GPT_PRESETS, GptShape
 
@@ -81,8 +136,7 @@ def _shape(args):
         s = GPT_PRESETS[args.model]
         return GptShape(s.layers, s.hidden, s.heads, args.vocab, seq)
     raise SystemExit(f"plan-dist: unknown model {args.model!r}: 'gpt' with --layers/--hidden/"
-                     f"--heads, or one of {', '.join(GPT_PRESETS)}. Planning a zoo model's "
-                     f"captured graph across devices is not built yet.")
+                     f"--heads, one of {', '.join(GPT_PRESETS)}, or a zoo model")
 
 
 def _cluster(args):
@@ -158,8 +212,8 @@ def cmd_plan_dist(args) -> int:
     from .dist.memory import PRECISIONS
     from .dist.plan import Infeasible, plan
 
-    shape = _shape(args)
     cluster, note = _cluster(args)
+    shape = _model(args, cluster)
     try:
         fix = parse_fix(args.fix)
     except ValueError as e:
@@ -167,7 +221,8 @@ def cmd_plan_dist(args) -> int:
     budget = args.budget_gib * GIB if args.budget_gib else None
     try:
         p = plan(shape, cluster, args.global_batch, fix=fix,
-                 precision=PRECISIONS[args.precision], budget=budget, device_note=note)
+                 precision=PRECISIONS[args.precision or "mixed-adam"], budget=budget,
+                 device_note=note)
     except Infeasible as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "binding": e.binding,

@@ -90,16 +90,29 @@ def _comm_seconds(comms: tuple[Collective, ...], tp: int, link: Link) -> float:
 def price_block(block: Block, device: DeviceSpec, tp_link: Link,
                 dtype: str = "bfloat16") -> BlockCost:
     """Seconds and memory plans of ``block`` on ``device``, its collectives on ``tp_link``."""
-    fwd = {op.name: op_seconds(op.flops, op.bytes, op.matmul, device, dtype)
-           + _comm_seconds(op.fwd_comm, block.tp, tp_link) for op in block.ops}
+    def fwd_s(op: Op) -> float:
+        if op.seconds is not None:
+            return op.seconds
+        return op_seconds(op.flops, op.bytes, op.matmul, device, dtype)
+
+    def bwd_s(op: Op) -> float:
+        if op.bwd_seconds is not None:
+            return op.bwd_seconds
+        return op_seconds(op.bwd_flops, op.bwd_bytes, op.matmul, device, dtype)
+
+    def bwd_w_s(op: Op) -> float:
+        if op.bwd_w_seconds is not None:
+            return op.bwd_w_seconds
+        # NOTE: a matmul's weight gradient is a matmul of the same shape class as its input
+        # gradient; its share of the backward is its share of the FLOPs.
+        return bwd_s(op) * (op.bwd_w_flops / op.bwd_flops) if op.bwd_flops else 0.0
+
+    fwd = {op.name: fwd_s(op) + _comm_seconds(op.fwd_comm, block.tp, tp_link)
+           for op in block.ops}
     fwd_comm = sum(_comm_seconds(op.fwd_comm, block.tp, tp_link) for op in block.ops)
     bwd_comm = sum(_comm_seconds(op.bwd_comm, block.tp, tp_link) for op in block.ops)
-    bwd = sum(op_seconds(op.bwd_flops, op.bwd_bytes, op.matmul, device, dtype)
-              for op in block.ops) + bwd_comm
-    # NOTE: a matmul's weight gradient is a matmul of the same shape class as its input
-    # gradient; its share of the backward is its share of the FLOPs.
-    bwd_w = sum(op_seconds(op.bwd_flops, op.bwd_bytes, op.matmul, device, dtype)
-                * (op.bwd_w_flops / op.bwd_flops) for op in block.ops if op.bwd_flops)
+    bwd = sum(bwd_s(op) for op in block.ops) + bwd_comm
+    bwd_w = sum(bwd_w_s(op) for op in block.ops)
     options = _curve(block, fwd)
     return BlockCost(block, sum(fwd.values()), bwd, bwd_w, fwd_comm, bwd_comm, options)
 
@@ -141,8 +154,10 @@ def _structure(block: Block, subsets: list[frozenset[str]]):
 
 
 def _curve(block: Block, fwd: dict[str, float]) -> tuple[MemoryOption, ...]:
-    droppable = [op.name for op in block.ops if op.saved > 0]
-    named = {frozenset(): "none", frozenset(droppable): "full"}
+    droppable = [op.name for op in block.ops if op.saved > 0 and op.recomputable]
+    named = {frozenset(): "none"}
+    if droppable:
+        named[frozenset(droppable)] = "full"
     for name, dropped in block.options:
         named.setdefault(frozenset(dropped), name)
     if len(droppable) <= EXACT_OPS:

@@ -36,6 +36,7 @@ from .collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .config import Parallelism
 from .memory import MIXED_ADAM, Precision, optimizer_step_bytes
 from .model import ModelSpec
+from .ops import stage_params
 from .partition import partition_bisect, partition_dp
 from .schedules import chunks_held, in_flight
 from .simulate import ZB_W_HOLD, Timeline, simulate
@@ -278,13 +279,13 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         # NOTE: FSDP gathers a chunk's weights for its forward and again for its backward and
         # reduce-scatters its gradients, every micro-batch, prefetched beside compute.
         for c, (a, b) in enumerate(chunk_ranges):
-            params = sum(x.block.params for x in costs[a:b])
+            params = stage_params([x.block for x in costs[a:b]])
             link = cluster.link(par.dp_group(c % p))
             gather = all_gather_s(params * precision.weight, par.dp, link)
             scatter = reduce_scatter_s(params * precision.grad, par.dp, link)
             # NOTE: the first block's gather (forward) and the last one's reduce-scatter
             # (backward) have nothing to hide behind
-            block = max(x.block.params for x in costs[a:b])
+            block = max(stage_params([x.block]) for x in costs[a:b])
             first = all_gather_s(block * precision.weight, par.dp, link)
             last = reduce_scatter_s(block * precision.grad, par.dp, link)
             fwd[c] = max(fwd[c], gather) + first
@@ -328,6 +329,14 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         ends = [pipeline] * p
         busy = [m * x for x in per_dev]
         held = [plans[d].held_bytes for d in range(p)]
+    # NOTE: a parameter shared by blocks of different stages (a tied embedding and head) is a
+    # copy on each; their gradients are all-reduced between those stages after the backward
+    holding: dict[str, tuple[float, set[int]]] = {}
+    for c, (a, b) in enumerate(chunk_ranges):
+        for block in blocks[a:b]:
+            for name, count in block.shared:
+                holding.setdefault(name, (count, set()))[1].add(c % p)
+    shared = {k: (v[0], sorted(v[1])) for k, v in holding.items() if len(v[1]) > 1}
     stages = []
     for d in range(p):
         st = plans[d]
@@ -342,13 +351,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
                     + all_gather_s(st.params * precision.weight, par.dp, link))
         last_bwd = sum(bwd[c] for c in range(len(fwd)) if c % p == d)
         exposed = max(0.0, sync - last_bwd) if par.overlap_grad_reduce else sync
-        tied = 0.0
-        if p > 1 and d in (0, p - 1):
-            ends_blocks = [blocks[0]] if d == 0 else [blocks[-1]]
-            tied_params = sum(b.extra.get("tied_params", 0.0) for b in ends_blocks)
-            if tied_params:
-                pair = [par.rank(0, 0, 0), par.rank(p - 1, 0, 0)]
-                tied = all_reduce_s(tied_params * precision.grad, 2, cluster.link(pair))
+        tied = sum(all_reduce_s(count * precision.grad, len(holders),
+                                cluster.link([par.rank(k, 0, 0) for k in holders]))
+                   for name, (count, holders) in shared.items() if d in holders)
         opt = optimizer_step_bytes(st.params, precision, par.zero, par.dp) / cluster.device.bandwidth
         end = ends[d] + exposed + tied + opt
         stages.append(StageReport(

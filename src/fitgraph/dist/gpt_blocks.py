@@ -145,10 +145,10 @@ def gpt_embedding(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) 
         Op("emb_dropout", bytes=(3 * HALF + MASK) * n * q, saved=MASK * n * q,
            reads=("lookup",), bwd_flops=0.0, bwd_bytes=(2 * HALF + MASK) * n * q, matmul=False),
     )
-    return Block("embedding", "gpt-embedding", ops, params=v * h / tp + s * h,
+    return Block("embedding", "gpt-embedding", ops, params=s * h,
                  input_bytes=0.0, output_bytes=HALF * n * q, tp=tp, role="embedding",
-                 extra={"shape": shape, "micro_batch": micro_batch, "sp": sp,
-                        "tied_params": v * h / tp})
+                 shared=(("word_embeddings", v * h / tp),),
+                 extra={"shape": shape, "micro_batch": micro_batch, "sp": sp})
 
 
 def gpt_head(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) -> Block:
@@ -171,11 +171,11 @@ def gpt_head(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) -> Bl
            matmul=False, fwd_comm=ce_comm),
     )
     del in_fwd
-    return Block("head", "gpt-head", ops, params=v * h / tp + 2 * h,
+    return Block("head", "gpt-head", ops, params=2 * h,
                  input_bytes=HALF * n * q, output_bytes=0.0, tp=tp, role="head",
                  bwd_temp_bytes=(FLOAT + HALF) * logits,
-                 extra={"shape": shape, "micro_batch": micro_batch, "sp": sp,
-                        "tied_params": v * h / tp})
+                 shared=(("word_embeddings", v * h / tp),),
+                 extra={"shape": shape, "micro_batch": micro_batch, "sp": sp})
 
 
 def gpt_blocks(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) -> list[Block]:

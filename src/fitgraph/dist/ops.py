@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "INPUT", "Block", "Collective", "Op"]
+__all__ = ["COLLECTIVES", "INPUT", "Block", "Collective", "Op", "stage_params"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 # NOTE: the name an op reads for the block's input: kept whatever the memory plan (it is the
@@ -51,7 +51,10 @@ class Op:
     ``bwd_flops`` defaults to twice the forward's (input and weight gradients of a matmul) and
     ``bwd_bytes`` to the forward's; ``bwd_w_flops`` is the weight-gradient part of the backward
     (what a zero-bubble schedule defers). ``matmul`` ops run at the device's matmul peak, the
-    others are bound by memory bandwidth.
+    others are bound by memory bandwidth. Where a cost model already timed the op (a captured
+    graph's nodes), ``seconds``/``bwd_seconds``/``bwd_w_seconds`` hold its times on one device
+    and pricing takes them as they are; ``recomputable`` False keeps its outputs whatever the
+    memory plan (a random op drawn once, a value read far down the model).
     """
 
     name: str
@@ -65,6 +68,10 @@ class Op:
     matmul: bool | None = None
     fwd_comm: tuple[Collective, ...] = ()
     bwd_comm: tuple[Collective, ...] = ()
+    seconds: float | None = None       # measured/modelled seconds, instead of the roofline
+    bwd_seconds: float | None = None
+    bwd_w_seconds: float | None = None
+    recomputable: bool = True
 
     def __post_init__(self) -> None:
         if self.bwd_flops is None:
@@ -93,6 +100,9 @@ class Block:
     plans (name, ops whose saved outputs are re-made), e.g. Megatron's selective recompute.
     ``role``: "embedding", "body" or "head"; a recompute policy asked by name ("full",
     "selective") applies to the body's blocks, as Megatron-LM's does to its layers.
+    ``shared``: parameters other blocks read too (name, count on this device), not in
+    ``params``: a stage holds each once (``stage_params``); stages apart hold a copy each and
+    reduce its gradient together (a tied embedding and LM head).
     """
 
     name: str
@@ -103,6 +113,7 @@ class Block:
     output_bytes: float
     tp: int = 1
     role: str = "body"
+    shared: tuple[tuple[str, float], ...] = ()
     bwd_temp_bytes: float = 0.0
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -133,3 +144,12 @@ class Block:
     def saved_bytes(self) -> float:
         """Activation bytes kept per micro-batch when nothing is re-made (input included)."""
         return self.input_bytes + sum(op.saved for op in self.ops)
+
+
+def stage_params(blocks) -> float:
+    """Parameters a run of blocks holds on one device: each block's own, each shared one once."""
+    shared: dict[str, float] = {}
+    for b in blocks:
+        for name, count in b.shared:
+            shared[name] = count
+    return sum(b.params for b in blocks) + sum(shared.values())

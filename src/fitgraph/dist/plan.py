@@ -143,9 +143,9 @@ def _as_model(model) -> ModelSpec:
     if hasattr(model, "blocks") and hasattr(model, "why_not") and hasattr(model, "model_flops"):
         return model
     raise TypeError(
-        f"fitgraph.dist.plan plans a GptShape or a dist ModelSpec (e.g. GptModel), not "
-        f"{type(model).__name__}: give the model's shape (GptShape(layers, hidden, heads, "
-        f"vocab, seq)); planning a captured nn.Module's graph across devices is not built yet")
+        f"fitgraph.dist.plan plans a GptShape or a dist ModelSpec (GptModel, or GraphModel for "
+        f"a captured graph: GraphModel(fitgraph.capture(model, batch, loss_fn), cost_model, "
+        f"batch_size=...)), not {type(model).__name__}")
 
 
 def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precision: Precision,

@@ -34,6 +34,7 @@ from .config import ALL_SCHEDULES, Parallelism
 from .evaluate import Prediction, default_budget, evaluate
 from .memory import MIXED_ADAM, Precision, optimizer_step_bytes, parameter_bytes
 from .model import ModelSpec
+from .ops import stage_params
 
 __all__ = ["SearchResult", "candidates", "search"]
 
@@ -167,7 +168,7 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
                     c = price_block(b, cluster.device, link, precision.activation_dtype)
                     costs[k] = c.fwd_s + c.bwd_s
                 total += costs[k]
-            priced[key] = (total, sum(b.params for b in blocks))
+            priced[key] = (total, stage_params(blocks))
         return priced[key]
 
     bounded = []

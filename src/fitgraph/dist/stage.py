@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from .block_cost import BlockCost, MemoryOption
 from .memory import Precision, parameter_bytes
+from .ops import stage_params
 
 __all__ = ["StagePlan", "hull", "plan_stage"]
 
@@ -108,9 +109,10 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
                else [float(f) for f in in_flight])
     if len(flights) != len(costs):
         raise ValueError(f"{len(flights)} in-flight counts for {len(costs)} blocks")
-    params = sum(c.block.params for c in costs)
+    params = stage_params([c.block for c in costs])
     static = parameter_bytes(params, precision, zero, dp)
-    gather = 2 * precision.weight * max(c.block.params for c in costs) if zero >= 3 else 0.0
+    gather = (2 * precision.weight * max(stage_params([c.block]) for c in costs)
+              if zero >= 3 else 0.0)
     fixed = sum(static.values()) + gather
     if recompute == "auto":
         choice = _greedy(costs, flights, budget - fixed)

@@ -54,7 +54,8 @@ from ..remat.blocks import block_of
 from ..remat.stages import StageGraph, stage_graph
 from .rotor_chain import ChainModel, Op, RotorSchedule, RotorTable, replay
 
-__all__ = ["RotorChain", "rotor_chain", "rotor_recompute", "solve_rotor"]
+__all__ = ["RotorChain", "chain_stages", "rotor_chain", "rotor_recompute", "solve_rotor",
+           "value_readers"]
 
 SLOTS = 1000       # NOTE: one DP table for every memory up to what recomputes nothing
 SCAN = 4           # plans tried past the boundary a bisection finds (fits are not monotone)
@@ -218,6 +219,17 @@ def _stages(graph: Graph, sg: StageGraph):
         else:
             bstage[i] = keyed[nxt][1]      # between blocks: the next block's
     return fstage, bstage, names
+
+
+def chain_stages(graph: Graph, sg: StageGraph):
+    """The chain's cut (also what the multi-device planner cuts a captured graph into):
+    forward unit -> stage, backward unit -> stage, stage names."""
+    return _stages(graph, sg)
+
+
+def value_readers(sg: StageGraph, fstage: dict[int, int], bstage: dict[int, int]):
+    """value -> sorted {(side, stage)} of its readers: "F"/"B" and the stage, "O" otherwise."""
+    return _readers(sg, fstage, bstage)
 
 
 def _readers(sg: StageGraph, fstage: dict[int, int], bstage: dict[int, int]):

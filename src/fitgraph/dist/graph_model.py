@@ -1,0 +1,180 @@
+"""A captured training step as the multi-device planner's blocks: any model fitgraph captures.
+
+The graph is cut into the chain fitgraph's Rotor peer cuts it into (``solvers.peers.rotor.
+chain_stages``): what runs before the first repeated block, one block per repeated block (a
+numbered module: ``h.3``, ``encoder.layer.11``, ``layer2.1``; top-level modules when the model
+repeats none), then the head and loss; each backward unit goes with the block whose forward it
+differentiates. A block's ops are its forward units (``solvers.remat.stages``), each timed by
+the cost model (a roofline of the target device, or measured), saving what its block's
+backward reads; its backward is timed whole (the weight-gradient part: units that make a
+parameter's gradient). Values read beyond the next block (masks, skips) and random units are
+kept, never re-made. So each block gets the same op-level time–memory curve as a GPT layer.
+
+Scale: the graph is captured at ``batch_size`` samples; a micro-batch of ``b`` scales times,
+activations and FLOPs by ``b / batch_size`` (linear in the batch, as the kernels are at the
+sizes planned), parameters not. Tensor parallelism needs a model by its shape (``GptModel``):
+a captured graph is planned with ``tp = 1`` (pipeline, data parallelism, ZeRO, memory plans).
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    >>> g = fitgraph.capture(model, torch.randn(32, 64), lambda m, b: m(b).square().mean())
+    >>> gm = GraphModel(g, RooflineCostModel(get_device("a100-80gb")), batch_size=32)
+    >>> len(gm.blocks(1, 32, False)), gm.why_not(2, 32, False) is not None
+    (7, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import replace
+
+from ..cost.base import CostModel
+from ..graph.ir import Graph, Phase, Role
+from ..solvers.peers.rotor import chain_stages, value_readers
+from ..solvers.remat.stages import stage_graph
+from .ops import INPUT, Block, Op
+
+__all__ = ["GraphModel", "GraphModelError"]
+
+
+class GraphModelError(ValueError):
+    """The captured graph cannot be cut into a chain of blocks."""
+
+
+class GraphModel:
+    """A captured step (``graph``, timed by ``cost_model``) as a chain of blocks."""
+
+    def __init__(self, graph: Graph, cost_model: CostModel, *, batch_size: int,
+                 name: str = "", seq: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size {batch_size}: the samples the graph was captured at")
+        self.name = name or str(graph.meta.get("model", "captured"))
+        self.seq = seq
+        self.batch_size = batch_size
+        self._blocks = _chain_blocks(graph, cost_model)
+        self._flops = sum(n.flops for n in graph.nodes
+                          if n.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD))
+
+    def blocks(self, tp: int, micro_batch: int, sp: bool) -> list[Block]:
+        why = self.why_not(tp, micro_batch, sp)
+        if why:
+            raise ValueError(why)
+        r = micro_batch / self.batch_size
+        return [_scaled(b, r) for b in self._blocks]
+
+    def why_not(self, tp: int, micro_batch: int, sp: bool) -> str | None:
+        if tp != 1 or sp:
+            return (f"{self.name}: a captured graph is planned without tensor parallelism "
+                    f"(tp=1, no sequence parallelism); Megatron-style sharding needs the model "
+                    f"by its shape (GptModel / plan-dist --model gpt)")
+        if micro_batch < 1:
+            return f"micro-batch {micro_batch}"
+        return None
+
+    def model_flops(self, samples: int) -> float:
+        return self._flops * samples / self.batch_size
+
+
+def _scaled(block: Block, r: float) -> Block:
+    if r == 1:
+        return block
+    ops = tuple(replace(op, flops=op.flops * r, bytes=op.bytes * r, saved=op.saved * r,
+                        bwd_flops=op.bwd_flops * r, bwd_bytes=op.bwd_bytes * r,
+                        bwd_w_flops=op.bwd_w_flops * r,
+                        seconds=None if op.seconds is None else op.seconds * r,
+                        bwd_seconds=None if op.bwd_seconds is None else op.bwd_seconds * r,
+                        bwd_w_seconds=None if op.bwd_w_seconds is None else op.bwd_w_seconds * r)
+                for op in block.ops)
+    return replace(block, ops=ops, input_bytes=block.input_bytes * r,
+                   output_bytes=block.output_bytes * r, bwd_temp_bytes=block.bwd_temp_bytes * r)
+
+
+def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
+    sg = stage_graph(graph, cost_model)
+    fstage, bstage, names = chain_stages(graph, sg)
+    if len(names) < 2 or not bstage:
+        raise GraphModelError(
+            f"{graph.meta.get('model', 'the graph')}: no chain of at least two blocks with a "
+            f"backward was found (repeated numbered modules such as layers.0, layers.1, or "
+            f"top-level modules); a model that is one block runs on one device per replica: "
+            f"plan it with pp=1")
+    readers = value_readers(sg, fstage, bstage)
+    units, nodes, values = sg.units, graph.nodes, graph.values
+    n = len(names)
+    # parameters: storage -> (numel, the stages whose forward reads it)
+    params: dict[int, int] = {}
+    for vid in graph.inputs:
+        v = values[vid]
+        if v.role is Role.PARAMETER:
+            params[v.storage] = math.prod(v.shape) if v.shape else 1
+    reads_param: dict[int, set[int]] = {s: set() for s in params}
+    for u, k in fstage.items():
+        for m in units[u].members:
+            for vid in nodes[m].inputs:
+                st = values[vid].storage
+                if st in reads_param:
+                    reads_param[st].add(k)
+    own = [0.0] * n
+    shared: list[list[tuple[str, float]]] = [[] for _ in range(n)]
+    for st, stages in reads_param.items():
+        if len(stages) == 1:
+            own[next(iter(stages))] += params[st]
+        elif stages:
+            for k in stages:
+                shared[k].append((f"storage{st}", float(params[st])))
+    # values: the block each forward value belongs to, and who reads it
+    bwd_seconds = [0.0] * n
+    bwd_w = [0.0] * n
+    bwd_flops = [0.0] * n
+    for u, k in bstage.items():
+        bwd_seconds[k] += units[u].seconds
+        bwd_flops[k] += sum(nodes[m].flops for m in units[u].members)
+        if any(side == "O" for v in units[u].values for side, _ in readers[v]):
+            bwd_w[k] += units[u].seconds
+    a = [0.0] * n            # bytes the next block's forward reads
+    for u, k in fstage.items():
+        for v in units[u].values:
+            if any(side == "F" and s == k + 1 for side, s in readers[v]):
+                a[k] += sg.value_bytes[v]
+    blocks = []
+    for k in range(n):
+        mine = sorted(u for u, s in fstage.items() if s == k)
+        # NOTE: ops are named by position in their block, so that blocks of one structure
+        # (the repeated layers) have equal ops and share one kind: priced once
+        local = {u: f"o{i}" for i, u in enumerate(mine)}
+        ops = []
+        for u in mine:
+            unit = units[u]
+            saved, far = 0.0, False
+            for v in unit.values:
+                rd = readers[v]
+                if ("B", k) in rd:
+                    saved += sg.value_bytes[v]
+                # NOTE: read by another block's backward, by a forward past the next block,
+                # or by the optimizer: held from this forward on, never re-made
+                if any((side == "B" and s != k) or (side == "F" and s > k + 1) or side == "O"
+                       for side, s in rd):
+                    far = True
+                    if ("B", k) not in rd:
+                        saved += sg.value_bytes[v]
+            deps = tuple(local[d] for d in unit.deps if fstage.get(d) == k)
+            flops = sum(nodes[m].flops for m in unit.members)
+            ops.append(Op(local[u], flops=flops, bytes=0.0, saved=saved,
+                          reads=deps or (INPUT,), bwd_flops=0.0, bwd_bytes=0.0,
+                          matmul=flops > 0, seconds=unit.seconds, bwd_seconds=0.0,
+                          bwd_w_seconds=0.0, recomputable=unit.recomputable and not far))
+        ops.append(Op("backward", reads=(INPUT,), bwd_flops=bwd_flops[k], matmul=False,
+                      seconds=0.0, bwd_seconds=bwd_seconds[k], bwd_w_seconds=bwd_w[k]))
+        role = "embedding" if k == 0 else "head" if k == n - 1 else "body"
+        ops = tuple(ops)
+        kind = "graph:" + hashlib.sha1(repr((ops, own[k], a[k - 1] if k else 0.0,
+                                             a[k] if k < n - 1 else 0.0)).encode()).hexdigest()[:12]
+        blocks.append(Block(
+            names[k], kind, ops, params=own[k],
+            input_bytes=a[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
+            role=role, shared=tuple(shared[k]),
+            bwd_temp_bytes=0.0, extra={"units": len(mine)}))
+    return blocks
