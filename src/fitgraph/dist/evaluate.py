@@ -121,14 +121,22 @@ def _price(blocks, cluster: Cluster, par: Parallelism, precision: Precision,
     return out
 
 
-def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cache: dict):
+def _host_bandwidth(device) -> float | None:
+    """Where activations may be parked: host memory apart from the device's (a GPU's, over
+    PCIe; on a CPU "host" is the same memory and parking frees nothing)."""
+    return device.host_bandwidth if device.host_memory_apart else None
+
+
+def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cache: dict,
+                cluster_device):
     """(first, last) block ranges of the stages, and each stage's plan."""
     n, p = len(costs), par.pp
     ids = [id(c) for c in costs]
     uniform = len(set(ids[1:-1])) <= 1
     # NOTE: a stage's plan depends on its blocks' costs (shared across configurations of one
     # width and micro-batch through ``cache``), its in-flight count and its memory terms.
-    setting = (budget, precision, par.zero, par.dp, par.recompute)
+    host = _host_bandwidth(cluster_device)
+    setting = (budget, precision, par.zero, par.dp, par.recompute, host)
     memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n),
                             {})
 
@@ -137,7 +145,7 @@ def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cach
                else tuple(ids[first:last])) + (flights[k],) + setting
         if key not in memo:
             memo[key] = plan_stage(costs[first:last], flights[k], budget, precision, par.zero,
-                                   par.dp, par.recompute)
+                                   par.dp, par.recompute, host_bandwidth=host)
         return memo[key]
 
     def time(first: int, last: int, k: int) -> float | None:
@@ -238,10 +246,11 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         # partly (what their deferred W reads) until their W (``dist.simulate``).
         flights = [min(p - k, m) + min(k, max(0, m - (p - k))) * ZB_W_HOLD for k in range(p)]
     if v == 1:
-        cut = _stage_cuts(costs, names, par, flights, budget, precision, cache)
+        cut = _stage_cuts(costs, names, par, flights, budget, precision, cache, cluster.device)
         if cut is None and par.recompute == "auto":
             # nothing fits: cut as if memory were free, to say what does not fit
-            cut = _stage_cuts(costs, names, par, flights, math.inf, precision, cache)
+            cut = _stage_cuts(costs, names, par, flights, math.inf, precision, cache,
+                              cluster.device)
         if cut is None:
             return None
         chunk_ranges = [(a, b) for a, b, _ in cut]
@@ -312,7 +321,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
                             m, v=v, p2p_s=p2p, act_bytes=act, w_s=wgt if zb else None)
         ends = list(timeline.end_s)
         busy = list(timeline.busy_s)
-        held = list(timeline.peak_bytes)
+        # NOTE: the simulator holds every in-flight micro-batch on the device; what the memory
+        # plan parks in host memory at the worst moment is not there
+        held = [timeline.peak_bytes[d] - plans[d].offload_bytes for d in range(p)]
         pipeline = timeline.makespan_s
     else:
         per_dev = [0.0] * p

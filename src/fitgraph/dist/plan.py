@@ -128,11 +128,13 @@ def _stage_json(pred: Prediction) -> list[dict]:
             "index": s.index, "blocks": list(st.blocks), "devices": list(s.ranks),
             "peak_bytes": s.peak_bytes, "memory": s.memory(),
             "memory_plan": dict(sorted(Counter(st.plan).items())),
+            "offloaded_bytes": st.offload_bytes, "recomputed_s": st.recompute_s,
             "in_flight": st.in_flight,
             "time": {"fwd_s": st.fwd_s, "bwd_s": st.bwd_s, "recompute_s": st.recompute_s,
                      "busy_s": s.busy_s, "bubble_s": s.bubble_s, "tp_comm_s": s.tp_comm_s,
                      "p2p_s": s.p2p_s, "dp_sync_s": s.dp_sync_s, "tied_sync_s": s.tied_sync_s,
-                     "optimizer_s": s.optimizer_s, "end_s": s.end_s},
+                     "optimizer_s": s.optimizer_s, "end_s": s.end_s,
+                     "offload_exposed_s": st.offload_s},
         })
     return out
 

@@ -55,11 +55,13 @@ class StagePlan:
     params: float
     in_flight: float               # the most micro-batches held (per block when they differ)
     kept_bytes: float              # per micro-batch
-    held_bytes: float              # activations at the schedule's worst moment
+    held_bytes: float              # activations on the device at the schedule's worst moment
     working_bytes: float
     weights: float
     gradients: float
     optimizer: float
+    offload_bytes: float = 0.0     # held activations parked in host memory at that moment
+    offload_s: float = 0.0         # copy time per micro-batch not hidden behind compute
 
     @property
     def activations(self) -> float:
@@ -99,10 +101,19 @@ def hull(options: Sequence[MemoryOption]) -> list[int]:
 
 def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], budget: float,
                precision: Precision, zero: int = 0, dp: int = 1,
-               recompute: str = "auto", names: Sequence[str] | None = None) -> StagePlan | None:
+               recompute: str = "auto", names: Sequence[str] | None = None,
+               host_bandwidth: float | None = None) -> StagePlan | None:
     """The stage of ``costs`` (its blocks in order, named ``names``) under the least recompute
     that fits ``budget`` bytes, or None when even the most recompute does not fit. A named
-    ``recompute`` is applied whether it fits or not (the caller reads ``peak_bytes``)."""
+    ``recompute`` is applied whether it fits or not (the caller reads ``peak_bytes``).
+
+    With ``host_bandwidth`` (bytes/s each way between the device and host memory apart from
+    it) ``"auto"`` may also park the activations of micro-batches waiting for their backward in
+    host memory (every block keeps its current micro-batch's): each parked byte goes out after
+    the forward and comes back before the backward, hidden behind a micro-batch's compute up to
+    ``host_bandwidth × (fwd + bwd) / 2`` bytes per micro-batch (free, taken first), beyond that
+    exposed — weighed per byte against recompute's next step. Needs one in-flight count for
+    every block (not interleaved)."""
     if not costs:
         raise ValueError("a stage needs at least one block")
     flights = ([float(in_flight)] * len(costs) if isinstance(in_flight, (int, float))
@@ -114,25 +125,32 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
     gather = (2 * precision.weight * max(stage_params([c.block]) for c in costs)
               if zero >= 3 else 0.0)
     fixed = sum(static.values()) + gather
+    offload = None
+    if host_bandwidth and recompute == "auto" and len(set(flights)) == 1 and flights[0] > 1:
+        window = sum(c.fwd_s + c.bwd_s for c in costs)
+        offload = (host_bandwidth, window, flights[0])
+    parked, exposed = 0.0, 0.0
     if recompute == "auto":
-        choice = _greedy(costs, flights, budget - fixed)
-        if choice is None:
+        got = _greedy(costs, flights, budget - fixed, offload)
+        if got is None:
             return None
+        choice, parked, exposed = got
     else:
         choice = [c.option(recompute) if c.block.role == "body" and _has(c, recompute)
                   else c.options[0] for c in costs]
     kept = sum(o.kept_bytes for o in choice)
-    held = sum(f * o.kept_bytes for f, o in zip(flights, choice))
+    held = sum(f * o.kept_bytes for f, o in zip(flights, choice)) - parked
     working = max(o.working_bytes for o in choice) + gather
     plan = StagePlan(
         blocks=tuple(names) if names is not None else tuple(c.block.name for c in costs), plan=tuple(o.name for o in choice),
         fwd_s=sum(c.fwd_s for c in costs),
-        bwd_s=sum(c.bwd_s for c in costs) + sum(o.recompute_s for o in choice),
+        bwd_s=sum(c.bwd_s for c in costs) + sum(o.recompute_s for o in choice) + exposed,
         bwd_w_s=sum(c.bwd_w_s for c in costs), recompute_s=sum(o.recompute_s for o in choice),
         recompute_flops=sum(o.recompute_flops for o in choice),
         params=params, in_flight=max(flights), kept_bytes=kept, held_bytes=held,
         working_bytes=working,
-        weights=static["weights"], gradients=static["gradients"], optimizer=static["optimizer"])
+        weights=static["weights"], gradients=static["gradients"], optimizer=static["optimizer"],
+        offload_bytes=parked, offload_s=exposed)
     if recompute == "auto" and plan.peak_bytes > budget * (1 + 1e-12):
         return None
     return plan
@@ -142,10 +160,12 @@ def _has(cost: BlockCost, name: str) -> bool:
     return any(o.name == name for o in cost.options)
 
 
-def _greedy(costs: Sequence[BlockCost], flights: Sequence[float],
-            room: float) -> list[MemoryOption] | None:
+def _greedy(costs: Sequence[BlockCost], flights: Sequence[float], room: float,
+            offload: tuple[float, float, float] | None = None
+            ) -> tuple[list[MemoryOption], float, float] | None:
     """Per block, the option of the least recompute whose activations and working bytes fit
-    in ``room``."""
+    in ``room``; with ``offload`` = (host bandwidth, compute seconds per micro-batch, in-flight
+    count), also the bytes parked in host memory and their exposed seconds per micro-batch."""
     if room < 0:
         return None
     groups: dict[tuple[int, float], list[int]] = {}
@@ -160,15 +180,38 @@ def _greedy(costs: Sequence[BlockCost], flights: Sequence[float],
     def at(g: tuple[int, float], h: int) -> MemoryOption:
         return opts[g][hulls[g][min(h, len(hulls[g]) - 1)]]
 
-    def excess() -> float:
-        kept, working = 0.0, 0.0
+    def sums() -> tuple[float, float, float]:
+        """(held bytes, parkable bytes: all but one micro-batch of each, working bytes)"""
+        held, one, working = 0.0, 0.0, 0.0
         for g in keys:
             h, j = state[g]
             a, b = at(g, h), at(g, h + 1)
-            kept += g[1] * ((len(groups[g]) - j) * a.kept_bytes + j * b.kept_bytes)
+            kept = (len(groups[g]) - j) * a.kept_bytes + j * b.kept_bytes
+            held += g[1] * kept
+            one += kept
             working = max(working, a.working_bytes if j < len(groups[g]) else 0.0,
                           b.working_bytes if j else 0.0)
-        return kept + working - room
+        return held, held - one, working
+
+    bandwidth, window, flight = offload if offload else (0.0, 0.0, 1.0)
+    # NOTE: parked bytes per micro-batch go out and come back (2x over the link); what a
+    # micro-batch's compute hides is free, the rest costs 2 / bandwidth per micro-batch byte,
+    # i.e. 2 / (bandwidth (f - 1)) seconds per byte of the peak — recompute's unit
+    free = bandwidth * window / 2 * (flight - 1)
+    price = 2 / (bandwidth * (flight - 1)) if offload else math.inf
+    parked = 0.0
+
+    def excess() -> float:
+        nonlocal parked
+        held, parkable, working = sums()
+        cap = parkable if offload else 0.0
+        parked = min(parked, cap)
+        over = held - parked + working - room
+        if over > 0 and offload:
+            take = min(over, max(0.0, min(free, cap) - parked))   # the free part first
+            parked += take
+            over -= take
+        return over
 
     heap: list[tuple[float, int, tuple[int, float]]] = []
 
@@ -184,6 +227,13 @@ def _greedy(costs: Sequence[BlockCost], flights: Sequence[float],
         push(g)
     over = excess()
     while over > 0:
+        if offload and (not heap or price < heap[0][0]):
+            _, parkable, _ = sums()
+            take = min(over, parkable - parked)
+            if take > 0:
+                parked += take
+                over = excess()
+                continue
         if not heap:
             return None
         _, _, g = heapq.heappop(heap)
@@ -199,7 +249,12 @@ def _greedy(costs: Sequence[BlockCost], flights: Sequence[float],
         h, j = state[g]
         for k, i in enumerate(groups[g]):
             out[i] = at(g, h + (k < j))
-    return out
+    held, _, working = sums()
+    parked = max(0.0, min(parked, held + working - room))   # no more than the fit needs
+    exposed = 0.0
+    if offload and parked > 0:
+        exposed = max(0.0, 2 * parked / (flight - 1) / bandwidth - window)
+    return out, parked, exposed
 
 
 def _slope(opts: Sequence[MemoryOption], hl: list[int], h: int) -> float:
