@@ -193,7 +193,9 @@ def format_plan(p) -> str:
         t, m = s["time"], s["memory"]
         blocks = s["blocks"]
         span = blocks[0] if len(blocks) == 1 else f"{blocks[0]}..{blocks[-1]}"
-        plan = ", ".join(f"{n} x{k}" for k, n in s["memory_plan"].items())
+        plan = ", ".join(f"{k} x{n}" for k, n in s["memory_plan"].items())
+        if s.get("offloaded_bytes"):
+            plan += f"; {s['offloaded_bytes'] / GIB:.1f} GiB parked in host memory"
         lines.append(
             f"{s['index']:>5} {span:>14} {t['busy_s']:>8.2f} {t['bubble_s']:>7.2f} "
             f"{t['tp_comm_s']:>8.2f} {t['dp_sync_s']:>8.3f} {m['weights'] / GIB:>8.1f} "
@@ -202,8 +204,8 @@ def format_plan(p) -> str:
             f"{s['peak_bytes'] / GIB:>9.1f}  {plan}")
     lines += ["", "busy: compute per step (tensor-parallel collectives included); bubble: idle "
               "in the pipeline; dp sync: exposed gradient reduction; memory in GiB per device; "
-              "memory plan: how many blocks keep everything ('none'), re-make some ops "
-              "('drop:...'), or keep only their input ('full')."]
+              "memory plan: blocks that keep everything ('none'), re-make some ops in the "
+              "backward ('drop:...'), or keep only their input ('full'), and how many."]
     return "\n".join(lines)
 
 

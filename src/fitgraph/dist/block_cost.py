@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -36,7 +37,7 @@ from .cluster import Link
 from .collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from .ops import INPUT, Block, Collective, Op
 
-__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "op_seconds", "price_block"]
+__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "hull", "op_seconds", "price_block"]
 
 EXACT_OPS = 14
 _COLLECTIVE = {"all_reduce": all_reduce_s, "all_gather": all_gather_s,
@@ -67,6 +68,7 @@ class BlockCost:
     fwd_comm_s: float     # tensor-parallel collectives inside ``fwd_s``
     bwd_comm_s: float
     options: tuple[MemoryOption, ...]
+    hull: tuple[int, ...] = ()     # the curve's lower convex hull (``stage.hull``), indices
 
     def option(self, name: str) -> MemoryOption:
         for o in self.options:
@@ -114,7 +116,29 @@ def price_block(block: Block, device: DeviceSpec, tp_link: Link,
     bwd = sum(bwd_s(op) for op in block.ops) + bwd_comm
     bwd_w = sum(bwd_w_s(op) for op in block.ops)
     options = _curve(block, fwd)
-    return BlockCost(block, sum(fwd.values()), bwd, bwd_w, fwd_comm, bwd_comm, options)
+    return BlockCost(block, sum(fwd.values()), bwd, bwd_w, fwd_comm, bwd_comm, options,
+                     tuple(hull(options)))
+
+
+def hull(options: Sequence[MemoryOption]) -> list[int]:
+    """Indices of the lower convex hull of a curve (kept bytes decreasing): the steps in the
+    order a greedy should take them, each freeing bytes at a higher price than the last."""
+    out: list[int] = [0]
+    for i in range(1, len(options)):
+        if options[i].kept_bytes >= options[out[-1]].kept_bytes:
+            continue
+        while len(out) >= 2:
+            a, b = options[out[-2]], options[out[-1]]
+            c = options[i]
+            # NOTE: slope = seconds per byte freed; drop b when a->c is no dearer than a->b.
+            ab = (b.recompute_s - a.recompute_s) / (a.kept_bytes - b.kept_bytes)
+            ac = (c.recompute_s - a.recompute_s) / (a.kept_bytes - c.kept_bytes)
+            if ac <= ab:
+                out.pop()
+            else:
+                break
+        out.append(i)
+    return out
 
 
 def _rerun(block: Block, dropped: frozenset[str]) -> list[Op]:

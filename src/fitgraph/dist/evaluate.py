@@ -113,7 +113,7 @@ def _price(blocks, cluster: Cluster, par: Parallelism, precision: Precision,
     link = cluster.link(range(par.tp))
     out = []
     for b in blocks:
-        key = ("price", b.kind, b.ops, b.params, b.input_bytes, b.role, link,
+        key = ("price", cluster.device, b.kind, b.ops, b.params, b.input_bytes, b.role, link,
                precision.activation_dtype)
         if key not in cache:
             cache[key] = price_block(b, cluster.device, link, precision.activation_dtype)
@@ -137,16 +137,17 @@ def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cach
     # width and micro-batch through ``cache``), its in-flight count and its memory terms.
     host = _host_bandwidth(cluster_device)
     setting = (budget, precision, par.zero, par.dp, par.recompute, host)
-    memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n),
-                            {})
+    memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n,
+                             setting), {})
 
     def plan(first: int, last: int, k: int) -> StagePlan | None:
-        key = ((first == 0, last == n, last - first) if uniform
-               else tuple(ids[first:last])) + (flights[k],) + setting
-        if key not in memo:
-            memo[key] = plan_stage(costs[first:last], flights[k], budget, precision, par.zero,
-                                   par.dp, par.recompute, host_bandwidth=host)
-        return memo[key]
+        key = ((first == 0, last == n, last - first, flights[k]) if uniform
+               else (tuple(ids[first:last]), flights[k]))
+        hit = memo.get(key, memo)
+        if hit is memo:
+            hit = memo[key] = plan_stage(costs[first:last], flights[k], budget, precision,
+                                         par.zero, par.dp, par.recompute, host_bandwidth=host)
+        return hit
 
     def time(first: int, last: int, k: int) -> float | None:
         st = plan(first, last, k)
@@ -284,6 +285,14 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         tp_comm.append(sum(c.fwd_comm_s + c.bwd_comm_s for c in cs)
                        + sum(o.recompute_s * (c.fwd_comm_s / c.fwd_s if c.fwd_s else 0)
                              for c, o in zip(cs, chosen)))
+    if par.zero == 2 and par.dp > 1 and m > 1:
+        # NOTE: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's
+        # gradients are reduce-scattered as its backward makes them (hidden behind it up to
+        # its length), not accumulated whole and reduced once
+        for c, (a, b) in enumerate(chunk_ranges):
+            params = stage_params([x.block for x in costs[a:b]])
+            link = cluster.link(par.dp_group(c % p))
+            bwd[c] = max(bwd[c], reduce_scatter_s(params * precision.grad, par.dp, link))
     if par.zero >= 3 and par.dp > 1:
         # NOTE: FSDP gathers a chunk's weights for its forward and again for its backward and
         # reduce-scatters its gradients, every micro-batch, prefetched beside compute.
@@ -330,13 +339,19 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         for c in range(len(fwd)):
             per_dev[c % p] += fwd[c] + bwd[c]
         worst = max(per_dev)
+        # NOTE: in a 1F1B steady state a balanced stage waits for each micro-batch's
+        # activation and gradient to arrive: the sends add to every cycle (GPipe streams its
+        # forwards, then its backwards, and pays them once)
+        hop = 2 * max(p2p, default=0.0)
         if zb:
             idle = max(max(0.0, f + b - 2 * w) for f, b, w in zip(fwd, bwd, wgt))
-            pipeline = m * worst + (p - 1) * idle + 2 * sum(p2p)
+            pipeline = m * (worst + hop) + (p - 1) * idle + 2 * sum(p2p)
         elif v > 1:
-            pipeline = (m + (p - 1) / v) * worst + 2 * sum(p2p)
-        else:
+            pipeline = (m + (p - 1) / v) * (worst + v * hop) + 2 * sum(p2p)
+        elif par.schedule == "gpipe":
             pipeline = sum(per_dev) + (m - 1) * worst + 2 * sum(p2p)
+        else:
+            pipeline = sum(per_dev) + (m - 1) * (worst + hop) + 2 * sum(p2p)
         ends = [pipeline] * p
         busy = [m * x for x in per_dev]
         held = [plans[d].held_bytes for d in range(p)]
@@ -357,6 +372,11 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
             sync = 0.0
         elif par.zero == 0:
             sync = all_reduce_s(grads, par.dp, link)
+        elif par.zero == 2 and m > 1:
+            # the last micro-batch's reduce-scatter (the others ran inside their backwards)
+            # and the gather of the updated weights
+            sync = (reduce_scatter_s(grads, par.dp, link)
+                    + all_gather_s(st.params * precision.weight, par.dp, link))
         else:
             sync = (reduce_scatter_s(grads, par.dp, link)
                     + all_gather_s(st.params * precision.weight, par.dp, link))

@@ -21,7 +21,7 @@ Example:
     >>> def stage(first, last, k):
     ...     return float(sum(times[first:last]))
     >>> partition_dp(len(times), 3, stage), partition_bisect(len(times), 3, stage)  # both 4
-    ([(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 5), (5, 6)])
+    ([(0, 1), (1, 4), (4, 6)], [(0, 1), (1, 4), (4, 6)])
 """
 
 from __future__ import annotations
@@ -125,21 +125,18 @@ def _fits(n: int, p: int, stage: StageFn, bound: float) -> list[tuple[int, int]]
     """A cut under ``bound``, greedy from the first stage or from the last: the first is exact
     when a stage's time does not fall with its index, the second when it does not rise (a 1F1B
     pipeline's first stages hold the most micro-batches)."""
-    cut = _fits_forward(n, p, stage, bound)
-    if cut is not None:
-        return cut
-
     def mirrored(first: int, last: int, k: int):
         return stage(n - last, n - first, p - 1 - k)
 
+    # NOTE: from the last stage first: the 1F1B case, where it is the one that is exact
     back = _fits_forward(n, p, mirrored, bound)
-    if back is None:
-        return None
-    return [(n - b, n - a) for a, b in reversed(back)]
+    if back is not None:
+        return [(n - b, n - a) for a, b in reversed(back)]
+    return _fits_forward(n, p, stage, bound)
 
 
 def partition_bisect(n: int, p: int, stage: StageFn, *,
-                     rel_tol: float = 1e-9) -> list[tuple[int, int]] | None:
+                     rel_tol: float = 1e-7) -> list[tuple[int, int]] | None:
     """The least-bottleneck cut by bisection on the bound (stage times must not fall when a
     stage gains a block)."""
     _check(n, p)

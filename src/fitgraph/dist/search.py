@@ -97,8 +97,11 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int,
                     if model.why_not(tp, b, sp):
                         continue
                     for schedule, chunks in _schedules(pp, m, n_blocks, fixed):
+                        # NOTE: ZeRO-1 moves the bytes ZeRO-0's all-reduce moves and updates
+                        # 1/dp of the parameters: never slower, never larger (Megatron's
+                        # distributed optimizer); ZeRO-0 is searched only without replicas
                         zeros = ([fixed["zero"]] if "zero" in fixed
-                                 else ([0, 1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0])
+                                 else ([1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0])
                         for zero in zeros:
                             out.append(Parallelism(
                                 tp=tp, pp=pp, dp=dp, micro_batch=b, n_micro=m,
@@ -143,7 +146,7 @@ def _bound(par: Parallelism, seconds: float, params: float, precision: Precision
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
            fixed: dict | None = None, precision: Precision = MIXED_ADAM,
-           budget: float | None = None, top: int = 4,
+           budget: float | None = None, top: int = 6,
            max_tp: int | None = None) -> SearchResult:
     """The fastest configuration of ``model`` on ``cluster`` at ``global_batch`` samples per
     step that fits every device (``best`` is None when none fits; ``rejected`` counts why)."""

@@ -34,7 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .block_cost import BlockCost, MemoryOption
+from .block_cost import BlockCost, MemoryOption, hull
 from .memory import Precision, parameter_bytes
 from .ops import stage_params
 
@@ -76,27 +76,6 @@ class StagePlan:
     @property
     def time_s(self) -> float:
         return self.fwd_s + self.bwd_s
-
-
-def hull(options: Sequence[MemoryOption]) -> list[int]:
-    """Indices of the lower convex hull of a curve (kept bytes decreasing): the steps in the
-    order a greedy should take them, each freeing bytes at a higher price than the last."""
-    out: list[int] = [0]
-    for i in range(1, len(options)):
-        if options[i].kept_bytes >= options[out[-1]].kept_bytes:
-            continue
-        while len(out) >= 2:
-            a, b = options[out[-2]], options[out[-1]]
-            c = options[i]
-            # NOTE: slope = seconds per byte freed; drop b when a->c is no dearer than a->b.
-            ab = (b.recompute_s - a.recompute_s) / (a.kept_bytes - b.kept_bytes)
-            ac = (c.recompute_s - a.recompute_s) / (a.kept_bytes - c.kept_bytes)
-            if ac <= ab:
-                out.pop()
-            else:
-                break
-        out.append(i)
-    return out
 
 
 def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], budget: float,
@@ -173,7 +152,7 @@ def _greedy(costs: Sequence[BlockCost], flights: Sequence[float], room: float,
         groups.setdefault((id(c), flights[i]), []).append(i)
     keys = list(groups)
     opts = {g: costs[groups[g][0]].options for g in keys}
-    hulls = {g: hull(opts[g]) for g in keys}
+    hulls = {g: list(costs[groups[g][0]].hull) or hull(opts[g]) for g in keys}
     # per group: hull position h (its blocks at hull[h]) and j of them already at hull[h + 1]
     state = {g: [0, 0] for g in keys}
 
