@@ -24,7 +24,7 @@ from fitgraph.dist.gpt_blocks import gpt_blocks
 from fitgraph.dist.megatron_table import TABLE1, GptShape
 from fitgraph.dist.memory import MIXED_ADAM, MIXED_SGD
 from fitgraph.dist.model import GptModel
-from fitgraph.dist.plan import plan
+from fitgraph.dist.planner import plan
 
 SHAPE = GptShape(8, 1024, 16, seq=512)
 MODEL = GptModel(SHAPE)
@@ -311,3 +311,29 @@ def test_megatron_cluster_is_dgx_a100_calibrated():
     base = dgx_a100(8)
     assert (c.devices, c.devices_per_node, c.intra, c.inter) == (64, 8, base.intra, base.inter)
     assert c.device.flop_efficiency < 1 and MIXED_ADAM.per_parameter == 16
+
+
+# -- ZB-V: two chunks per device in a V -----------------------------------------------------
+
+def test_zb_v_memory_is_what_the_simulator_holds_and_its_bubble_is_smaller():
+    model = GptModel(GptShape(16, 1024, 16, seq=512))
+    cluster = Cluster(get_device("a100-80gb"), 4, 2, LINKS["nvlink3"], LINKS["hdr-ib"])
+    zbv = Parallelism(tp=1, pp=4, dp=2, micro_batch=1, n_micro=16, schedule="zb-v", chunks=2)
+    one = Parallelism(tp=1, pp=4, dp=2, micro_batch=1, n_micro=16, schedule="1f1b")
+    sim, closed = evaluate(model, cluster, zbv), evaluate(model, cluster, zbv, simulated=False)
+    assert sim.fits
+    for a, b in zip(sim.stages, closed.stages):
+        assert a.activations == pytest.approx(b.activations, rel=1e-9)
+        assert a.peak_bytes == pytest.approx(sum(a.memory().values()))
+    # the V puts the embedding (first chunk) and the head (last) on device 0: one holder of
+    # the tied embedding, no reduction between stages for it
+    assert sim.stages[0].tied_sync_s == 0.0
+    assert "embedding" in sim.stages[0].plan.blocks and "head" in sim.stages[0].plan.blocks
+    base = evaluate(model, cluster, one)
+    # the same devices, the same work: ZB-V's pipeline (the bubble it leaves) is shorter
+    assert sim.pipeline_s < base.pipeline_s and sim.step_s < base.step_s
+
+
+def test_zb_v_needs_two_chunks():
+    with pytest.raises(ValueError, match="two chunks"):
+        Parallelism(tp=1, pp=4, dp=2, micro_batch=1, n_micro=16, schedule="zb-v")

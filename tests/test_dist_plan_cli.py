@@ -20,7 +20,7 @@ from fitgraph.dist.calibration import (
 from fitgraph.dist.cluster import dgx_a100
 from fitgraph.dist.config import Parallelism
 from fitgraph.dist.megatron_table import TABLE1, GptShape
-from fitgraph.dist.plan import FORMAT, VERSION, DistPlan, plan
+from fitgraph.dist.planner import FORMAT, VERSION, DistPlan, plan
 
 SHAPE = GptShape(8, 1024, 16, seq=512)
 GPT = ["plan-dist", "gpt", "--layers", "8", "--hidden", "1024", "--heads", "16", "--seq", "512",

@@ -21,7 +21,7 @@ from fitgraph.dist.megatron_table import GPT_PRESETS, TABLE1, GptShape
 from fitgraph.dist.memory import MIXED_ADAM
 from fitgraph.dist.model import GptModel
 from fitgraph.dist.ops import stage_params
-from fitgraph.dist.plan import Infeasible, plan
+from fitgraph.dist.planner import Infeasible, plan
 from fitgraph.dist.search import _bound, candidates, search
 
 SHAPE = GptShape(8, 1024, 16, seq=512)

@@ -14,6 +14,7 @@ from fitgraph.dist.simulate import (
     ZB_W_HOLD,
     Action,
     _run_programs,
+    chunk_device,
     programs,
     simulate,
 )
@@ -120,6 +121,125 @@ def test_zero_bubble_h1_by_hand_on_two_devices():
                             "W1.0": (5, 6), "W1.1": (6, 7)}
 
 
+def zb_v(p, m, t=0.5, act=0.5, **kw):
+    """ZB-V on p devices with F = B = W = t per chunk (a chunk is half a stage)."""
+    n = 2 * p
+    return simulate("zb-v", [t] * n, [t] * n, m, v=2, w_s=[t] * n, act_bytes=[act] * n, **kw)
+
+
+def test_the_v_places_a_devices_chunks_at_both_ends():
+    assert [chunk_device("zb-v", 4, 2, k) for k in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [chunk_device("interleaved", 4, 2, k) for k in range(8)] == [0, 1, 2, 3] * 2
+    assert [chunk_device(s, 4, 1, k) for s in ("gpipe", "1f1b", "zb-h1")
+            for k in range(4)] == [0, 1, 2, 3] * 3
+    assert [chunk_device("zb-v", 1, 2, k) for k in range(2)] == [0, 0]
+    tl = zb_v(4, 8)
+    for e in tl.events:
+        assert e.device == chunk_device("zb-v", 4, 2, e.action.chunk)
+
+
+@pytest.mark.parametrize("m", [8, 16])
+def test_zero_bubble_v_halves_zero_bubble_h1s_bubble(m):
+    p, n = 4, 8
+    zv = zb_v(p, m)
+    # NOTE: the same work per device: a whole stage of F = B = W = 1 for 1F1B and ZB-H1
+    zh = simulate("zb-h1", [1.0] * p, [1.0] * p, m, w_s=[1.0] * p, act_bytes=[1.0] * p)
+    one = simulate("1f1b", [1.0] * p, [2.0] * p, m, act_bytes=[1.0] * p)
+    assert zv.busy_s == zh.busy_s == one.busy_s == (3.0 * m,) * p
+    # NOTE: by hand (F = B = W = T per chunk, m >= 2p): device p - 1's first input comes
+    # after the p - 1 chunk forwards before it, and it then works m (F + B + W) on each of
+    # its two chunks: makespan >= (p - 1) T + 6 m T. The V attains it: every device idles
+    # (p - 1) T = (p - 1) F_chunk, half of ZB-H1's (p - 1) B_stage, a sixth of 1F1B's
+    # (p - 1)(F + B + W)_stage (the paper's "zero bubble" leaves this fill alone)
+    t = 0.5
+    assert zv.makespan_s == (p - 1) * t + 6 * m * t
+    assert [zv.bubble_s(d) for d in range(p)] == [(p - 1) * t] * p == [1.5] * p
+    assert [zh.bubble_s(d) for d in range(p)] == [3.0] * p
+    assert [one.bubble_s(d) for d in range(p)] == [9.0] * p
+    assert max(zv.bubble_s(d) for d in range(p)) < min(zh.bubble_s(d) for d in range(p))
+    # NOTE: with m >= 2p - 1 every device holds 2p chunk micro-batches at its peak (device 0:
+    # 2p - 1 warm-up forwards of chunk 0, then one of chunk 2p - 1 before its B): p whole
+    # stages' worth, exactly 1F1B's first stage, on every device; ZB-H1 holds less downstream
+    assert zv.peak_bytes == (one.peak_bytes[0],) * p == (p * 1.0,) * p
+    assert all(z >= h for z, h in zip(zv.peak_bytes, zh.peak_bytes))
+    assert len(zv.events) == 3 * n * m
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zero_bubble_v_bubble_and_memory_for_every_micro_batch_count(p):
+    """Any m runs (torch builds the order for max(m, 2p - 1) and drops the rest). Measured, F =
+    B = W = T per chunk: bubble max((p - 1) T, 2 (2p - 1 - m) T), the floor from m >= 3p / 2
+    on; never more than ZB-H1's; at most as many bytes as 1F1B's first stage."""
+    t = 0.5
+    for m in range(1, 4 * p + 1):
+        zv = zb_v(p, m)
+        zh = simulate("zb-h1", [1.0] * p, [1.0] * p, m, w_s=[1.0] * p)
+        one = simulate("1f1b", [1.0] * p, [2.0] * p, m, act_bytes=[1.0] * p)
+        assert [zv.bubble_s(d) for d in range(p)] == [max((p - 1) * t,
+                                                          2 * (2 * p - 1 - m) * t)] * p
+        assert zv.bubble_s(0) <= zh.bubble_s(0)
+        assert max(zv.peak_bytes) == one.peak_bytes[0] == min(p, m)
+
+
+def test_zero_bubble_v_follows_torchs_order():
+    """torch.distributed.pipelining's ScheduleZBVZeroBubble, p = 4, m = 8."""
+    def order(r):
+        return [f"{a.kind}{a.chunk}.{a.micro}" for a in programs("zb-v", 4, 8, v=2)[r]]
+    # NOTE: device 0: 2p - 1 forwards of chunk 0, then p of chunk 7 each with its B and W
+    assert order(0)[:22] == [f"F0.{i}" for i in range(7)] + [
+        x for i in range(4) for x in (f"F7.{i}", f"B7.{i}", f"W7.{i}")] + ["F0.7", "B0.0",
+                                                                             "W0.0"]
+    # NOTE: device 3 turns the V: one forward of chunk 3, then p - 1 pairs of chunk 4 and 3
+    assert order(3)[:11] == ["F3.0", "F4.0", "F3.1", "F4.1", "F3.2", "F4.2", "F3.3", "F4.3",
+                             "B4.0", "W4.0", "F3.4"]
+    # NOTE: cool-down of device 1: r = 1 pair of B's with W's deferred, then p - r pairs
+    # B(c0) W(c0), then the deferred W of chunk 6, of chunk 1
+    assert order(1)[-13:] == ["F6.7", "B6.6", "W6.6", "B1.4", "B6.7", "B1.5", "W1.4", "B1.6",
+                              "W1.5", "B1.7", "W1.6", "W6.7", "W1.7"]
+    # NOTE: m < 2p - 1: torch's order with the missing micro-batches dropped
+    assert [f"{a.kind}{a.chunk}.{a.micro}" for a in programs("zb-v", 2, 1, v=2)[0]] == [
+        "F0.0", "F3.0", "B3.0", "W3.0", "B0.0", "W0.0"]
+
+
+def test_the_turn_of_the_v_is_on_one_device():
+    p, m = 4, 8
+    free = zb_v(p, m)
+    # NOTE: chunk 3 -> 4 both on device 3: its send costs nothing, whatever p2p_s says
+    turn = zb_v(p, m, p2p_s=[0.0] * 3 + [5.0] + [0.0] * 3)
+    assert turn.makespan_s == free.makespan_s and turn.events == free.events
+    # NOTE: any other hop crosses a link and delays the pipeline
+    assert zb_v(p, m, p2p_s=[0.0] * 4 + [5.0] + [0.0] * 2).makespan_s > free.makespan_s
+    # NOTE: one device: both chunks back to back, no bubble
+    one = zb_v(1, 5, p2p_s=[9.0])
+    assert one.makespan_s == 6 * 5 * 0.5 and one.bubble_s(0) == 0.0
+
+
+def test_hand_made_programs_can_be_placed_in_a_v():
+    progs = programs("zb-v", 2, 3, v=2)
+    tl = _run_programs(progs, [0.5] * 4, [0.5] * 4, 3, w_s=[0.5] * 4, schedule="zb-v")
+    assert tl == simulate("zb-v", [0.5] * 4, [0.5] * 4, 3, v=2, w_s=[0.5] * 4)
+    # NOTE: device 0 runs chunks 0 and 3 in a V, not 0 and 2
+    with pytest.raises(ValueError, match="device 0's program"):
+        _run_programs(progs, [0.5] * 4, [0.5] * 4, 3, w_s=[0.5] * 4)
+
+
+def test_zero_bubble_v_is_deterministic():
+    n = 8
+    args = ("zb-v", [0.3, 0.7, 0.2, 0.9] * 2, [0.5, 1.1, 0.4, 1.3] * 2, 8)
+    a, b = (simulate(*args, v=2, p2p_s=[0.05] * (n - 1), act_bytes=[1.0] * n,
+                     w_s=[0.4, 0.2, 0.6, 0.1] * 2) for _ in range(2))
+    assert a == b and a.events == b.events
+    assert programs("zb-v", 4, 8, v=2) == programs("zb-v", 4, 8, v=2)
+
+
+def test_a_large_zero_bubble_v_runs():
+    """p = 32, m = 256: no timing assertion; the hand formula holds at size."""
+    p, m = 32, 256
+    tl = zb_v(p, m, t=1.0, act=1.0, p2p_s=[0.0] * (2 * p - 1))
+    assert tl.makespan_s == 6 * m + (p - 1)
+    assert tl.peak_bytes == (2.0 * p,) * p
+
+
 def test_one_device_runs_everything_back_to_back():
     tl = simulate("1f1b", [F], [B], m=5, act_bytes=[3.0])
     assert tl.makespan_s == 5 * (F + B) and tl.bubble_s(0) == 0.0 and tl.peak_bytes == (3.0,)
@@ -169,6 +289,19 @@ def test_hand_made_programs_must_be_complete_and_in_place():
     (lambda: simulate("1f1b", [1.0] * 2, [1.0] * 2, 2, w_s=[1.0] * 2), "1f1b does not run"),
     (lambda: simulate("zb-h1", [1.0], [1.0], 2, w_s=[1.0], w_hold=1.5), "w_hold = 1.5"),
     (lambda: programs("gpipe", 0, 2), "p = 0"),
+    (lambda: simulate("zb-v", [1.0] * 4, [1.0] * 4, 8, w_s=[1.0] * 4), r"a V \(v=2\), not 1"),
+    (lambda: simulate("zb-v", [1.0] * 6, [1.0] * 6, 8, v=3, w_s=[1.0] * 6), "not 3"),
+    (lambda: simulate("zb-v", [1.0] * 4, [1.0] * 4, 8, v=2), "zb-v splits .* give it w_s"),
+    (lambda: simulate("interleaved", [1.0] * 4, [1.0] * 4, 8, v=2, w_s=[1.0] * 4),
+     "interleaved does not run"),
+    (lambda: programs("zb-v", 4, 8), r"a V \(v=2\), not 1"),
+    (lambda: chunk_device("zb-v", 4, 2, 8), "chunk 8 of 8"),
+    (lambda: chunk_device("zb-v", 4, 2, -1), "chunk -1 of 8"),
+    (lambda: chunk_device("zb-v", 4, 1, 0), "not 1"),
+    (lambda: chunk_device("1f1b", 4, 2, 0), "one chunk per device"),
+    (lambda: chunk_device("zb", 4, 1, 0), "unknown schedule 'zb'"),
+    (lambda: _run_programs([[]], [1.0] * 4, [1.0] * 4, 1, schedule="zb-v"),
+     "cannot place 4 chunks on 1 devices as 'zb-v'"),
 ])
 def test_what_cannot_be_simulated_is_named(call, message):
     with pytest.raises(ValueError, match=message):
@@ -181,16 +314,16 @@ def test_what_cannot_be_simulated_is_named(call, message):
 def test_every_schedule_keeps_the_rules(schedule, p, k, v, data):
     """On random times: no deadlock; each device runs its own actions once, one at a time, in
     program order; each waits for what it reads (and its transfer)."""
-    v = v if schedule == "interleaved" else 1
-    m = p * k if schedule == "interleaved" else data.draw(st.integers(1, 7))
+    v = {"interleaved": v, "zb-v": 2}.get(schedule, 1)
+    m = p * k if schedule == "interleaved" else data.draw(st.integers(1, 4 * p + 1))
     n = p * v
+    split = schedule in ("zb-h1", "zb-v")
     times = st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n)
     fwd, bwd, wgt = data.draw(times), data.draw(times), data.draw(times)
     p2p = data.draw(st.lists(st.floats(0.0, 1.0), min_size=n - 1, max_size=n - 1))
-    tl = simulate(schedule, fwd, bwd, m, v=v, p2p_s=p2p,
-                  w_s=wgt if schedule == "zb-h1" else None)
+    tl = simulate(schedule, fwd, bwd, m, v=v, p2p_s=p2p, w_s=wgt if split else None)
     at = {(e.action.kind, e.action.chunk, e.action.micro): e for e in tl.events}
-    assert len(at) == len(tl.events) == n * m * (3 if schedule == "zb-h1" else 2)
+    assert len(at) == len(tl.events) == n * m * (3 if split else 2)
     progs = programs(schedule, p, m, v)
     for d in range(p):
         mine = [e for e in tl.events if e.device == d]
@@ -198,10 +331,11 @@ def test_every_schedule_keeps_the_rules(schedule, p, k, v, data):
         assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
         assert tl.busy_s[d] == pytest.approx(sum(e.end - e.start for e in mine))
         assert tl.end_s[d] == mine[-1].end
-    # NOTE: p == 1 passes outputs between its chunks for free
-    hop = [0.0 if p == 1 else s for s in p2p]
+    # NOTE: chunks on one device (p == 1, zb-v's turn) pass outputs for free
+    dev = [chunk_device(schedule, p, v, c) for c in range(n)]
+    hop = [0.0 if dev[c] == dev[c + 1] else s for c, s in enumerate(p2p)]
     for (kind, c, i), e in at.items():
-        assert e.device == c % p and e.end <= tl.makespan_s + 1e-9
+        assert e.device == dev[c] and e.end <= tl.makespan_s + 1e-9
         if kind == "F" and c > 0:
             assert e.start >= at["F", c - 1, i].end + hop[c - 1] - 1e-9
         if kind == "B":

@@ -212,7 +212,7 @@ def format_plan(p) -> str:
 def cmd_plan_dist(args) -> int:
     from .dist.config import parse_fix
     from .dist.memory import PRECISIONS
-    from .dist.plan import Infeasible, plan
+    from .dist.planner import Infeasible, plan
 
     cluster, note = _cluster(args)
     shape = _model(args, cluster)

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..dist.calibration import calibrated_device
 from ..dist.cluster import Cluster, dgx_a100
 from ..dist.megatron_table import TABLE1, GptShape, MegatronRow
-from ..dist.plan import plan
+from ..dist.planner import plan
 
 __all__ = ["main", "markdown", "run_row", "scaling"]
 

@@ -27,7 +27,7 @@ from .schedules import SCHEDULES
 
 __all__ = ["ALL_SCHEDULES", "RECOMPUTE", "Parallelism", "parse_fix"]
 
-ALL_SCHEDULES = (*SCHEDULES, "zb-h1")
+ALL_SCHEDULES = (*SCHEDULES, "zb-h1", "zb-v")
 RECOMPUTE = ("auto", "none", "selective", "full")
 
 
@@ -51,9 +51,13 @@ class Parallelism:
                 raise ValueError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.schedule not in ALL_SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}: one of {ALL_SCHEDULES}")
-        if (self.chunks > 1) != (self.schedule == "interleaved"):
+        if self.schedule == "zb-v" and self.chunks != 2:
+            raise ValueError(f"zb-v runs two chunks per device in a V, not {self.chunks}")
+        if self.schedule not in ("interleaved", "zb-v") and self.chunks != 1:
             raise ValueError(f"{self.chunks} chunks per device with schedule {self.schedule}: "
-                             f"only the interleaved schedule runs more than one")
+                             f"only the interleaved and zb-v schedules run more than one")
+        if self.schedule == "interleaved" and self.chunks < 2:
+            raise ValueError("the interleaved schedule runs at least 2 chunks per device")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage {self.zero}: one of 0, 1, 2, 3")
         if self.recompute not in RECOMPUTE:

@@ -11,8 +11,9 @@ embedding's reduction between the first and last stage, and the optimizer step. 
 a stage's weights in every micro-batch's forward and backward, block by block, prefetched
 beside compute (all but the first block's gather and the last one's reduce-scatter hidden).
 
-The interleaved schedule splits the body's blocks evenly over ``pp × chunks`` chunks (the
-embedding on the first, the head on the last), as Megatron-LM does.
+The interleaved and ZB-V schedules cut the model into ``pp × chunks`` chunks (the embedding on
+the first, the head on the last), the body's blocks shared out so that the devices' work is
+even (``_chunks``).
 
 Example:
     >>> from fitgraph.dist.cluster import dgx_a100
@@ -38,8 +39,8 @@ from .memory import MIXED_ADAM, Precision, optimizer_step_bytes
 from .model import ModelSpec
 from .ops import stage_params
 from .partition import partition_bisect, partition_dp
-from .schedules import chunks_held, in_flight
-from .simulate import ZB_W_HOLD, Timeline, simulate
+from .schedules import chunks_held, in_flight, zbv_held
+from .simulate import ZB_W_HOLD, Timeline, chunk_device, simulate
 from .stage import StagePlan, plan_stage
 
 __all__ = ["GIB", "Prediction", "StageReport", "default_budget", "evaluate"]
@@ -165,13 +166,33 @@ def _renamed(st: StagePlan, names) -> StagePlan:
     return replace(st, blocks=tuple(names))
 
 
-def _interleaved_chunks(n: int, p: int, v: int) -> list[tuple[int, int]]:
-    """Block ranges of ``p × v`` chunks: the body spread evenly (the first chunks one more),
-    the embedding with chunk 0, the head with the last."""
-    body, chunks = n - 2, p * v
+def _chunks(costs, p: int, v: int, dev) -> list[tuple[int, int]]:
+    """Block ranges of ``p × v`` chunks (chunk ``c`` on device ``dev(c)``): the embedding with
+    chunk 0, the head with the last, the body in order, each device given as many body blocks
+    as evens out the devices' work (the ends' devices fewer: their embedding and head weigh),
+    split evenly over its chunks. Megatron-LM spreads the body evenly instead; with a heavy
+    head (a large vocabulary) that leaves the other devices waiting on the head's."""
+    n, chunks = len(costs), p * v
+    body = n - 2
     if body < chunks:
         return []
-    sizes = [body // chunks + (1 if c < body % chunks else 0) for c in range(chunks)]
+    work = [c.fwd_s + c.bwd_s for c in costs]
+    unit = sum(work[1:-1]) / body
+    load = [0.0] * p
+    load[dev(0)] += work[0]
+    load[dev(chunks - 1)] += work[-1]
+    share = [v] * p                       # body blocks per device, one per chunk at least
+    for d in range(p):
+        load[d] += v * unit
+    for _ in range(body - chunks):
+        d = min(range(p), key=lambda k: (load[k] + unit, k))
+        share[d] += 1
+        load[d] += unit
+    sizes = [0] * chunks
+    for d in range(p):
+        mine = [c for c in range(chunks) if dev(c) == d]
+        for i, c in enumerate(mine):
+            sizes[c] = share[d] // v + (1 if i < share[d] % v else 0)
     out, first = [], 1
     for c, size in enumerate(sizes):
         a, b = first, first + size
@@ -183,39 +204,44 @@ def _interleaved_chunks(n: int, p: int, v: int) -> list[tuple[int, int]]:
 def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
                        par: Parallelism) -> StagePlan:
     """A device's chunks under one memory plan. Its activations peak right after one of its
-    forwards, holding ``vector[c]`` micro-batches of chunk ``c`` (``vectors[0]``: the end of
-    the warm-up). Plan for that vector, then tighten the budget by what the plan's own worst
-    vector holds beyond it, a few rounds; the plan's held bytes are its worst vector's."""
+    forwards, holding ``vector[c]`` micro-batches of chunk ``c``: plan for the vector holding
+    the most, then, while the plan's own worst vector overflows, for the elementwise most of
+    the vectors found worst so far (never less than any of them: it converges in a few
+    rounds). The plan's held bytes are its worst vector's."""
     from dataclasses import replace
     sizes = [b - a for a, b in ranges]
     blocks = [costs[i] for i in idx]
-    per_block = [w for w, size in zip(vectors[0], sizes) for _ in range(size)]
-    room, best = budget, None
-    for _ in range(8):
-        st = plan_stage(blocks, per_block, room, precision, par.zero, par.dp, par.recompute,
-                        names=names)
-        if st is None:
-            break
+
+    def exact(st: StagePlan) -> tuple[float, tuple]:
         kept, pos = [], 0
         for size, (a, _) in zip(sizes, ranges):
             kept.append(sum(costs[a + k].option(st.plan[pos + k]).kept_bytes
                             for k in range(size)))
             pos += size
-        exact = max(sum(h * x for h, x in zip(vec, kept)) for vec in vectors)
-        best = replace(st, held_bytes=exact)
+        return max((sum(h * x for h, x in zip(vec, kept)), vec) for vec in vectors)
+
+    weights = list(max(vectors, key=sum))
+    best = None
+    for _ in range(8):
+        per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
+        st = plan_stage(blocks, per_block, budget, precision, par.zero, par.dp, par.recompute,
+                        names=names)
+        if st is None:
+            break
+        held, worst = exact(st)
+        best = replace(st, held_bytes=held)
         if best.peak_bytes <= budget * (1 + 1e-9):
             return best
-        room -= best.peak_bytes - budget
+        grown = [max(w, h) for w, h in zip(weights, worst)]
+        if grown == weights:
+            break
+        weights = grown
     if best is not None:
         return best
+    per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
     st = plan_stage(blocks, per_block, math.inf, precision, par.zero, par.dp, par.recompute,
                     names=names)
-    kept, pos = [], 0
-    for size, (a, _) in zip(sizes, ranges):
-        kept.append(sum(costs[a + k].option(st.plan[pos + k]).kept_bytes for k in range(size)))
-        pos += size
-    return replace(st, held_bytes=max(sum(h * x for h, x in zip(vec, kept))
-                                      for vec in vectors))
+    return replace(st, held_bytes=exact(st)[0])
 
 
 def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
@@ -237,11 +263,16 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     costs = _price(blocks, cluster, par, precision, cache)
     names = [b.name for b in blocks]
     p, m, v = par.pp, par.n_micro, par.chunks
-    shape_schedule = "1f1b" if par.schedule == "zb-h1" else par.schedule
+    shape_schedule = "1f1b" if par.schedule in ("zb-h1", "zb-v") else par.schedule
+
+    def dev(c: int) -> int:
+        return chunk_device(par.schedule, p, v, c)
+
     if par.schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) a multiple of "
                          f"the stages ({p})")
-    flights = [in_flight(shape_schedule, p, m, k, v) for k in range(p)]
+    flights = [in_flight(shape_schedule, p, m, k, 1 if par.schedule == "zb-v" else v)
+               for k in range(p)]
     if par.schedule == "zb-h1":
         # NOTE: ZB-H1 holds 1F1B's micro-batches whole until their B and, on stage k, k more
         # partly (what their deferred W reads) until their W (``dist.simulate``).
@@ -258,16 +289,17 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         plans = [st for _, _, st in cut]
         chunk_opts = [st.plan for st in plans]
     else:
-        chunk_ranges = _interleaved_chunks(len(blocks), p, v)
+        chunk_ranges = _chunks(costs, p, v, dev)
         if not chunk_ranges:
             return None
         plans, chunk_opts = [], [None] * (p * v)
         for d in range(p):
-            mine = [c for c in range(p * v) if c % p == d]
+            mine = [c for c in range(p * v) if dev(c) == d]
             idx = [i for c in mine for i in range(*chunk_ranges[c])]
             st = _interleaved_stage(costs, idx, [names[i] for i in idx],
                                     [chunk_ranges[c] for c in mine],
-                                    chunks_held(p, m, d, v), budget, precision, par)
+                                    zbv_held(p, m, d) if par.schedule == "zb-v"
+                                    else chunks_held(p, m, d, v), budget, precision, par)
             plans.append(st)
             pos = 0
             for c in mine:
@@ -291,14 +323,14 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         # its length), not accumulated whole and reduced once
         for c, (a, b) in enumerate(chunk_ranges):
             params = stage_params([x.block for x in costs[a:b]])
-            link = cluster.link(par.dp_group(c % p))
+            link = cluster.link(par.dp_group(dev(c)))
             bwd[c] = max(bwd[c], reduce_scatter_s(params * precision.grad, par.dp, link))
     if par.zero >= 3 and par.dp > 1:
         # NOTE: FSDP gathers a chunk's weights for its forward and again for its backward and
         # reduce-scatters its gradients, every micro-batch, prefetched beside compute.
         for c, (a, b) in enumerate(chunk_ranges):
             params = stage_params([x.block for x in costs[a:b]])
-            link = cluster.link(par.dp_group(c % p))
+            link = cluster.link(par.dp_group(dev(c)))
             gather = all_gather_s(params * precision.weight, par.dp, link)
             scatter = reduce_scatter_s(params * precision.grad, par.dp, link)
             # NOTE: the first block's gather (forward) and the last one's reduce-scatter
@@ -312,7 +344,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     p2p = []
     for c in range(len(chunk_ranges) - 1):
         out_bytes = blocks[chunk_ranges[c][1] - 1].output_bytes
-        src, dst = par.rank(c % p, 0, 0), par.rank((c + 1) % p, 0, 0)
+        src, dst = par.rank(dev(c), 0, 0), par.rank(dev(c + 1), 0, 0)
         if src == dst:
             p2p.append(0.0)
             continue
@@ -323,7 +355,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
             p2p.append(p2p_s(out_bytes / par.tp, link) + all_gather_s(out_bytes, par.tp, tp_link))
         else:
             p2p.append(p2p_s(out_bytes, link))
-    zb = par.schedule == "zb-h1"
+    zb = par.schedule in ("zb-h1", "zb-v")
     timeline = None
     if simulated:
         timeline = simulate(par.schedule, fwd, [b - w for b, w in zip(bwd, wgt)] if zb else bwd,
@@ -337,13 +369,16 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     else:
         per_dev = [0.0] * p
         for c in range(len(fwd)):
-            per_dev[c % p] += fwd[c] + bwd[c]
+            per_dev[dev(c)] += fwd[c] + bwd[c]
         worst = max(per_dev)
         # NOTE: in a 1F1B steady state a balanced stage waits for each micro-batch's
         # activation and gradient to arrive: the sends add to every cycle (GPipe streams its
         # forwards, then its backwards, and pays them once)
         hop = 2 * max(p2p, default=0.0)
-        if zb:
+        if par.schedule == "zb-v":
+            # NOTE: ZB-V's fill is one chunk forward per stage (``dist.simulate``)
+            pipeline = m * (worst + hop) + (p - 1) * max(fwd) + 2 * sum(p2p)
+        elif zb:
             idle = max(max(0.0, f + b - 2 * w) for f, b, w in zip(fwd, bwd, wgt))
             pipeline = m * (worst + hop) + (p - 1) * idle + 2 * sum(p2p)
         elif v > 1:
@@ -361,7 +396,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     for c, (a, b) in enumerate(chunk_ranges):
         for block in blocks[a:b]:
             for name, count in block.shared:
-                holding.setdefault(name, (count, set()))[1].add(c % p)
+                holding.setdefault(name, (count, set()))[1].add(dev(c))
     shared = {k: (v[0], sorted(v[1])) for k, v in holding.items() if len(v[1]) > 1}
     stages = []
     for d in range(p):
@@ -380,7 +415,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         else:
             sync = (reduce_scatter_s(grads, par.dp, link)
                     + all_gather_s(st.params * precision.weight, par.dp, link))
-        last_bwd = sum(bwd[c] for c in range(len(fwd)) if c % p == d)
+        last_bwd = sum(bwd[c] for c in range(len(fwd)) if dev(c) == d)
         exposed = max(0.0, sync - last_bwd) if par.overlap_grad_reduce else sync
         tied = sum(all_reduce_s(count * precision.grad, len(holders),
                                 cluster.link([par.rank(k, 0, 0) for k in holders]))
@@ -390,7 +425,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         stages.append(StageReport(
             index=d, plan=st, ranks=tuple(par.stage_ranks(d)), busy_s=busy[d],
             bubble_s=max(0.0, pipeline - busy[d]),
-            tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if c % p == d),
+            tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if dev(c) == d),
             p2p_s=p2p[d] if d < len(p2p) else 0.0, dp_sync_s=exposed, tied_sync_s=tied,
             optimizer_s=opt, end_s=end, activations=held[d]))
     step = max(s.end_s for s in stages)

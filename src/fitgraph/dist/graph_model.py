@@ -12,8 +12,10 @@ kept, never re-made. So each block gets the same op-level time–memory curve as
 
 Scale: the graph is captured at ``batch_size`` samples; a micro-batch of ``b`` scales times,
 activations and FLOPs by ``b / batch_size`` (linear in the batch, as the kernels are at the
-sizes planned), parameters not. Tensor parallelism needs a model by its shape (``GptModel``):
-a captured graph is planned with ``tp = 1`` (pipeline, data parallelism, ZeRO, memory plans).
+sizes planned), parameters not. Tensor parallelism: the weight matmuls ``dist.graph_tp`` finds
+splittable run on ``1/tp`` of their data with their all-reduces (Megatron's column/row pairs,
+found from the graph's structure), the rest of each block whole on every device; sequence
+parallelism needs the model by its shape (``GptModel``).
 
 Example:
     >>> import torch, fitgraph
@@ -21,7 +23,7 @@ Example:
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     >>> g = fitgraph.capture(model, torch.randn(32, 64), lambda m, b: m(b).square().mean())
     >>> gm = GraphModel(g, RooflineCostModel(get_device("a100-80gb")), batch_size=32)
-    >>> len(gm.blocks(1, 32, False)), gm.why_not(2, 32, False) is not None
+    >>> len(gm.blocks(1, 32, False)), gm.why_not(1, 32, True) is not None
     (7, True)
 """
 
@@ -35,7 +37,8 @@ from ..cost.base import CostModel
 from ..graph.ir import Graph, Phase, Role
 from ..solvers.peers.rotor import chain_stages, value_readers
 from ..solvers.remat.stages import stage_graph
-from .ops import INPUT, Block, Op
+from .graph_tp import TensorParallelMap, tensor_parallel_map
+from .ops import INPUT, Block, Collective, Op
 
 __all__ = ["GraphModel", "GraphModelError"]
 
@@ -54,7 +57,8 @@ class GraphModel:
         self.name = name or str(graph.meta.get("model", "captured"))
         self.seq = seq
         self.batch_size = batch_size
-        self._blocks = _chain_blocks(graph, cost_model)
+        self._chain = _Chain(graph, cost_model)
+        self._at: dict[int, tuple[list[Block], str | None]] = {}
         self._flops = sum(n.flops for n in graph.nodes
                           if n.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD))
 
@@ -63,16 +67,29 @@ class GraphModel:
         if why:
             raise ValueError(why)
         r = micro_batch / self.batch_size
-        return [_scaled(b, r) for b in self._blocks]
+        return [_scaled(b, r) for b in self._width(tp)[0]]
 
     def why_not(self, tp: int, micro_batch: int, sp: bool) -> str | None:
-        if tp != 1 or sp:
-            return (f"{self.name}: a captured graph is planned without tensor parallelism "
-                    f"(tp=1, no sequence parallelism); Megatron-style sharding needs the model "
-                    f"by its shape (GptModel / plan-dist --model gpt)")
-        if micro_batch < 1:
-            return f"micro-batch {micro_batch}"
-        return None
+        if sp:
+            return (f"{self.name}: sequence parallelism is not applied to captured graphs "
+                    f"(it needs the model by its shape: GptModel / plan-dist --model gpt)")
+        if micro_batch < 1 or tp < 1:
+            return f"micro-batch {micro_batch}, tensor-parallel width {tp}"
+        return self._width(tp)[1]
+
+    def tensor_parallel(self, tp: int) -> TensorParallelMap:
+        """Which weight matmuls are split at width ``tp`` (and why others are not)."""
+        return self._chain.tp_map(tp)
+
+    def _width(self, tp: int) -> tuple[list[Block], str | None]:
+        if tp not in self._at:
+            tpm = self._chain.tp_map(tp)
+            why = None
+            if tp > 1 and not tpm.groups:
+                why = (f"{self.name}: no weight matmul splits over {tp} devices"
+                       + (f" (first refusal: {tpm.refused[0]})" if tpm.refused else ""))
+            self._at[tp] = (self._chain.blocks(tpm), why)
+        return self._at[tp]
 
     def model_flops(self, samples: int) -> float:
         return self._flops * samples / self.batch_size
@@ -92,16 +109,49 @@ def _scaled(block: Block, r: float) -> Block:
                    output_bytes=block.output_bytes * r, bwd_temp_bytes=block.bwd_temp_bytes * r)
 
 
-def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
-    sg = stage_graph(graph, cost_model)
-    fstage, bstage, names = chain_stages(graph, sg)
-    if len(names) < 2 or not bstage:
-        raise GraphModelError(
-            f"{graph.meta.get('model', 'the graph')}: no chain of at least two blocks with a "
-            f"backward was found (repeated numbered modules such as layers.0, layers.1, or "
-            f"top-level modules); a model that is one block runs on one device per replica: "
-            f"plan it with pp=1")
-    readers = value_readers(sg, fstage, bstage)
+class _Chain:
+    """The graph cut into its chain once; blocks at any tensor-parallel width from it."""
+
+    def __init__(self, graph: Graph, cost_model: CostModel) -> None:
+        sg = stage_graph(graph, cost_model)
+        fstage, bstage, names = chain_stages(graph, sg)
+        if len(names) < 2 or not bstage:
+            raise GraphModelError(
+                f"{graph.meta.get('model', 'the graph')}: no chain of at least two blocks with "
+                f"a backward was found (repeated numbered modules such as layers.0, layers.1, "
+                f"or top-level modules); a model that is one block runs on one device per "
+                f"replica: plan it with pp=1")
+        self.graph, self.sg, self.fstage, self.bstage, self.names = (graph, sg, fstage, bstage,
+                                                                     names)
+        self.readers = value_readers(sg, fstage, bstage)
+        # node -> block: unit members, then views (folded) with the block of what they view
+        node_block: dict[int, int] = {}
+        for u, k in fstage.items():
+            for m in sg.units[u].members:
+                node_block[m] = k
+        for n in graph.nodes:
+            if n.id not in node_block and n.phase in (Phase.FORWARD, Phase.LOSS):
+                src = [graph.values[v].producer for v in n.inputs]
+                ks = [node_block[p] for p in src if p is not None and p in node_block]
+                if ks:
+                    node_block[n.id] = ks[0]
+        self.node_block = node_block
+        self._maps: dict[int, TensorParallelMap] = {}
+
+    def tp_map(self, tp: int) -> TensorParallelMap:
+        if tp not in self._maps:
+            self._maps[tp] = tensor_parallel_map(self.graph, tp, self.node_block)
+        return self._maps[tp]
+
+    def blocks(self, tpm: TensorParallelMap) -> list[Block]:
+        return _chain_blocks(self, tpm)
+
+
+def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
+    graph, sg, fstage, bstage, names = (chain.graph, chain.sg, chain.fstage, chain.bstage,
+                                        chain.names)
+    readers = chain.readers
+    tp = tpm.tp
     units, nodes, values = sg.units, graph.nodes, graph.values
     n = len(names)
     # parameters: storage -> (numel, the stages whose forward reads it)
@@ -120,11 +170,12 @@ def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
     own = [0.0] * n
     shared: list[list[tuple[str, float]]] = [[] for _ in range(n)]
     for st, stages in reads_param.items():
+        count = params[st] / (tp if st in tpm.sharded_params else 1)
         if len(stages) == 1:
-            own[next(iter(stages))] += params[st]
+            own[next(iter(stages))] += count
         elif stages:
             for k in stages:
-                shared[k].append((f"storage{st}", float(params[st])))
+                shared[k].append((f"storage{st}", float(count)))
     # values: the block each forward value belongs to, and who reads it
     bwd_seconds = [0.0] * n
     bwd_w = [0.0] * n
@@ -146,8 +197,11 @@ def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
         # (the repeated layers) have equal ops and share one kind: priced once
         local = {u: f"o{i}" for i, u in enumerate(mine)}
         ops = []
+        fwd_all, fwd_sliced = 0.0, 0.0
         for u in mine:
             unit = units[u]
+            # NOTE: a unit runs on 1/tp of its data where the op that makes it is sliced
+            share = 1.0 / tp if unit.members[0] in tpm.sliced_nodes else 1.0
             saved, far = 0.0, False
             for v in unit.values:
                 rd = readers[v]
@@ -162,12 +216,23 @@ def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
                         saved += sg.value_bytes[v]
             deps = tuple(local[d] for d in unit.deps if fstage.get(d) == k)
             flops = sum(nodes[m].flops for m in unit.members)
-            ops.append(Op(local[u], flops=flops, bytes=0.0, saved=saved,
+            fwd_comm = tuple(Collective("all_reduce", tpm.reduce_bytes[m])
+                             for m in unit.members if m in tpm.reduce_bytes)
+            bwd_comm = tuple(Collective("all_reduce", tpm.input_grad_bytes[m])
+                             for m in unit.members if m in tpm.input_grad_bytes)
+            fwd_all += unit.seconds
+            fwd_sliced += unit.seconds * (1 - share)
+            ops.append(Op(local[u], flops=flops * share, bytes=0.0, saved=saved * share,
                           reads=deps or (INPUT,), bwd_flops=0.0, bwd_bytes=0.0,
-                          matmul=flops > 0, seconds=unit.seconds, bwd_seconds=0.0,
-                          bwd_w_seconds=0.0, recomputable=unit.recomputable and not far))
-        ops.append(Op("backward", reads=(INPUT,), bwd_flops=bwd_flops[k], matmul=False,
-                      seconds=0.0, bwd_seconds=bwd_seconds[k], bwd_w_seconds=bwd_w[k]))
+                          matmul=flops > 0, seconds=unit.seconds * share, bwd_seconds=0.0,
+                          bwd_w_seconds=0.0, recomputable=unit.recomputable and not far,
+                          fwd_comm=fwd_comm, bwd_comm=bwd_comm))
+        # NOTE: the backward of sliced ops is sliced: the block's backward shrinks by the
+        # share of its forward time that is sliced (timed whole, it is not split op by op)
+        shrink = 1.0 - (fwd_sliced / fwd_all if fwd_all else 0.0)
+        ops.append(Op("backward", reads=(INPUT,), bwd_flops=bwd_flops[k] * shrink,
+                      matmul=False, seconds=0.0, bwd_seconds=bwd_seconds[k] * shrink,
+                      bwd_w_seconds=bwd_w[k] * shrink))
         role = "embedding" if k == 0 else "head" if k == n - 1 else "body"
         ops = tuple(ops)
         kind = "graph:" + hashlib.sha1(repr((ops, own[k], a[k - 1] if k else 0.0,
@@ -175,6 +240,6 @@ def _chain_blocks(graph: Graph, cost_model: CostModel) -> list[Block]:
         blocks.append(Block(
             names[k], kind, ops, params=own[k],
             input_bytes=a[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
-            role=role, shared=tuple(shared[k]),
+            role=role, shared=tuple(shared[k]), tp=tp,
             bwd_temp_bytes=0.0, extra={"units": len(mine)}))
     return blocks

@@ -10,6 +10,9 @@
   each): bubble ``(p-1)/(v m)``; stage ``r`` runs ``2 (p - r - 1) + (v - 1) p`` warm-up chunk
   forwards (Megatron-LM's ``schedules.py``), so it holds ``warm-up + 1`` chunks, each a ``1/v``
   of a stage's activations. Needs ``m`` a multiple of ``p``.
+- ``zb-v`` (zero-bubble V, Qi et al.; simulated only, ``dist.simulate``): two chunks per device
+  placed in a V (device ``d`` runs chunks ``d`` and ``2p - 1 - d``), backwards split into B and
+  W; ``zbv_held`` gives what each of a device's two chunks holds at its memory peaks.
 
 Example:
     >>> from fitgraph.dist.schedules import bubble_fraction, in_flight
@@ -23,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "bubble_fraction", "chunks_held", "in_flight"]
+__all__ = ["SCHEDULES", "bubble_fraction", "chunks_held", "in_flight", "zbv_held"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -81,4 +84,46 @@ def chunks_held(p: int, m: int, stage: int, v: int) -> list[tuple[int, ...]]:
         held[((warm + j) // p) % v] += 1
         seen.setdefault(tuple(held), None)
         held[v - 1 - (j // p) % v] -= 1
+    return list(seen)
+
+
+def zbv_held(p: int, m: int, stage: int) -> list[tuple[int, int]]:
+    """ZB-V (``dist.simulate``'s ``zb-v``, torch's ``ScheduleZBVZeroBubble`` order): the
+    micro-batches device ``stage`` holds of its first chunk (``stage``) and of its second
+    (``2p - 1 - stage``) right after each of its forwards, distinct vectors in order of first
+    appearance.
+
+    A micro-batch counts from the start of its F to the end of its B. The simulator keeps a
+    fraction ``w_hold`` of a chunk's activations from the end of B to the end of W, but in
+    this order every W that precedes one of the device's forwards runs right after its B: at
+    each of these moments no micro-batch waits for its W. Activations only grow at a forward,
+    so the device's peak bytes, for any ``w_hold``, are exactly
+    ``max(h0 * act[stage] + h1 * act[2p - 1 - stage] for h0, h1 in zbv_held(p, m, stage))``
+    (``act[k]``: one micro-batch's activation bytes of chunk ``k``).
+
+    Example:
+        >>> zbv_held(p=4, m=8, stage=3)         # 2p = 8 chunk micro-batches at most
+        [(1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3), (4, 3), (4, 4), (5, 3)]
+        >>> max(map(sum, zbv_held(p=4, m=8, stage=0)))
+        8
+    """
+    # NOTE: the simulator's own order, walked: one source of truth (no import cycle: simulate
+    # imports nothing from here)
+    from .simulate import _B, _F, _zb_v_device
+
+    for name, n in (("p", p), ("m", m)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} = {n!r}: a pipeline needs a positive integer")
+    if not isinstance(stage, int) or not 0 <= stage < p:
+        raise ValueError(f"stage {stage!r} of {p}")
+    first = stage
+    held = [0, 0]
+    seen: dict[tuple[int, int], None] = {}
+    for c in _zb_v_device(p, m, stage):
+        kind, local = c & 3, 0 if (c >> 2) // m == first else 1
+        if kind == _F:
+            held[local] += 1
+            seen.setdefault((held[0], held[1]), None)
+        elif kind == _B:
+            held[local] -= 1
     return list(seen)

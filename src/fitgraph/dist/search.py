@@ -3,7 +3,7 @@
 Candidates: tensor-parallel widths that divide the devices and fit one node (a tensor-parallel
 group's collectives run every layer), pipeline depths that divide the rest, the data-parallel
 degree they leave (it must divide the global batch), micro-batch sizes, schedules (GPipe,
-1F1B, interleaved 1F1B with 2 or more chunks, ZB-H1), ZeRO stages, sequence parallelism; each
+1F1B, interleaved 1F1B with 2 or more chunks, ZB-H1, ZB-V), ZeRO stages, sequence parallelism; each
 stage's memory plan is chosen inside (``dist.evaluate``). ``fixed`` pins any field (``--fix``).
 
 Branch and bound: each candidate's lower bound is its busiest device's compute with perfect
@@ -123,6 +123,9 @@ def _schedules(pp: int, m: int, n_blocks: int, fixed: dict):
             for v in vs:
                 if v > 1 and m % pp == 0 and n_blocks - 2 >= pp * v:
                     yield name, v
+        elif name == "zb-v":
+            if pp > 1 and n_blocks - 2 >= 2 * pp and fixed.get("chunks", 2) == 2:
+                yield name, 2
         else:
             if fixed.get("chunks", 1) == 1:
                 yield name, 1

@@ -213,7 +213,7 @@ def _pinned(fix: dict, cluster: Cluster, global_batch: int) -> Parallelism:
     if rest["n_micro"] != global_batch // (dp * b):
         raise ValueError(f"n_micro {rest['n_micro']} does not make global batch {global_batch} "
                          f"with dp {dp} and micro-batch {b}")
-    if rest.get("schedule") == "interleaved":
+    if rest.get("schedule") in ("interleaved", "zb-v"):
         rest.setdefault("chunks", 2)
     return Parallelism(tp=tp, pp=pp, dp=dp, micro_batch=b, **rest)
 
