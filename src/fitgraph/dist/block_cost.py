@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 import numpy as np
@@ -208,6 +208,21 @@ def _curve(block: Block, fwd: dict[str, float]) -> tuple[MemoryOption, ...]:
                         tuple(op.name for op in block.ops if op.name in subsets[i]),
                         block.saved_bytes - float(freed[i]), float(recompute[i]),
                         float(freed[i]) + block.bwd_temp_bytes, float(flops[i])) for i in keep]
+    for name, dropped, parts in block.fission:
+        # NOTE: ops re-made in parts: the same bytes kept and seconds spent as dropping them
+        # whole, but their outputs and gradients alive one part at a time — in every plan
+        # that re-makes them (the plan that re-makes just them is renamed after the fission)
+        d = frozenset(dropped)
+        gone = sum(op.saved for op in block.ops if op.name in d)
+        whole = gone + block.bwd_temp_bytes
+        out = [replace(o, name=name if frozenset(o.dropped) == d else o.name,
+                       working_bytes=o.working_bytes - whole + whole / parts)
+               if d <= frozenset(o.dropped) else o for o in out]
+        if not any(frozenset(o.dropped) == d for o in out):
+            ops = _rerun(block, d)
+            out.append(MemoryOption(name, tuple(op.name for op in block.ops if op.name in d),
+                                    block.saved_bytes - gone, sum(fwd[op.name] for op in ops),
+                                    whole / parts, sum(op.flops for op in ops)))
     out.sort(key=lambda o: (-o.kept_bytes, o.recompute_s, o.name))
     return tuple(out)
 

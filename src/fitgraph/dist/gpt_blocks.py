@@ -38,6 +38,9 @@ __all__ = ["gpt_blocks", "gpt_embedding", "gpt_head", "gpt_layer"]
 HALF = 2
 MASK = 1
 FLOAT = 4
+# NOTE: the chunked loss (logits and cross-entropy re-made in parts along the tokens) in 8
+# parts: each part's matmul still spans the vocabulary share and 1/8 of the tokens
+LOSS_PARTS = 8
 
 
 def _tp_input_comm(n_bytes: float, tp: int, sp: bool) -> tuple[tuple, tuple]:
@@ -175,6 +178,7 @@ def gpt_head(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) -> Bl
                  input_bytes=HALF * n * q, output_bytes=0.0, tp=tp, role="head",
                  bwd_temp_bytes=(FLOAT + HALF) * logits,
                  shared=(("word_embeddings", v * h / tp),),
+                 fission=(("chunked-loss", ("cross_entropy",), LOSS_PARTS),),
                  extra={"shape": shape, "micro_batch": micro_batch, "sp": sp})
 
 

@@ -98,6 +98,10 @@ class Block:
     needs (per device, no recompute) — what MFU counts. ``bwd_temp_bytes``: gradient buffers
     alive at once in the block's backward, beyond what it keeps. ``options``: named memory
     plans (name, ops whose saved outputs are re-made), e.g. Megatron's selective recompute.
+    ``fission``: memory plans that re-make ops in parts (name, ops, parts): the re-made
+    outputs and their gradients are alive one part at a time (a loss over a large vocabulary
+    computed chunk by chunk, the logits never whole: Liger-Kernel's fused linear
+    cross-entropy, what fitgraph's fission finds on one device).
     ``role``: "embedding", "body" or "head"; a recompute policy asked by name ("full",
     "selective") applies to the body's blocks, as Megatron-LM's does to its layers.
     ``shared``: parameters other blocks read too (name, count on this device), not in
@@ -116,6 +120,7 @@ class Block:
     shared: tuple[tuple[str, float], ...] = ()
     bwd_temp_bytes: float = 0.0
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    fission: tuple[tuple[str, tuple[str, ...], int], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -131,7 +136,7 @@ class Block:
                 raise ValueError(f"block {self.name}: op {op.name} reads {missing}, which no "
                                  f"earlier op makes")
             seen.add(op.name)
-        for name, dropped in self.options:
+        for name, dropped, *_ in self.options + self.fission:
             if set(dropped) - seen:
                 raise ValueError(f"block {self.name}: option {name} re-makes unknown ops "
                                  f"{sorted(set(dropped) - seen)}")
