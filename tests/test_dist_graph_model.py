@@ -163,3 +163,14 @@ def test_zoo_transformers_split_every_attention_and_mlp():
         layers = len(case.block_types and [m for m in case.model.modules()
                                            if isinstance(m, case.block_types)])
         assert len(tpm.groups) == per_layer * layers, (name, tpm.groups, tpm.refused)
+
+
+def test_plan_takes_a_captured_graph(tiny):
+    from fitgraph.dist import dgx_a100, plan
+
+    _, graph, _ = tiny
+    p = plan(graph, dgx_a100(1), global_batch=64)
+    assert p.fits and p.parallelism.devices == 8
+    assert p.parallelism.global_batch == 64
+    with pytest.raises(TypeError, match="GptShape, a captured Graph"):
+        plan(object(), dgx_a100(1), global_batch=64)

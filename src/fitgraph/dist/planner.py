@@ -23,11 +23,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cost.roofline import RooflineCostModel
+from ..graph.ir import Graph, Role
 from .cluster import Cluster
 from .config import Parallelism
 from .evaluate import Prediction, evaluate
 from .megatron_table import GptShape
 from .memory import MIXED_ADAM, PRECISIONS, Precision
+from .graph_model import GraphModel
 from .model import GptModel, ModelSpec
 from .search import SearchResult, search
 
@@ -139,15 +142,27 @@ def _stage_json(pred: Prediction) -> list[dict]:
     return out
 
 
-def _as_model(model) -> ModelSpec:
+def _as_model(model, cluster: Cluster) -> ModelSpec:
     if isinstance(model, GptShape):
         return GptModel(model)
+    if isinstance(model, Graph):
+        return GraphModel(model, RooflineCostModel(cluster.device),
+                          batch_size=_batch_size(model))
     if hasattr(model, "blocks") and hasattr(model, "why_not") and hasattr(model, "model_flops"):
         return model
     raise TypeError(
-        f"fitgraph.dist.plan plans a GptShape or a dist ModelSpec (GptModel, or GraphModel for "
-        f"a captured graph: GraphModel(fitgraph.capture(model, batch, loss_fn), cost_model, "
-        f"batch_size=...)), not {type(model).__name__}")
+        f"fitgraph.dist.plan plans a GptShape, a captured Graph (fitgraph.capture(model, batch, "
+        f"loss_fn)) or a dist ModelSpec (GptModel, GraphModel), not {type(model).__name__}")
+
+
+def _batch_size(graph: Graph) -> int:
+    """The samples a graph was captured at: its first batch tensor's first dim."""
+    for vid in graph.inputs:
+        v = graph.values[vid]
+        if v.role is Role.INPUT and v.shape:
+            return int(v.shape[0])
+    raise ValueError("the graph has no batch tensor to tell its batch size: wrap it in "
+                     "GraphModel(graph, cost_model, batch_size=...)")
 
 
 def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precision: Precision,
@@ -173,8 +188,10 @@ def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precis
 def plan(model, cluster: Cluster, global_batch: int, *, fix: dict | None = None,
          precision: Precision | str = MIXED_ADAM, budget: float | None = None,
          device_note: str = "", grow: bool = True) -> DistPlan:
-    """The fastest plan of ``model`` (a ``GptShape`` or a ``ModelSpec``) on ``cluster`` at
-    ``global_batch`` samples per step; ``fix`` pins parallelism fields (``config.parse_fix``).
+    """The fastest plan of ``model`` on ``cluster`` at ``global_batch`` samples per step:
+    ``model`` is a ``GptShape``, a captured ``Graph`` (timed by the roofline of the cluster's
+    device, at the batch it was captured at) or a ``ModelSpec``; ``fix`` pins parallelism
+    fields (``config.parse_fix``).
 
     When every field that decides the configuration is pinned, this is the prediction of that
     configuration, which is returned even if it does not fit (``fits`` False, ``binding`` says
@@ -182,7 +199,7 @@ def plan(model, cluster: Cluster, global_batch: int, *, fix: dict | None = None,
     and (``grow``) the smallest cluster of the same nodes found that fits.
     """
     start = time.perf_counter()
-    spec = _as_model(model)
+    spec = _as_model(model, cluster)
     precision = PRECISIONS[precision] if isinstance(precision, str) else precision
     fix = dict(fix or {})
     pinned = {"tp", "pp", "dp", "micro_batch", "schedule"} <= set(fix)
