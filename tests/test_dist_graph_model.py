@@ -174,3 +174,18 @@ def test_plan_takes_a_captured_graph(tiny):
     assert p.parallelism.global_batch == 64
     with pytest.raises(TypeError, match="GptShape, a captured Graph"):
         plan(object(), dgx_a100(1), global_batch=64)
+
+
+def test_plan_dist_plans_a_zoo_model_with_tensor_parallelism(capsys):
+    import json
+
+    from fitgraph.cli import main
+
+    rc = main(["plan-dist", "gpt2", "--devices", "4", "--gpus-per-node", "4",
+               "--global-batch", "16", "--fix", "tp=2,pp=2,dp=1,microbatch=2,schedule=1f1b",
+               "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"]
+    assert out["parallelism"]["tp"] == 2 and len(out["stages"]) == 2
+    assert all(s["time"]["tp_comm_s"] > 0 for s in out["stages"])
+    assert out["model"].startswith("gpt2 (small, bfloat16)")
