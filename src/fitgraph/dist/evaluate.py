@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .block_cost import BlockCost, price_block
 from .cluster import Cluster
@@ -162,7 +162,6 @@ def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cach
 
 
 def _renamed(st: StagePlan, names) -> StagePlan:
-    from dataclasses import replace
     return replace(st, blocks=tuple(names))
 
 
@@ -201,6 +200,14 @@ def _chunks(costs, p: int, v: int, dev) -> list[tuple[int, int]]:
     return out
 
 
+def _held_vectors(schedule: str, p: int, m: int, d: int, v: int, cache: dict) -> tuple:
+    key = ("held", schedule, p, m, d, v)
+    if key not in cache:
+        got = zbv_held(p, m, d) if schedule == "zb-v" else chunks_held(p, m, d, v)
+        cache[key] = tuple(tuple(x) for x in got)
+    return cache[key]
+
+
 def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
                        par: Parallelism) -> StagePlan:
     """A device's chunks under one memory plan. Its activations peak right after one of its
@@ -208,7 +215,6 @@ def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
     the most, then, while the plan's own worst vector overflows, for the elementwise most of
     the vectors found worst so far (never less than any of them: it converges in a few
     rounds). The plan's held bytes are its worst vector's."""
-    from dataclasses import replace
     sizes = [b - a for a, b in ranges]
     blocks = [costs[i] for i in idx]
 
@@ -265,8 +271,10 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     p, m, v = par.pp, par.n_micro, par.chunks
     shape_schedule = "1f1b" if par.schedule in ("zb-h1", "zb-v") else par.schedule
 
+    devices_of = [chunk_device(par.schedule, p, v, c) for c in range(p * v)]
+
     def dev(c: int) -> int:
-        return chunk_device(par.schedule, p, v, c)
+        return devices_of[c]
 
     if par.schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) a multiple of "
@@ -294,13 +302,19 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
             return None
         plans, chunk_opts = [], [None] * (p * v)
         for d in range(p):
-            mine = [c for c in range(p * v) if dev(c) == d]
+            mine = [c for c in range(p * v) if devices_of[c] == d]
             idx = [i for c in mine for i in range(*chunk_ranges[c])]
-            st = _interleaved_stage(costs, idx, [names[i] for i in idx],
-                                    [chunk_ranges[c] for c in mine],
-                                    zbv_held(p, m, d) if par.schedule == "zb-v"
-                                    else chunks_held(p, m, d, v), budget, precision, par)
-            plans.append(st)
+            vectors = _held_vectors(par.schedule, p, m, d, v, cache)
+            # NOTE: configurations of one width and micro-batch share their devices' plans
+            key = ("device", tuple(id(costs[i]) for i in idx),
+                   tuple(b - a for a, b in (chunk_ranges[c] for c in mine)), vectors, budget,
+                   precision, par.zero, par.dp, par.recompute)
+            st = cache.get(key)
+            if st is None:
+                st = cache[key] = _interleaved_stage(costs, idx, [names[i] for i in idx],
+                                                     [chunk_ranges[c] for c in mine], vectors,
+                                                     budget, precision, par)
+            plans.append(replace(st, blocks=tuple(names[i] for i in idx)))
             pos = 0
             for c in mine:
                 size = chunk_ranges[c][1] - chunk_ranges[c][0]
@@ -415,7 +429,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         else:
             sync = (reduce_scatter_s(grads, par.dp, link)
                     + all_gather_s(st.params * precision.weight, par.dp, link))
-        last_bwd = sum(bwd[c] for c in range(len(fwd)) if dev(c) == d)
+        last_bwd = sum(bwd[c] for c in range(len(fwd)) if devices_of[c] == d)
         exposed = max(0.0, sync - last_bwd) if par.overlap_grad_reduce else sync
         tied = sum(all_reduce_s(count * precision.grad, len(holders),
                                 cluster.link([par.rank(k, 0, 0) for k in holders]))
@@ -425,7 +439,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         stages.append(StageReport(
             index=d, plan=st, ranks=tuple(par.stage_ranks(d)), busy_s=busy[d],
             bubble_s=max(0.0, pipeline - busy[d]),
-            tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if dev(c) == d),
+            tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if devices_of[c] == d),
             p2p_s=p2p[d] if d < len(p2p) else 0.0, dp_sync_s=exposed, tied_sync_s=tied,
             optimizer_s=opt, end_s=end, activations=held[d]))
     step = max(s.end_s for s in stages)

@@ -28,9 +28,9 @@ from ..graph.ir import Graph, Role
 from .cluster import Cluster
 from .config import Parallelism
 from .evaluate import Prediction, evaluate
+from .graph_model import GraphModel
 from .megatron_table import GptShape
 from .memory import MIXED_ADAM, PRECISIONS, Precision
-from .graph_model import GraphModel
 from .model import GptModel, ModelSpec
 from .search import SearchResult, search
 
