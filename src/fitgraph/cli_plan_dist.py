@@ -181,7 +181,8 @@ def format_plan(p) -> str:
         + (f" ({par.chunks} chunks)" if par.chunks > 1 else "")
         + f"; ZeRO-{par.zero}; sequence parallel {'on' if par.sp else 'off'}; recompute "
         f"{par.recompute}; gradient reduction {'overlapped' if par.overlap_grad_reduce else 'after backward'}",
-        f"step           {pr['step_s']:.3f} s   ({pr['tokens_per_s']:,.0f} tokens/s, "
+        f"step           {pr['step_s']:.3f} s   ({pr['tokens_per_s']:,.0f} "
+        f"{'tokens' if p.seq > 1 else 'samples'}/s, "
         f"{pr['tflops_per_device']:.1f} TFLOP/s per device, MFU {pr['mfu'] * 100:.1f}%)",
         f"peak memory    {pr['peak_bytes_per_device'] / GIB:.1f} GiB per device (budget "
         f"{pr['budget_bytes'] / GIB:.1f} GiB)" + ("" if p.fits else f"  DOES NOT FIT: {p.binding}"),

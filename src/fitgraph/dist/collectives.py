@@ -4,6 +4,10 @@ For ``n`` devices each holding ``nbytes`` (all-reduce, reduce-scatter input) or 
 (all-gather input), on a link of latency α and per-device bandwidth β⁻¹ (``cluster.Link``):
 
 - ring all-reduce: a reduce-scatter then an all-gather, ``2 (n-1) α + 2 (n-1)/n · nbytes · β``;
+- tree all-reduce (NCCL's double binary tree): a reduce up and a broadcast down two trees,
+  each carrying half the bytes, ``2 ⌈log2 n⌉ α + 2 · nbytes · β`` — a latency logarithmic in
+  ``n``, a bandwidth term a little above the ring's; ``all_reduce_s`` takes the faster of the
+  two, as NCCL picks by size (small messages and large groups: the tree);
 - ring reduce-scatter and all-gather: ``(n-1) α + (n-1)/n · nbytes · β``;
 - point-to-point (a pipeline stage's activations): ``α + nbytes · β``.
 
@@ -20,6 +24,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import math
 
 from .cluster import Link
 
@@ -44,10 +50,19 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     return reduce_scatter_s(nbytes, n, link)
 
 
-def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Each of ``n`` devices ends with the sum of everyone's ``nbytes`` (ring: a reduce-scatter
-    then an all-gather)."""
-    return reduce_scatter_s(nbytes, n, link) + all_gather_s(nbytes, n, link)
+def all_reduce_s(nbytes: float, n: int, link: Link, algorithm: str = "auto") -> float:
+    """Each of ``n`` devices ends with the sum of everyone's ``nbytes``: ``"ring"`` (a
+    reduce-scatter then an all-gather), ``"tree"`` (double binary tree) or ``"auto"`` (the
+    faster)."""
+    ring = reduce_scatter_s(nbytes, n, link) + all_gather_s(nbytes, n, link)
+    if algorithm == "ring" or n == 1:
+        return ring
+    tree = 2 * math.ceil(math.log2(n)) * link.latency_s + 2 * nbytes / link.bandwidth
+    if algorithm == "tree":
+        return tree
+    if algorithm != "auto":
+        raise ValueError(f"all-reduce algorithm {algorithm!r}: ring, tree or auto")
+    return min(ring, tree)
 
 
 def p2p_s(nbytes: float, link: Link) -> float:
