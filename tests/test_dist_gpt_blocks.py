@@ -169,7 +169,8 @@ def test_a_layer_with_sequence_parallelism_gathers_and_scatters_the_same_bytes()
     assert Counter(x[1] for x in bwd) == {"all_gather": 4, "reduce_scatter": 2}
     # a ring all-reduce is a reduce-scatter then an all-gather: the forward costs the same
     link = LINKS["nvlink3"]
-    cost = {"all_reduce": all_reduce_s, "all_gather": all_gather_s,
+    cost = {"all_reduce": lambda n, t, link: all_reduce_s(n, t, link, "ring"),
+            "all_gather": all_gather_s,
             "reduce_scatter": reduce_scatter_s}
     plain = gpt_layer(shape, tp=t, micro_batch=b, sp=False)
     assert sum(cost[k](n, t, link) for _, k, n in fwd) == pytest.approx(
