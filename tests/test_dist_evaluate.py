@@ -337,3 +337,43 @@ def test_zb_v_memory_is_what_the_simulator_holds_and_its_bubble_is_smaller():
 def test_zb_v_needs_two_chunks():
     with pytest.raises(ValueError, match="two chunks"):
         Parallelism(tp=1, pp=4, dp=2, micro_batch=1, n_micro=16, schedule="zb-v")
+
+
+# -- stages of their own widths (Piper's heterogeneous stages) -------------------------------
+
+def test_stages_of_their_own_widths_keep_the_laws():
+    par = Parallelism(tp=2, pp=2, dp=2, micro_batch=2, n_micro=8, widths=((4, 1), (1, 4)))
+    pred = evaluate(MODEL, CLUSTER, par)
+    assert [(s.tp, s.dp) for s in pred.stages] == [(4, 1), (1, 4)]
+    for s in pred.stages:
+        assert s.peak_bytes == pytest.approx(sum(s.memory().values()))
+    # every device in exactly one stage; each stage's replicas laid out by its own width
+    ranks = [r for s in pred.stages for r in s.ranks]
+    assert sorted(ranks) == list(range(8))
+    assert par.dp_group(0) == [0] and par.dp_group(1) == [4, 5, 6, 7]
+    assert par.stage_tp_group(0) == [0, 1, 2, 3] and par.stage_tp_group(1) == [4]
+    # the one-wide stage holds all of its blocks' parameters, the four-wide a quarter
+    assert pred.stages[1].dp_sync_s > 0 and pred.stages[0].dp_sync_s == 0
+
+
+def test_stages_choosing_their_widths_are_no_slower_than_any_common_width():
+    common = []
+    for tp in (1, 2, 4):
+        dp = 4 // tp
+        par = Parallelism(tp=tp, pp=2, dp=dp, micro_batch=4 // dp, n_micro=8)
+        got = evaluate(MODEL, CLUSTER, par, simulated=False)
+        if got is not None and got.fits:
+            common.append(max(s.plan.time_s for s in got.stages))
+    chosen = evaluate(MODEL, CLUSTER, Parallelism(tp=1, pp=2, dp=4, micro_batch=1, n_micro=8,
+                                                  per_stage=True), simulated=False)
+    assert chosen.parallelism.widths and not chosen.parallelism.per_stage
+    # the stage cut minimizes the slowest stage: choosing widths per stage can only lower it
+    assert max(s.plan.time_s for s in chosen.stages) <= min(common) * (1 + 1e-9)
+
+
+def test_stage_widths_must_fill_their_stage():
+    with pytest.raises(ValueError, match="every stage has 4 devices"):
+        Parallelism(tp=2, pp=2, dp=2, micro_batch=1, n_micro=8, widths=((4, 1), (2, 1)))
+    with pytest.raises(ValueError, match="one chunk per device"):
+        Parallelism(tp=2, pp=2, dp=2, micro_batch=1, n_micro=8, schedule="interleaved",
+                    chunks=2, per_stage=True)

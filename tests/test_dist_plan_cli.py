@@ -161,8 +161,8 @@ def test_cli_text_names_each_stages_memory_plan(capsys):
     stages = json.loads(capsys.readouterr().out)["stages"]
     assert main([*GPT, "--fix", "tp=2,pp=2,dp=2,microbatch=1,schedule=1f1b"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.match(r"^\s+\d+\s+\S*(embedding|layer|head)",
-                                                          line)]
+    rows = [line for line in out.splitlines()
+            if re.match(r"^\s+\d+\s+\d+x\d+\s+\S*(embedding|layer|head)", line)]
     assert len(rows) == len(stages) == 2
     for row, stage in zip(rows, stages):
         for name, count in stage["memory_plan"].items():
@@ -256,3 +256,22 @@ def test_calibration_rederives_the_stored_a100_efficiency():
     step = evaluate(GptModel(row.shape), cluster, par).step_s
     assert row.shape.flops_per_iteration(row.batch) / step / row.gpus / 1e12 == pytest.approx(
         row.tflops_per_gpu, rel=1e-3)
+
+
+def test_stage_widths_round_trip_through_json(tmp_path):
+    from fitgraph.cost.devices import get_device
+    from fitgraph.dist.cluster import LINKS, Cluster
+    from fitgraph.dist.config import Parallelism
+    from fitgraph.dist.evaluate import evaluate
+    from fitgraph.dist.megatron_table import GptShape
+    from fitgraph.dist.memory import MIXED_ADAM
+    from fitgraph.dist.model import GptModel
+    from fitgraph.dist.planner import DistPlan, from_prediction
+
+    model = GptModel(GptShape(8, 1024, 16, seq=512))
+    cluster = Cluster(get_device("a100-80gb"), 4, 2, LINKS["nvlink3"], LINKS["hdr-ib"])
+    par = Parallelism(tp=2, pp=2, dp=2, micro_batch=2, n_micro=8, widths=((4, 1), (1, 4)))
+    p = from_prediction(evaluate(model, cluster, par), model, cluster, MIXED_ADAM, 0.0)
+    back = DistPlan.load(p.save(tmp_path / "plan.json"))
+    assert back.parallelism == par
+    assert [(s["tp"], s["dp"]) for s in back.stages] == [(4, 1), (1, 4)]

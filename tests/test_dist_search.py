@@ -14,15 +14,13 @@ import pytest
 from fitgraph.bench.dist_megatron import _cluster as megatron_cluster
 from fitgraph.bench.dist_megatron import _published_fix
 from fitgraph.cost.devices import get_device
-from fitgraph.dist.block_cost import price_block
 from fitgraph.dist.cluster import LINKS, Cluster, Link
 from fitgraph.dist.evaluate import GIB, evaluate
 from fitgraph.dist.megatron_table import GPT_PRESETS, TABLE1, GptShape
 from fitgraph.dist.memory import MIXED_ADAM
 from fitgraph.dist.model import GptModel
-from fitgraph.dist.ops import stage_params
 from fitgraph.dist.planner import Infeasible, plan
-from fitgraph.dist.search import _bound, candidates, search
+from fitgraph.dist.search import candidates, lower_bound, search
 
 SHAPE = GptShape(8, 1024, 16, seq=512)
 MODEL = GptModel(SHAPE)
@@ -80,18 +78,10 @@ def test_the_bound_is_below_every_candidates_step(cluster, budget):
     """Branch and bound stops at the first bound above the best closed-form step: sound only if
     no candidate's step (closed form or simulated) is below its bound."""
     precision = MIXED_ADAM
-    work: dict = {}
+    priced: dict = {}
     cache: dict = {}
     for par in candidates(MODEL, cluster, 32, n_blocks=SHAPE.layers + 2):
-        key = (par.tp, par.micro_batch, par.sp)
-        if key not in work:
-            blocks = MODEL.blocks(*key)
-            link = cluster.link(range(par.tp))
-            seconds = sum(c.fwd_s + c.bwd_s for c in (
-                price_block(b, cluster.device, link, precision.activation_dtype)
-                for b in blocks))
-            work[key] = (seconds, stage_params(blocks))
-        bound = _bound(par, *work[key], precision, cluster)
+        bound = lower_bound(MODEL, cluster, par, precision, priced)
         for simulated in (False, True):
             pred = evaluate(MODEL, cluster, par, budget=budget, simulated=simulated,
                             cache=cache)

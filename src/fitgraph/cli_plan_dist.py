@@ -174,9 +174,13 @@ def format_plan(p) -> str:
         s = p.search
         lines.append(f"search         {s['candidates']} configurations, {s['evaluated']} "
                      f"evaluated, {s['simulated']} simulated, {p.plan_s:.2f} s")
+    widths = ""
+    if par.widths and len(set(par.widths)) > 1:
+        widths = " (stages: " + ", ".join(f"tp {t} x dp {d}" for t, d in par.widths) + ")"
     lines += [
         "",
-        f"parallelism    tp {par.tp} x pp {par.pp} x dp {par.dp}; micro-batch {par.micro_batch}"
+        f"parallelism    tp {par.tp} x pp {par.pp} x dp {par.dp}{widths}; micro-batch "
+        f"{par.micro_batch}"
         f" x {par.n_micro}; schedule {par.schedule}"
         + (f" ({par.chunks} chunks)" if par.chunks > 1 else "")
         + f"; ZeRO-{par.zero}; sequence parallel {'on' if par.sp else 'off'}; recompute "
@@ -187,7 +191,7 @@ def format_plan(p) -> str:
         f"peak memory    {pr['peak_bytes_per_device'] / GIB:.1f} GiB per device (budget "
         f"{pr['budget_bytes'] / GIB:.1f} GiB)" + ("" if p.fits else f"  DOES NOT FIT: {p.binding}"),
         "",
-        f"{'stage':>5} {'blocks':>14} {'busy s':>8} {'bubble':>7} {'tp comm':>8} {'dp sync':>8} "
+        f"{'stage':>5} {'tp x dp':>7} {'blocks':>14} {'busy s':>8} {'bubble':>7} {'tp comm':>8} {'dp sync':>8} "
         f"{'weights':>8} {'grads':>7} {'optim':>7} {'activ':>7} {'work':>6} {'peak GiB':>9}"
         f"  memory plan"]
     for s in p.stages:
@@ -198,7 +202,8 @@ def format_plan(p) -> str:
         if s.get("offloaded_bytes"):
             plan += f"; {s['offloaded_bytes'] / GIB:.1f} GiB parked in host memory"
         lines.append(
-            f"{s['index']:>5} {span:>14} {t['busy_s']:>8.2f} {t['bubble_s']:>7.2f} "
+            f"{s['index']:>5} {str(s.get('tp', par.tp)) + 'x' + str(s.get('dp', par.dp)):>7} "
+            f"{span:>14} {t['busy_s']:>8.2f} {t['bubble_s']:>7.2f} "
             f"{t['tp_comm_s']:>8.2f} {t['dp_sync_s']:>8.3f} {m['weights'] / GIB:>8.1f} "
             f"{m['gradients'] / GIB:>7.1f} {m['optimizer'] / GIB:>7.1f} "
             f"{m['activations'] / GIB:>7.1f} {m['working'] / GIB:>6.1f} "

@@ -5,7 +5,10 @@
 global batch is ``dp × micro_batch × n_micro``); the pipeline ``schedule`` with ``chunks`` model
 chunks per device (interleaved); ZeRO stage; sequence parallelism; the memory plan
 (``recompute``: ``"auto"`` lets each stage choose op by op, or a global policy by name); and
-whether the data-parallel gradient reduction overlaps the last backward.
+whether the data-parallel gradient reduction overlaps the last backward. Stages may differ in
+width (Piper's heterogeneous stages): every stage has ``tp × dp`` devices, stage ``k`` splits
+them as ``widths[k]`` = (its tp, its dp), each of its replicas taking ``micro_batch × dp /
+its dp`` samples of each micro-batch; ``per_stage`` asks the planner to choose them.
 
 Ranks are laid out as Megatron-LM lays them: tensor-parallel fastest, then data-parallel, then
 pipeline: rank ``= stage·(dp·tp) + replica·tp + shard``.
@@ -44,6 +47,8 @@ class Parallelism:
     sp: bool = False
     recompute: str = "auto"
     overlap_grad_reduce: bool = True
+    widths: tuple[tuple[int, int], ...] = ()
+    per_stage: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "n_micro", "chunks"):
@@ -62,8 +67,23 @@ class Parallelism:
             raise ValueError(f"ZeRO stage {self.zero}: one of 0, 1, 2, 3")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute {self.recompute!r}: one of {RECOMPUTE}")
-        if self.sp and self.tp == 1:
+        if self.sp and self.tp == 1 and not (self.widths or self.per_stage):
             raise ValueError("sequence parallelism needs a tensor-parallel width above 1")
+        if self.widths or self.per_stage:
+            if self.chunks != 1:
+                raise ValueError("per-stage widths need one chunk per device (not "
+                                 f"{self.schedule} with {self.chunks})")
+        if self.widths:
+            object.__setattr__(self, "widths", tuple(tuple(w) for w in self.widths))
+            if len(self.widths) != self.pp:
+                raise ValueError(f"{len(self.widths)} stage widths for {self.pp} stages")
+            for t, d in self.widths:
+                if t * d != self.tp * self.dp or t < 1 or d < 1:
+                    raise ValueError(f"stage width tp {t} x dp {d}: every stage has "
+                                     f"{self.tp * self.dp} devices")
+                if (self.micro_batch * self.dp) % d:
+                    raise ValueError(f"stage dp {d} does not divide the {self.micro_batch * self.dp}"
+                                     f" samples of a micro-batch")
 
     @property
     def devices(self) -> int:
@@ -73,15 +93,24 @@ class Parallelism:
     def global_batch(self) -> int:
         return self.dp * self.micro_batch * self.n_micro
 
+    def stage_width(self, stage: int) -> tuple[int, int]:
+        """(tp, dp) of ``stage``: its own where ``widths`` says, else the common one."""
+        return self.widths[stage] if self.widths else (self.tp, self.dp)
+
     def rank(self, stage: int, replica: int, shard: int) -> int:
-        return stage * self.dp * self.tp + replica * self.tp + shard
+        t, _ = self.stage_width(stage)
+        return stage * self.dp * self.tp + replica * t + shard
 
     def tp_group(self, rank: int) -> list[int]:
         base = rank - rank % self.tp
         return list(range(base, base + self.tp))
 
     def dp_group(self, stage: int, shard: int = 0) -> list[int]:
-        return [self.rank(stage, r, shard) for r in range(self.dp)]
+        return [self.rank(stage, r, shard) for r in range(self.stage_width(stage)[1])]
+
+    def stage_tp_group(self, stage: int, replica: int = 0) -> list[int]:
+        t, _ = self.stage_width(stage)
+        return [self.rank(stage, replica, s) for s in range(t)]
 
     def stage_ranks(self, stage: int) -> list[int]:
         return list(range(stage * self.dp * self.tp, (stage + 1) * self.dp * self.tp))
@@ -97,7 +126,8 @@ class Parallelism:
 _FIX_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "microbatch": "micro_batch",
              "micro_batch": "micro_batch", "n_micro": "n_micro", "microbatches": "n_micro",
              "schedule": "schedule", "chunks": "chunks", "v": "chunks", "zero": "zero",
-             "sp": "sp", "recompute": "recompute", "overlap": "overlap_grad_reduce"}
+             "sp": "sp", "recompute": "recompute", "overlap": "overlap_grad_reduce",
+             "per_stage": "per_stage"}
 _BOOL = {"1": True, "true": True, "yes": True, "on": True,
          "0": False, "false": False, "no": False, "off": False}
 
@@ -113,7 +143,7 @@ def parse_fix(text: str) -> dict:
                              f"{', '.join(sorted(set(_FIX_KEYS)))}")
         field = _FIX_KEYS[key]
         value = value.strip().lower()
-        if field in ("sp", "overlap_grad_reduce"):
+        if field in ("sp", "overlap_grad_reduce", "per_stage"):
             if value not in _BOOL:
                 raise ValueError(f"--fix {key}={value}: expected 0/1, true/false")
             out[field] = _BOOL[value]

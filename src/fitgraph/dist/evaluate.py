@@ -61,6 +61,8 @@ class StageReport:
     """One pipeline stage (``pp`` of them; each runs on ``tp × dp`` devices alike)."""
 
     index: int
+    tp: int                        # this stage's tensor-parallel width
+    dp: int                        # and data-parallel degree
     plan: StagePlan                # blocks, memory plan, per-micro-batch seconds, bytes
     ranks: tuple[int, ...]
     busy_s: float                  # compute over the step
@@ -109,9 +111,9 @@ class Prediction:
         return max(s.peak_bytes for s in self.stages)
 
 
-def _price(blocks, cluster: Cluster, par: Parallelism, precision: Precision,
+def _price(blocks, cluster: Cluster, tp: int, precision: Precision,
            cache: dict) -> list[BlockCost]:
-    link = cluster.link(range(par.tp))
+    link = cluster.link(range(tp))
     out = []
     for b in blocks:
         key = ("price", cluster.device, b.kind, b.ops, b.params, b.input_bytes, b.role, link,
@@ -128,16 +130,17 @@ def _host_bandwidth(device) -> float | None:
     return device.host_bandwidth if device.host_memory_apart else None
 
 
-def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cache: dict,
-                cluster_device):
-    """(first, last) block ranges of the stages, and each stage's plan."""
-    n, p = len(costs), par.pp
+def _stage_planner(costs, flights, budget, precision, zero: int, dp: int, recompute: str,
+                   cache: dict, cluster_device):
+    """``plan(first, last, k)``: blocks ``first..last-1`` as stage ``k`` under its memory plan
+    (None when they cannot fit), memoized."""
+    n = len(costs)
     ids = [id(c) for c in costs]
     uniform = len(set(ids[1:-1])) <= 1
     # NOTE: a stage's plan depends on its blocks' costs (shared across configurations of one
     # width and micro-batch through ``cache``), its in-flight count and its memory terms.
     host = _host_bandwidth(cluster_device)
-    setting = (budget, precision, par.zero, par.dp, par.recompute, host)
+    setting = (budget, precision, zero, dp, recompute, host)
     memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n,
                              setting), {})
 
@@ -147,18 +150,39 @@ def _stage_cuts(costs, names, par: Parallelism, flights, budget, precision, cach
         hit = memo.get(key, memo)
         if hit is memo:
             hit = memo[key] = plan_stage(costs[first:last], flights[k], budget, precision,
-                                         par.zero, par.dp, par.recompute, host_bandwidth=host)
+                                         zero, dp, recompute, host_bandwidth=host)
         return hit
 
+    return plan
+
+
+def _stage_cuts(options, n: int, p: int, names):
+    """Cut ``n`` blocks into ``p`` stages; ``options`` = [(width, plan function)] a stage
+    may take (each stage the fastest of those allowed it: ``allowed(k)``). Returns per stage
+    (first, last, width, plan) or None."""
+    def best(first: int, last: int, k: int):
+        got = None
+        for width, plan, allowed in options:
+            if not allowed(k):
+                continue
+            st = plan(first, last, k)
+            if st is not None and (got is None or st.time_s < got[1].time_s):
+                got = (width, st)
+        return got
+
     def time(first: int, last: int, k: int) -> float | None:
-        st = plan(first, last, k)
-        return None if st is None else st.time_s
+        got = best(first, last, k)
+        return None if got is None else got[1].time_s
 
     solver = partition_dp if n * n * p <= DP_SIZE_LIMIT else partition_bisect
     cuts = solver(n, p, time)
     if cuts is None:
         return None
-    return [(a, b, _renamed(plan(a, b, k), names[a:b])) for k, (a, b) in enumerate(cuts)]
+    out = []
+    for k, (a, b) in enumerate(cuts):
+        width, st = best(a, b, k)
+        out.append((a, b, width, _renamed(st, names[a:b])))
+    return out
 
 
 def _renamed(st: StagePlan, names) -> StagePlan:
@@ -250,6 +274,33 @@ def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
     return replace(st, held_bytes=exact(st)[0])
 
 
+def _widths(model: ModelSpec, cluster: Cluster, par: Parallelism) -> list[tuple]:
+    """The (tp, dp, per-replica micro-batch, sequence parallel) a stage of ``par`` may take:
+    its one width, its ``widths``, or (``per_stage``) every split of its devices whose tensor
+    parallelism stays in a node and that the model can run."""
+    devices = par.tp * par.dp
+    samples = par.micro_batch * par.dp
+
+    def width(t: int, d: int) -> tuple | None:
+        if samples % d:
+            return None
+        w = (t, d, samples // d, par.sp and t > 1)
+        return None if model.why_not(w[0], w[2], w[3]) else w
+
+    if par.widths:
+        got = [width(t, d) for t, d in dict.fromkeys(par.widths)]
+        return [w for w in got if w is not None]
+    if not par.per_stage:
+        return [(par.tp, par.dp, par.micro_batch, par.sp)]
+    out = []
+    for t in range(1, min(devices, cluster.devices_per_node) + 1):
+        if devices % t == 0:
+            w = width(t, devices // t)
+            if w is not None:
+                out.append(w)
+    return out
+
+
 def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
              precision: Precision = MIXED_ADAM, budget: float | None = None,
              simulated: bool = True, cache: dict | None = None) -> Prediction | None:
@@ -262,12 +313,20 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         raise ValueError(f"{par.tp}x{par.pp}x{par.dp} = {par.devices} devices on a cluster of "
                          f"{cluster.devices}")
     why = model.why_not(par.tp, par.micro_batch, par.sp)
-    if why:
+    if why and not (par.per_stage or par.widths):
         raise ValueError(why)
     budget = default_budget(cluster) if budget is None else budget
-    blocks = model.blocks(par.tp, par.micro_batch, par.sp)
-    costs = _price(blocks, cluster, par, precision, cache)
-    names = [b.name for b in blocks]
+    # the widths a stage may take: (tp, dp, per-replica micro-batch, sequence parallel)
+    widths = _widths(model, cluster, par)
+    if not widths:
+        raise ValueError(why or f"no stage width of {par.tp * par.dp} devices runs {model.name}")
+    built = {w: model.blocks(w[0], w[2], w[3]) for w in widths}
+    priced = {w: _price(built[w], cluster, w[0], precision, cache) for w in widths}
+    base = (par.tp, par.dp, par.micro_batch, par.sp)
+    if base not in priced:
+        base = widths[0]
+    costs = priced[base]
+    names = [b.name for b in built[base]]
     p, m, v = par.pp, par.n_micro, par.chunks
     shape_schedule = "1f1b" if par.schedule in ("zb-h1", "zb-v") else par.schedule
 
@@ -286,20 +345,35 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         # partly (what their deferred W reads) until their W (``dist.simulate``).
         flights = [min(p - k, m) + min(k, max(0, m - (p - k))) * ZB_W_HOLD for k in range(p)]
     if v == 1:
-        cut = _stage_cuts(costs, names, par, flights, budget, precision, cache, cluster.device)
+        def options(room):
+            out = []
+            for w in widths:
+                plan = _stage_planner(priced[w], flights, room, precision, par.zero, w[1],
+                                      par.recompute, cache, cluster.device)
+                if par.widths:
+                    def allowed(k, w=w):
+                        return tuple(par.widths[k]) == w[:2]
+                else:
+                    def allowed(k):
+                        return True
+                out.append((w, plan, allowed))
+            return out
+
+        cut = _stage_cuts(options(budget), len(names), p, names)
         if cut is None and par.recompute == "auto":
             # nothing fits: cut as if memory were free, to say what does not fit
-            cut = _stage_cuts(costs, names, par, flights, math.inf, precision, cache,
-                              cluster.device)
+            cut = _stage_cuts(options(math.inf), len(names), p, names)
         if cut is None:
             return None
-        chunk_ranges = [(a, b) for a, b, _ in cut]
-        plans = [st for _, _, st in cut]
+        chunk_ranges = [(a, b) for a, b, _, _ in cut]
+        chunk_width = [w for _, _, w, _ in cut]
+        plans = [st for _, _, _, st in cut]
         chunk_opts = [st.plan for st in plans]
     else:
         chunk_ranges = _chunks(costs, p, v, dev)
         if not chunk_ranges:
             return None
+        chunk_width = [base] * len(chunk_ranges)
         plans, chunk_opts = [], [None] * (p * v)
         for d in range(p):
             mine = [c for c in range(p * v) if devices_of[c] == d]
@@ -321,8 +395,8 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
                 chunk_opts[c] = st.plan[pos:pos + size]
                 pos += size
     fwd, bwd, wgt, act, tp_comm = [], [], [], [], []
-    for (a, b), opts in zip(chunk_ranges, chunk_opts):
-        cs = costs[a:b]
+    for (a, b), opts, w in zip(chunk_ranges, chunk_opts, chunk_width):
+        cs = priced[w][a:b]
         chosen = [c.option(o) for c, o in zip(cs, opts)]
         fwd.append(sum(c.fwd_s for c in cs))
         bwd.append(sum(c.bwd_s for c in cs) + sum(o.recompute_s for o in chosen))
@@ -331,44 +405,51 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         tp_comm.append(sum(c.fwd_comm_s + c.bwd_comm_s for c in cs)
                        + sum(o.recompute_s * (c.fwd_comm_s / c.fwd_s if c.fwd_s else 0)
                              for c, o in zip(cs, chosen)))
-    if par.zero == 2 and par.dp > 1 and m > 1:
-        # NOTE: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's
-        # gradients are reduce-scattered as its backward makes them (hidden behind it up to
-        # its length), not accumulated whole and reduced once
-        for c, (a, b) in enumerate(chunk_ranges):
-            params = stage_params([x.block for x in costs[a:b]])
-            link = cluster.link(par.dp_group(dev(c)))
-            bwd[c] = max(bwd[c], reduce_scatter_s(params * precision.grad, par.dp, link))
-    if par.zero >= 3 and par.dp > 1:
+    par = par if not par.per_stage else par.replace(
+        per_stage=False, widths=tuple(chunk_width[k][:2] for k in range(p)))
+    for c, (a, b) in enumerate(chunk_ranges):
+        dp_c = chunk_width[c][1]
+        if dp_c == 1 or par.zero < 2 or (par.zero == 2 and m == 1):
+            continue
+        cs = priced[chunk_width[c]][a:b]
+        params = stage_params([x.block for x in cs])
+        link = cluster.link(par.dp_group(dev(c)))
+        if par.zero == 2:
+            # NOTE: ZeRO-2 keeps only its shard of the gradients, so every micro-batch's
+            # gradients are reduce-scattered as its backward makes them (hidden behind it up
+            # to its length), not accumulated whole and reduced once
+            bwd[c] = max(bwd[c], reduce_scatter_s(params * precision.grad, dp_c, link))
+            continue
         # NOTE: FSDP gathers a chunk's weights for its forward and again for its backward and
-        # reduce-scatters its gradients, every micro-batch, prefetched beside compute.
-        for c, (a, b) in enumerate(chunk_ranges):
-            params = stage_params([x.block for x in costs[a:b]])
-            link = cluster.link(par.dp_group(dev(c)))
-            gather = all_gather_s(params * precision.weight, par.dp, link)
-            scatter = reduce_scatter_s(params * precision.grad, par.dp, link)
-            # NOTE: the first block's gather (forward) and the last one's reduce-scatter
-            # (backward) have nothing to hide behind
-            block = max(stage_params([x.block]) for x in costs[a:b])
-            first = all_gather_s(block * precision.weight, par.dp, link)
-            last = reduce_scatter_s(block * precision.grad, par.dp, link)
-            fwd[c] = max(fwd[c], gather) + first
-            bwd[c] = max(bwd[c], gather + scatter) + first + last
-    tp_link = cluster.link(range(par.tp))
+        # reduce-scatters its gradients, every micro-batch, prefetched beside compute; the
+        # first block's gather (forward) and the last one's reduce-scatter (backward) have
+        # nothing to hide behind
+        gather = all_gather_s(params * precision.weight, dp_c, link)
+        scatter = reduce_scatter_s(params * precision.grad, dp_c, link)
+        block = max(stage_params([x.block]) for x in cs)
+        first = all_gather_s(block * precision.weight, dp_c, link)
+        last = reduce_scatter_s(block * precision.grad, dp_c, link)
+        fwd[c] = max(fwd[c], gather) + first
+        bwd[c] = max(bwd[c], gather + scatter) + first + last
+    devices_per_stage = par.tp * par.dp
     p2p = []
     for c in range(len(chunk_ranges) - 1):
-        out_bytes = blocks[chunk_ranges[c][1] - 1].output_bytes
+        (t0, d0, _, sp0), (t1, d1, _, sp1) = chunk_width[c], chunk_width[c + 1]
+        out = built[chunk_width[c]][chunk_ranges[c][1] - 1].output_bytes
         src, dst = par.rank(dev(c), 0, 0), par.rank(dev(c + 1), 0, 0)
         if src == dst:
             p2p.append(0.0)
             continue
         link = cluster.link([src, dst])
-        if par.tp > 1 and not par.sp:
-            # NOTE: Megatron's scatter-gather (SC'21 §4.1): each tensor-parallel rank sends
-            # 1/t of the activation over the network, then they all-gather it over NVLink.
-            p2p.append(p2p_s(out_bytes / par.tp, link) + all_gather_s(out_bytes, par.tp, tp_link))
-        else:
-            p2p.append(p2p_s(out_bytes, link))
+        # NOTE: the micro-batch's activation (``out`` is one device's: a replica's, sharded
+        # by sequence parallelism) crosses spread over every device of the stage, and where
+        # the next stage's tensor-parallel ranks need it whole they all-gather it over their
+        # link — Megatron's scatter-gather (SC'21 §4.1); stages of other widths reshard so
+        whole = out * (t0 if sp0 else 1) * d0
+        cost = p2p_s(whole / devices_per_stage, link)
+        if t1 > 1 and not sp1:
+            cost += all_gather_s(whole / d1, t1, cluster.link(par.stage_tp_group(dev(c + 1))))
+        p2p.append(cost)
     zb = par.schedule in ("zb-h1", "zb-v")
     timeline = None
     if simulated:
@@ -408,36 +489,34 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     # copy on each; their gradients are all-reduced between those stages after the backward
     holding: dict[str, tuple[float, set[int]]] = {}
     for c, (a, b) in enumerate(chunk_ranges):
-        for block in blocks[a:b]:
+        for block in built[chunk_width[c]][a:b]:
             for name, count in block.shared:
                 holding.setdefault(name, (count, set()))[1].add(dev(c))
     shared = {k: (v[0], sorted(v[1])) for k, v in holding.items() if len(v[1]) > 1}
     stages = []
     for d in range(p):
         st = plans[d]
+        t_d, dp_d = par.stage_width(d)
         link = cluster.link(par.dp_group(d))
         grads = st.params * precision.grad
-        if par.dp == 1 or par.zero >= 3:
+        if dp_d == 1 or par.zero >= 3:
             sync = 0.0
         elif par.zero == 0:
-            sync = all_reduce_s(grads, par.dp, link)
-        elif par.zero == 2 and m > 1:
-            # the last micro-batch's reduce-scatter (the others ran inside their backwards)
-            # and the gather of the updated weights
-            sync = (reduce_scatter_s(grads, par.dp, link)
-                    + all_gather_s(st.params * precision.weight, par.dp, link))
+            sync = all_reduce_s(grads, dp_d, link)
         else:
-            sync = (reduce_scatter_s(grads, par.dp, link)
-                    + all_gather_s(st.params * precision.weight, par.dp, link))
+            # ZeRO-1: the reduce-scatter of the gradients; ZeRO-2: the last micro-batch's
+            # (the others ran inside their backwards); both: the gather of updated weights
+            sync = (reduce_scatter_s(grads, dp_d, link)
+                    + all_gather_s(st.params * precision.weight, dp_d, link))
         last_bwd = sum(bwd[c] for c in range(len(fwd)) if devices_of[c] == d)
         exposed = max(0.0, sync - last_bwd) if par.overlap_grad_reduce else sync
         tied = sum(all_reduce_s(count * precision.grad, len(holders),
                                 cluster.link([par.rank(k, 0, 0) for k in holders]))
                    for name, (count, holders) in shared.items() if d in holders)
-        opt = optimizer_step_bytes(st.params, precision, par.zero, par.dp) / cluster.device.bandwidth
+        opt = optimizer_step_bytes(st.params, precision, par.zero, dp_d) / cluster.device.bandwidth
         end = ends[d] + exposed + tied + opt
         stages.append(StageReport(
-            index=d, plan=st, ranks=tuple(par.stage_ranks(d)), busy_s=busy[d],
+            index=d, tp=t_d, dp=dp_d, plan=st, ranks=tuple(par.stage_ranks(d)), busy_s=busy[d],
             bubble_s=max(0.0, pipeline - busy[d]),
             tp_comm_s=m * sum(tp_comm[c] for c in range(len(fwd)) if devices_of[c] == d),
             p2p_s=p2p[d] if d < len(p2p) else 0.0, dp_sync_s=exposed, tied_sync_s=tied,
@@ -445,7 +524,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     step = max(s.end_s for s in stages)
     samples = par.global_batch
     model_flops = model.model_flops(samples)
-    recompute_flops = sum(st.recompute_flops for st in plans) * par.tp * par.dp * m
+    recompute_flops = sum(st.recompute_flops for st in plans) * devices_per_stage * m
     executed = model_flops + recompute_flops
     peak_dtype = precision.activation_dtype
     peak = cluster.device.peak_flops.get(peak_dtype, cluster.device.peak_flops["float32"])

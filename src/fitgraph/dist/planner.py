@@ -78,7 +78,8 @@ class DistPlan:
                             "microbatch": par.micro_batch, "n_microbatches": par.n_micro,
                             "schedule": par.schedule, "chunks": par.chunks, "sp": par.sp,
                             "recompute": par.recompute,
-                            "overlap_grad_reduce": par.overlap_grad_reduce},
+                            "overlap_grad_reduce": par.overlap_grad_reduce,
+                            "widths": [list(w) for w in par.widths]},
             "predicted": self.predicted, "stages": self.stages, "search": self.search,
         }
 
@@ -94,7 +95,8 @@ class DistPlan:
                           n_micro=p["n_microbatches"], schedule=p["schedule"],
                           chunks=p["chunks"], zero=p["zero"], sp=p["sp"],
                           recompute=p["recompute"],
-                          overlap_grad_reduce=p["overlap_grad_reduce"])
+                          overlap_grad_reduce=p["overlap_grad_reduce"],
+                          widths=tuple(tuple(w) for w in p.get("widths", ())))
         return cls(model=data["model"], parallelism=par, cluster=data["cluster"],
                    global_batch=data["global_batch"], seq=data["seq"],
                    precision=data["precision"], fits=data["fits"], binding=data["binding"],
@@ -128,7 +130,8 @@ def _stage_json(pred: Prediction) -> list[dict]:
     for s in pred.stages:
         st = s.plan
         out.append({
-            "index": s.index, "blocks": list(st.blocks), "devices": list(s.ranks),
+            "index": s.index, "tp": s.tp, "dp": s.dp, "blocks": list(st.blocks),
+            "devices": list(s.ranks),
             "peak_bytes": s.peak_bytes, "memory": s.memory(),
             "memory_plan": dict(sorted(Counter(st.plan).items())),
             "offloaded_bytes": st.offload_bytes, "recomputed_s": st.recompute_s,

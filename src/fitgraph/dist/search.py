@@ -36,7 +36,7 @@ from .memory import MIXED_ADAM, Precision, optimizer_step_bytes, parameter_bytes
 from .model import ModelSpec
 from .ops import stage_params
 
-__all__ = ["SearchResult", "candidates", "search"]
+__all__ = ["SearchResult", "bound_terms", "candidates", "lower_bound", "search"]
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 CHUNKS = (2, 4)
@@ -68,6 +68,7 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int,
     n = cluster.devices
     max_tp = max_tp or cluster.devices_per_node
     out = []
+    per_stage: set[tuple] = set()
     tps = [fixed["tp"]] if "tp" in fixed else [t for t in _divisors(n) if t <= max_tp]
     for tp in tps:
         if n % tp:
@@ -103,11 +104,21 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int,
                         zeros = ([fixed["zero"]] if "zero" in fixed
                                  else ([1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0])
                         for zero in zeros:
-                            out.append(Parallelism(
+                            par = Parallelism(
                                 tp=tp, pp=pp, dp=dp, micro_batch=b, n_micro=m,
                                 schedule=schedule, chunks=chunks, zero=zero, sp=sp,
                                 recompute=fixed.get("recompute", "auto"),
-                                overlap_grad_reduce=fixed.get("overlap_grad_reduce", True)))
+                                overlap_grad_reduce=fixed.get("overlap_grad_reduce", True))
+                            out.append(par)
+                            # NOTE: stages of their own widths (Piper's heterogeneous
+                            # stages): one candidate per devices-per-stage, micro-batch,
+                            # schedule, ZeRO and SP; each stage picks its tp x dp
+                            key = (tp * dp, pp, b * dp, schedule, zero, sp)
+                            if (pp > 1 and chunks == 1 and key not in per_stage
+                                    and fixed.get("per_stage", True)
+                                    and not {"tp", "dp"} & set(fixed)):
+                                per_stage.add(key)
+                                out.append(par.replace(per_stage=True))
     return out
 
 
@@ -147,6 +158,59 @@ def _bound(par: Parallelism, seconds: float, params: float, precision: Precision
     return par.n_micro * stage + fill + opt / cluster.device.bandwidth
 
 
+def _per_block(model: ModelSpec, cluster: Cluster, par: Parallelism, precision: Precision,
+               priced: dict) -> tuple[list[float], float]:
+    """(seconds of one micro-batch through each block, parameters) at ``par``'s width."""
+    key = (par.tp, par.micro_batch, par.sp)
+    if key not in priced:
+        blocks = model.blocks(par.tp, par.micro_batch, par.sp)
+        link = cluster.link(range(par.tp))
+        costs: dict[tuple, float] = {}
+        times = []
+        for b in blocks:
+            k = (b.kind, b.ops)
+            if k not in costs:
+                c = price_block(b, cluster.device, link, precision.activation_dtype)
+                costs[k] = c.fwd_s + c.bwd_s
+            times.append(costs[k])
+        priced[key] = (times, stage_params(blocks))
+    return priced[key]
+
+
+def bound_terms(model: ModelSpec, cluster: Cluster, par: Parallelism, precision: Precision,
+                priced: dict | None = None) -> tuple[float, float, int]:
+    """(seconds, parameters, dp) that bound ``par`` below: its own width's, or for stages of
+    their own widths each block at its fastest width and the parameters of the width that
+    holds the fewest per device (``priced``: a dict to share across calls)."""
+    priced = {} if priced is None else priced
+    if not par.per_stage:
+        times, params = _per_block(model, cluster, par, precision, priced)
+        return sum(times), params, par.dp
+    devices, samples = par.tp * par.dp, par.micro_batch * par.dp
+    fastest, least = None, None
+    for t in range(1, min(devices, cluster.devices_per_node) + 1):
+        d = devices // t
+        if devices % t or samples % d or model.why_not(t, samples // d, par.sp and t > 1):
+            continue
+        times, params = _per_block(model, cluster, par.replace(
+            tp=t, dp=d, micro_batch=samples // d, sp=par.sp and t > 1, per_stage=False),
+            precision, priced)
+        fastest = times if fastest is None else [min(a, b) for a, b in zip(fastest, times)]
+        if least is None or params / d < least[0] / least[1]:
+            least = (params, d)
+    if fastest is None:
+        times, params = _per_block(model, cluster, par, precision, priced)
+        return sum(times), params, par.dp
+    return sum(fastest), least[0], least[1]
+
+
+def lower_bound(model: ModelSpec, cluster: Cluster, par: Parallelism, precision: Precision,
+                priced: dict | None = None) -> float:
+    """No step of ``par`` is shorter (what branch and bound orders and stops by)."""
+    seconds, params, _ = bound_terms(model, cluster, par, precision, priced)
+    return _bound(par, seconds, params, precision, cluster)
+
+
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
            fixed: dict | None = None, precision: Precision = MIXED_ADAM,
            budget: float | None = None, top: int = 6,
@@ -160,28 +224,11 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
     rejected: dict[str, int] = {}
     priced: dict[tuple, tuple[float, float]] = {}
 
-    def work(par: Parallelism) -> tuple[float, float]:
-        """(seconds of one micro-batch through every block, parameters) at this width."""
-        key = (par.tp, par.micro_batch, par.sp)
-        if key not in priced:
-            blocks = model.blocks(par.tp, par.micro_batch, par.sp)
-            link = cluster.link(range(par.tp))
-            costs: dict[tuple, float] = {}
-            total = 0.0
-            for b in blocks:
-                k = (b.kind, b.ops)
-                if k not in costs:
-                    c = price_block(b, cluster.device, link, precision.activation_dtype)
-                    costs[k] = c.fwd_s + c.bwd_s
-                total += costs[k]
-            priced[key] = (total, stage_params(blocks))
-        return priced[key]
-
     bounded = []
     least_static = float("inf")
     for par in cands:
-        seconds, params = work(par)
-        static = sum(parameter_bytes(params / par.pp, precision, par.zero, par.dp).values())
+        seconds, params, dp = bound_terms(model, cluster, par, precision, priced)
+        static = sum(parameter_bytes(params / par.pp, precision, par.zero, dp).values())
         least_static = min(least_static, static)
         if static > budget:
             rejected["weights, gradients and optimizer state alone"] = (
