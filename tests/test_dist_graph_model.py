@@ -189,3 +189,22 @@ def test_plan_dist_plans_a_zoo_model_with_tensor_parallelism(capsys):
     assert out["parallelism"]["tp"] == 2 and len(out["stages"]) == 2
     assert all(s["time"]["tp_comm_s"] > 0 for s in out["stages"])
     assert out["model"].startswith("gpt2 (small, bfloat16)")
+
+
+def test_the_head_runs_its_loss_in_parts_and_each_block_carries_its_backward_peak(tiny):
+    from fitgraph.dist.block_cost import price_block
+
+    _, _, gm = tiny
+    blocks = gm.blocks(1, 4, False)
+    # the backward's own peak (gradients, the input gradient handed down) is counted
+    assert all(b.bwd_temp_bytes > 0 for b in blocks[1:])
+    head = blocks[-1]
+    name, _, k = head.fission[0]
+    assert 2 <= k <= 8 and name == f"in {k} parts"       # along its tokens or its 4 samples
+    cost = price_block(head, A100, LINKS["nvlink3"])
+    parts = cost.option(name)
+    whole = max(cost.options, key=lambda o: o.working_bytes)
+    # re-made in parts: little kept, and a working set a fraction of re-making it whole
+    assert parts.kept_bytes < cost.options[0].kept_bytes
+    assert parts.kept_bytes == pytest.approx(head.input_bytes, abs=64)   # its input only
+    assert parts.working_bytes < whole.working_bytes / 2

@@ -34,8 +34,9 @@ import math
 from dataclasses import replace
 
 from ..cost.base import CostModel
+from ..graph.dim_region import grow_region
 from ..graph.ir import Graph, Phase, Role
-from ..solvers.peers.rotor import chain_stages, value_readers
+from ..solvers.peers.rotor import chain_stages, rotor_chain, value_readers
 from ..solvers.remat.stages import stage_graph
 from .graph_tp import TensorParallelMap, tensor_parallel_map
 from .ops import INPUT, Block, Collective, Op
@@ -137,6 +138,11 @@ class _Chain:
                     node_block[n.id] = ks[0]
         self.node_block = node_block
         self._maps: dict[int, TensorParallelMap] = {}
+        # NOTE: each block's backward peak beyond what it holds (its gradients, the input
+        # gradient it hands down): Rotor's chain model walks it unit by unit
+        chain = rotor_chain(graph, sg)
+        self.bwd_peak = list(chain.model.b_peak) if chain else [0] * len(names)
+        self.loss_parts = _loss_parts(graph, sg, fstage, node_block, len(names) - 1)
 
     def tp_map(self, tp: int) -> TensorParallelMap:
         if tp not in self._maps:
@@ -145,6 +151,31 @@ class _Chain:
 
     def blocks(self, tpm: TensorParallelMap) -> list[Block]:
         return _chain_blocks(self, tpm)
+
+
+LOSS_PARTS = 8
+
+
+def _loss_parts(graph: Graph, sg, fstage, node_block, k: int) -> int:
+    """In how many parts the last block (head and loss) can run: its forward split along the
+    tokens (or the batch) of what it reads from the block before, by fission's dimension rules
+    (``graph.dim_region``) — the logits never whole, as fitgraph's fission does on one device;
+    1 where its forward does not split so."""
+    nodes = {m for u, s in fstage.items() if s == k for m in sg.units[u].members}
+    ins = []
+    for m in sorted(nodes):
+        for v in graph.nodes[m].inputs:
+            pr = graph.values[v].producer
+            if pr is not None and node_block.get(pr) == k - 1 and v not in ins:
+                ins.append(v)
+    for v in ins[:1]:
+        shape = graph.values[v].shape
+        for dim in (1, 0):
+            if dim < len(shape):
+                region = grow_region(graph, v, dim)
+                if nodes <= set(region.nodes) and region.length >= 2:
+                    return min(LOSS_PARTS, region.length)
+    return 1
 
 
 def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
@@ -241,5 +272,9 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
             names[k], kind, ops, params=own[k],
             input_bytes=a[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
             role=role, shared=tuple(shared[k]), tp=tp,
-            bwd_temp_bytes=0.0, extra={"units": len(mine)}))
+            bwd_temp_bytes=float(chain.bwd_peak[k]),
+            fission=(((f"in {chain.loss_parts} parts", tuple(
+                op.name for op in ops if op.saved > 0 and op.recomputable),
+                chain.loss_parts),) if k == n - 1 and chain.loss_parts > 1 else ()),
+            extra={"units": len(mine)}))
     return blocks
