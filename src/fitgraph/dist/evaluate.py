@@ -162,8 +162,12 @@ def _stage_cuts(options, n: int, p: int, names):
     (first, last, width, plan) or None."""
     def best(first: int, last: int, k: int):
         got = None
-        for width, plan, allowed in options:
+        for width, plan, allowed, prefix in options:
             if not allowed(k):
+                continue
+            # NOTE: no plan is faster than its blocks without recompute: skip a width whose
+            # bare work is no better than the best plan found
+            if got is not None and prefix[last] - prefix[first] >= got[1].time_s:
                 continue
             st = plan(first, last, k)
             if st is not None and (got is None or st.time_s < got[1].time_s):
@@ -345,9 +349,18 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         # partly (what their deferred W reads) until their W (``dist.simulate``).
         flights = [min(p - k, m) + min(k, max(0, m - (p - k))) * ZB_W_HOLD for k in range(p)]
     if v == 1:
+        prefixes = {}
+        for w in widths:
+            acc = [0.0]
+            for c in priced[w]:
+                acc.append(acc[-1] + c.fwd_s + c.bwd_s)
+            prefixes[w] = acc
+        # NOTE: the fastest width first, so that the others are mostly skipped
+        order = sorted(widths, key=lambda w: prefixes[w][-1])
+
         def options(room):
             out = []
-            for w in widths:
+            for w in order:
                 plan = _stage_planner(priced[w], flights, room, precision, par.zero, w[1],
                                       par.recompute, cache, cluster.device)
                 if par.widths:
@@ -356,7 +369,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
                 else:
                     def allowed(k):
                         return True
-                out.append((w, plan, allowed))
+                out.append((w, plan, allowed, prefixes[w]))
             return out
 
         cut = _stage_cuts(options(budget), len(names), p, names)
