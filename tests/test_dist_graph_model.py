@@ -208,3 +208,16 @@ def test_the_head_runs_its_loss_in_parts_and_each_block_carries_its_backward_pea
     assert parts.kept_bytes < cost.options[0].kept_bytes
     assert parts.kept_bytes == pytest.approx(head.input_bytes, abs=64)   # its input only
     assert parts.working_bytes < whole.working_bytes / 2
+
+
+def test_the_split_names_each_weight_as_parallelize_module_would(tiny):
+    _, _, gm = tiny
+    styles = gm.tensor_parallel(2).styles
+    for i in range(3):
+        for name in ("qkv.weight", "qkv.bias", "up.weight", "up.bias"):
+            assert styles[f"layers.{i}.{name}"] == "colwise"
+        for name in ("proj.weight", "down.weight"):
+            assert styles[f"layers.{i}.{name}"] == "rowwise"
+        # a row-parallel bias is added once, after the all-reduce: not split
+        assert f"layers.{i}.proj.bias" not in styles and f"layers.{i}.down.bias" not in styles
+    assert not any(k.startswith(("emb", "head")) for k in styles)

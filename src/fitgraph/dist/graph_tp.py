@@ -27,8 +27,8 @@ Example:
     ...         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
     >>> g = fitgraph.capture(Mlp(), torch.randn(8, 64), lambda m, b: m(b).square().mean())
     >>> tpm = tensor_parallel_map(g, 4)
-    >>> len(tpm.groups), len(tpm.reduce_bytes), sorted(tpm.sharded_params.values())
-    (1, 1, [0, 0, 1])
+    >>> len(tpm.groups), len(tpm.reduce_bytes), sorted(tpm.styles.items())
+    (1, 1, [('down.weight', 'rowwise'), ('up.bias', 'colwise'), ('up.weight', 'colwise')])
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ class TensorParallelMap:
     sharded_params: dict[int, int] = field(default_factory=dict)  # param storage -> split dim
     groups: list[tuple[str, ...]] = field(default_factory=list)    # accepted: column nodes
     refused: list[str] = field(default_factory=list)
+    # parameter name -> "colwise" (split along its output features, a column group's weights
+    # and biases) or "rowwise" (the row-parallel matmul's weight): what a runtime's
+    # ``parallelize_module`` plan names (ColwiseParallel / RowwiseParallel)
+    styles: dict[str, str] = field(default_factory=dict)
 
 
 def _param_storages(graph: Graph) -> set[int]:
@@ -97,6 +101,9 @@ def tensor_parallel_map(graph: Graph, tp: int, block_of_node: dict[int, int] | N
     if tp == 1:
         return tpm
     params = _param_storages(graph)
+    names_of = {graph.values[v].storage: name.split(":", 1)[1]
+                for v, name in zip(graph.inputs, graph.input_names)
+                if graph.values[v].role is Role.PARAMETER and ":" in name}
     readers = _readers(graph)
     block = block_of_node or {}
     order = {n.id: i for i, n in enumerate(graph.nodes)}
@@ -110,11 +117,14 @@ def tensor_parallel_map(graph: Graph, tp: int, block_of_node: dict[int, int] | N
         if isinstance(got, str):
             tpm.refused.append(f"{', '.join(names)}: {got}")
             continue
-        new_sliced, nodes, reduces, weights = got
+        new_sliced, nodes, reduces, weights, column = got
         sliced = new_sliced
         tpm.sliced_nodes |= nodes
         tpm.reduce_bytes.update(reduces)
         tpm.sharded_params.update(weights)
+        for st in weights:
+            if st in names_of:
+                tpm.styles[names_of[st]] = "colwise" if st in column else "rowwise"
         first = members[0][0]
         x = [v for v in graph.nodes[first].inputs if graph.values[v].storage == storage][0]
         tpm.input_grad_bytes[first] = _nbytes(graph, x)
@@ -158,6 +168,7 @@ def _try_group(graph, tp, members, sliced, params, readers, block):
             return why
         nodes.add(nid)
         pending.extend(readers.get(out, ()))
+    column = set(weights)
     seen: set[int] = set()
     # NOTE: walk the forward in graph order from the group's outputs
     frontier = sorted(set(pending))
@@ -200,7 +211,7 @@ def _try_group(graph, tp, members, sliced, params, readers, block):
     for v, _ in sliced.items():
         if v in graph.outputs.values():
             return "a slice would be a step output"
-    return sliced, nodes, reduces, weights
+    return sliced, nodes, reduces, weights, column
 
 
 # NOTE: ops whose outputs have their input's shape and whose elements are made independently:
