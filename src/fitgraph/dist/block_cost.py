@@ -37,7 +37,8 @@ from .cluster import Link
 from .collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from .ops import INPUT, Block, Collective, Op
 
-__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "hull", "op_seconds", "price_block"]
+__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "hull", "op_seconds", "price_block",
+           "price_blocks"]
 
 EXACT_OPS = 14
 _COLLECTIVE = {"all_reduce": all_reduce_s, "all_gather": all_gather_s,
@@ -138,6 +139,19 @@ def hull(options: Sequence[MemoryOption]) -> list[int]:
             else:
                 break
         out.append(i)
+    return out
+
+
+def price_blocks(blocks, device: DeviceSpec, tp_link: Link, dtype: str,
+                 cache: dict) -> list[BlockCost]:
+    """``price_block`` of each block, blocks of one kind priced once (memoized in ``cache``:
+    identical layers share one ``BlockCost`` object, which the stage planner groups by)."""
+    out = []
+    for b in blocks:
+        key = ("price", device, b.kind, b.ops, b.params, b.input_bytes, b.role, tp_link, dtype)
+        if key not in cache:
+            cache[key] = price_block(b, device, tp_link, dtype)
+        out.append(cache[key])
     return out
 
 

@@ -13,7 +13,7 @@ beside compute (all but the first block's gather and the last one's reduce-scatt
 
 The interleaved and ZB-V schedules cut the model into ``pp × chunks`` chunks (the embedding on
 the first, the head on the last), the body's blocks shared out so that the devices' work is
-even (``_chunks``).
+even (``dist.chunks``).
 
 Example:
     >>> from fitgraph.dist.cluster import dgx_a100
@@ -31,17 +31,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .block_cost import BlockCost, price_block
+from .block_cost import price_blocks
+from .chunks import chunk_ranges as chunk_ranges_of
+from .chunks import device_plan, held_vectors
 from .cluster import Cluster
 from .collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from .config import Parallelism
 from .memory import MIXED_ADAM, Precision, optimizer_step_bytes
 from .model import ModelSpec
 from .ops import stage_params
-from .partition import partition_bisect, partition_dp
-from .schedules import chunks_held, in_flight, zbv_held
+from .schedules import in_flight
 from .simulate import ZB_W_HOLD, Timeline, chunk_device, simulate
-from .stage import StagePlan, plan_stage
+from .stage import StagePlan
+from .stage_cuts import cut_stages, stage_planner, stage_widths
 
 __all__ = ["GIB", "Prediction", "StageReport", "default_budget", "evaluate"]
 
@@ -49,7 +51,6 @@ GIB = 2**30
 # NOTE: what a GPU process holds besides tensors (CUDA context, NCCL's buffers, the caching
 # allocator's fragmentation) is commonly 1-3 GiB; plans leave 2 GiB of each device free.
 RESERVE_BYTES = 2 * GIB
-DP_SIZE_LIMIT = 20_000  # blocks² × stages up to which the exact DP cuts the stages
 
 
 def default_budget(cluster: Cluster) -> float:
@@ -111,200 +112,6 @@ class Prediction:
         return max(s.peak_bytes for s in self.stages)
 
 
-def _price(blocks, cluster: Cluster, tp: int, precision: Precision,
-           cache: dict) -> list[BlockCost]:
-    link = cluster.link(range(tp))
-    out = []
-    for b in blocks:
-        key = ("price", cluster.device, b.kind, b.ops, b.params, b.input_bytes, b.role, link,
-               precision.activation_dtype)
-        if key not in cache:
-            cache[key] = price_block(b, cluster.device, link, precision.activation_dtype)
-        out.append(cache[key])
-    return out
-
-
-def _host_bandwidth(device) -> float | None:
-    """Where activations may be parked: host memory apart from the device's (a GPU's, over
-    PCIe; on a CPU "host" is the same memory and parking frees nothing)."""
-    return device.host_bandwidth if device.host_memory_apart else None
-
-
-def _stage_planner(costs, flights, budget, precision, zero: int, dp: int, recompute: str,
-                   cache: dict, cluster_device):
-    """``plan(first, last, k)``: blocks ``first..last-1`` as stage ``k`` under its memory plan
-    (None when they cannot fit), memoized."""
-    n = len(costs)
-    ids = [id(c) for c in costs]
-    uniform = len(set(ids[1:-1])) <= 1
-    # NOTE: a stage's plan depends on its blocks' costs (shared across configurations of one
-    # width and micro-batch through ``cache``), its in-flight count and its memory terms.
-    host = _host_bandwidth(cluster_device)
-    setting = (budget, precision, zero, dp, recompute, host)
-    memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n,
-                             setting), {})
-
-    def plan(first: int, last: int, k: int) -> StagePlan | None:
-        key = ((first == 0, last == n, last - first, flights[k]) if uniform
-               else (tuple(ids[first:last]), flights[k]))
-        hit = memo.get(key, memo)
-        if hit is memo:
-            hit = memo[key] = plan_stage(costs[first:last], flights[k], budget, precision,
-                                         zero, dp, recompute, host_bandwidth=host)
-        return hit
-
-    return plan
-
-
-def _stage_cuts(options, n: int, p: int, names):
-    """Cut ``n`` blocks into ``p`` stages; ``options`` = [(width, plan function)] a stage
-    may take (each stage the fastest of those allowed it: ``allowed(k)``). Returns per stage
-    (first, last, width, plan) or None."""
-    def best(first: int, last: int, k: int):
-        got = None
-        for width, plan, allowed, prefix in options:
-            if not allowed(k):
-                continue
-            # NOTE: no plan is faster than its blocks without recompute: skip a width whose
-            # bare work is no better than the best plan found
-            if got is not None and prefix[last] - prefix[first] >= got[1].time_s:
-                continue
-            st = plan(first, last, k)
-            if st is not None and (got is None or st.time_s < got[1].time_s):
-                got = (width, st)
-        return got
-
-    def time(first: int, last: int, k: int) -> float | None:
-        got = best(first, last, k)
-        return None if got is None else got[1].time_s
-
-    solver = partition_dp if n * n * p <= DP_SIZE_LIMIT else partition_bisect
-    cuts = solver(n, p, time)
-    if cuts is None:
-        return None
-    out = []
-    for k, (a, b) in enumerate(cuts):
-        width, st = best(a, b, k)
-        out.append((a, b, width, _renamed(st, names[a:b])))
-    return out
-
-
-def _renamed(st: StagePlan, names) -> StagePlan:
-    return replace(st, blocks=tuple(names))
-
-
-def _chunks(costs, p: int, v: int, dev) -> list[tuple[int, int]]:
-    """Block ranges of ``p × v`` chunks (chunk ``c`` on device ``dev(c)``): the embedding with
-    chunk 0, the head with the last, the body in order, each device given as many body blocks
-    as evens out the devices' work (the ends' devices fewer: their embedding and head weigh),
-    split evenly over its chunks. Megatron-LM spreads the body evenly instead; with a heavy
-    head (a large vocabulary) that leaves the other devices waiting on the head's."""
-    n, chunks = len(costs), p * v
-    body = n - 2
-    if body < chunks:
-        return []
-    work = [c.fwd_s + c.bwd_s for c in costs]
-    unit = sum(work[1:-1]) / body
-    load = [0.0] * p
-    load[dev(0)] += work[0]
-    load[dev(chunks - 1)] += work[-1]
-    share = [v] * p                       # body blocks per device, one per chunk at least
-    for d in range(p):
-        load[d] += v * unit
-    for _ in range(body - chunks):
-        d = min(range(p), key=lambda k: (load[k] + unit, k))
-        share[d] += 1
-        load[d] += unit
-    sizes = [0] * chunks
-    for d in range(p):
-        mine = [c for c in range(chunks) if dev(c) == d]
-        for i, c in enumerate(mine):
-            sizes[c] = share[d] // v + (1 if i < share[d] % v else 0)
-    out, first = [], 1
-    for c, size in enumerate(sizes):
-        a, b = first, first + size
-        out.append((0 if c == 0 else a, n if c == chunks - 1 else b))
-        first = b
-    return out
-
-
-def _held_vectors(schedule: str, p: int, m: int, d: int, v: int, cache: dict) -> tuple:
-    key = ("held", schedule, p, m, d, v)
-    if key not in cache:
-        got = zbv_held(p, m, d) if schedule == "zb-v" else chunks_held(p, m, d, v)
-        cache[key] = tuple(tuple(x) for x in got)
-    return cache[key]
-
-
-def _interleaved_stage(costs, idx, names, ranges, vectors, budget, precision,
-                       par: Parallelism) -> StagePlan:
-    """A device's chunks under one memory plan. Its activations peak right after one of its
-    forwards, holding ``vector[c]`` micro-batches of chunk ``c``: plan for the vector holding
-    the most, then, while the plan's own worst vector overflows, for the elementwise most of
-    the vectors found worst so far (never less than any of them: it converges in a few
-    rounds). The plan's held bytes are its worst vector's."""
-    sizes = [b - a for a, b in ranges]
-    blocks = [costs[i] for i in idx]
-
-    def exact(st: StagePlan) -> tuple[float, tuple]:
-        kept, pos = [], 0
-        for size, (a, _) in zip(sizes, ranges):
-            kept.append(sum(costs[a + k].option(st.plan[pos + k]).kept_bytes
-                            for k in range(size)))
-            pos += size
-        return max((sum(h * x for h, x in zip(vec, kept)), vec) for vec in vectors)
-
-    weights = list(max(vectors, key=sum))
-    best = None
-    for _ in range(8):
-        per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
-        st = plan_stage(blocks, per_block, budget, precision, par.zero, par.dp, par.recompute,
-                        names=names)
-        if st is None:
-            break
-        held, worst = exact(st)
-        best = replace(st, held_bytes=held)
-        if best.peak_bytes <= budget * (1 + 1e-9):
-            return best
-        grown = [max(w, h) for w, h in zip(weights, worst)]
-        if grown == weights:
-            break
-        weights = grown
-    if best is not None:
-        return best
-    per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
-    st = plan_stage(blocks, per_block, math.inf, precision, par.zero, par.dp, par.recompute,
-                    names=names)
-    return replace(st, held_bytes=exact(st)[0])
-
-
-def _widths(model: ModelSpec, cluster: Cluster, par: Parallelism) -> list[tuple]:
-    """The (tp, dp, per-replica micro-batch, sequence parallel) a stage of ``par`` may take:
-    its one width, its ``widths``, or (``per_stage``) every split of its devices whose tensor
-    parallelism stays in a node and that the model can run."""
-    devices = par.tp * par.dp
-    samples = par.micro_batch * par.dp
-
-    def width(t: int, d: int) -> tuple | None:
-        if samples % d:
-            return None
-        w = (t, d, samples // d, par.sp and t > 1)
-        return None if model.why_not(w[0], w[2], w[3]) else w
-
-    if par.widths:
-        got = [width(t, d) for t, d in dict.fromkeys(par.widths)]
-        return [w for w in got if w is not None]
-    if not par.per_stage:
-        return [(par.tp, par.dp, par.micro_batch, par.sp)]
-    out = []
-    for t in range(1, min(devices, cluster.devices_per_node) + 1):
-        if devices % t == 0:
-            w = width(t, devices // t)
-            if w is not None:
-                out.append(w)
-    return out
-
-
 def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
              precision: Precision = MIXED_ADAM, budget: float | None = None,
              simulated: bool = True, cache: dict | None = None) -> Prediction | None:
@@ -321,11 +128,12 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         raise ValueError(why)
     budget = default_budget(cluster) if budget is None else budget
     # the widths a stage may take: (tp, dp, per-replica micro-batch, sequence parallel)
-    widths = _widths(model, cluster, par)
+    widths = stage_widths(model, cluster, par)
     if not widths:
         raise ValueError(why or f"no stage width of {par.tp * par.dp} devices runs {model.name}")
     built = {w: model.blocks(w[0], w[2], w[3]) for w in widths}
-    priced = {w: _price(built[w], cluster, w[0], precision, cache) for w in widths}
+    priced = {w: price_blocks(built[w], cluster.device, cluster.link(range(w[0])),
+                              precision.activation_dtype, cache) for w in widths}
     base = (par.tp, par.dp, par.micro_batch, par.sp)
     if base not in priced:
         base = widths[0]
@@ -335,9 +143,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     shape_schedule = "1f1b" if par.schedule in ("zb-h1", "zb-v") else par.schedule
 
     devices_of = [chunk_device(par.schedule, p, v, c) for c in range(p * v)]
-
-    def dev(c: int) -> int:
-        return devices_of[c]
+    dev = devices_of.__getitem__
 
     if par.schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) a multiple of "
@@ -361,7 +167,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         def options(room):
             out = []
             for w in order:
-                plan = _stage_planner(priced[w], flights, room, precision, par.zero, w[1],
+                plan = stage_planner(priced[w], flights, room, precision, par.zero, w[1],
                                       par.recompute, cache, cluster.device)
                 if par.widths:
                     def allowed(k, w=w):
@@ -372,10 +178,10 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
                 out.append((w, plan, allowed, prefixes[w]))
             return out
 
-        cut = _stage_cuts(options(budget), len(names), p, names)
+        cut = cut_stages(options(budget), len(names), p, names)
         if cut is None and par.recompute == "auto":
             # nothing fits: cut as if memory were free, to say what does not fit
-            cut = _stage_cuts(options(math.inf), len(names), p, names)
+            cut = cut_stages(options(math.inf), len(names), p, names)
         if cut is None:
             return None
         chunk_ranges = [(a, b) for a, b, _, _ in cut]
@@ -383,7 +189,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         plans = [st for _, _, _, st in cut]
         chunk_opts = [st.plan for st in plans]
     else:
-        chunk_ranges = _chunks(costs, p, v, dev)
+        chunk_ranges = chunk_ranges_of(costs, p, v, dev)
         if not chunk_ranges:
             return None
         chunk_width = [base] * len(chunk_ranges)
@@ -391,14 +197,14 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         for d in range(p):
             mine = [c for c in range(p * v) if devices_of[c] == d]
             idx = [i for c in mine for i in range(*chunk_ranges[c])]
-            vectors = _held_vectors(par.schedule, p, m, d, v, cache)
+            vectors = held_vectors(par.schedule, p, m, d, v, cache)
             # NOTE: configurations of one width and micro-batch share their devices' plans
             key = ("device", tuple(id(costs[i]) for i in idx),
                    tuple(b - a for a, b in (chunk_ranges[c] for c in mine)), vectors, budget,
                    precision, par.zero, par.dp, par.recompute)
             st = cache.get(key)
             if st is None:
-                st = cache[key] = _interleaved_stage(costs, idx, [names[i] for i in idx],
+                st = cache[key] = device_plan(costs, idx, [names[i] for i in idx],
                                                      [chunk_ranges[c] for c in mine], vectors,
                                                      budget, precision, par)
             plans.append(replace(st, blocks=tuple(names[i] for i in idx)))

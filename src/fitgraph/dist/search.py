@@ -28,13 +28,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .block_cost import price_block
+from .block_cost import price_blocks
 from .cluster import Cluster
 from .config import ALL_SCHEDULES, Parallelism
 from .evaluate import Prediction, default_budget, evaluate
 from .memory import MIXED_ADAM, Precision, optimizer_step_bytes, parameter_bytes
 from .model import ModelSpec
 from .ops import stage_params
+from .stage_cuts import stage_widths
 
 __all__ = ["SearchResult", "bound_terms", "candidates", "lower_bound", "search"]
 
@@ -158,22 +159,18 @@ def _bound(par: Parallelism, seconds: float, params: float, precision: Precision
     return par.n_micro * stage + fill + opt / cluster.device.bandwidth
 
 
-def _per_block(model: ModelSpec, cluster: Cluster, par: Parallelism, precision: Precision,
+def _per_block(model: ModelSpec, cluster: Cluster, width: tuple, precision: Precision,
                priced: dict) -> tuple[list[float], float]:
-    """(seconds of one micro-batch through each block, parameters) at ``par``'s width."""
-    key = (par.tp, par.micro_batch, par.sp)
+    """(seconds of one micro-batch through each block, parameters) at a stage width (tp, dp,
+    per-replica micro-batch, sequence parallel); ``priced`` is the evaluation's cache, so the
+    blocks priced here are not priced again."""
+    key = ("bound", width)
     if key not in priced:
-        blocks = model.blocks(par.tp, par.micro_batch, par.sp)
-        link = cluster.link(range(par.tp))
-        costs: dict[tuple, float] = {}
-        times = []
-        for b in blocks:
-            k = (b.kind, b.ops)
-            if k not in costs:
-                c = price_block(b, cluster.device, link, precision.activation_dtype)
-                costs[k] = c.fwd_s + c.bwd_s
-            times.append(costs[k])
-        priced[key] = (times, stage_params(blocks))
+        t, _, b, sp = width
+        blocks = model.blocks(t, b, sp)
+        costs = price_blocks(blocks, cluster.device, cluster.link(range(t)),
+                             precision.activation_dtype, priced)
+        priced[key] = ([c.fwd_s + c.bwd_s for c in costs], stage_params(blocks))
     return priced[key]
 
 
@@ -183,23 +180,15 @@ def bound_terms(model: ModelSpec, cluster: Cluster, par: Parallelism, precision:
     their own widths each block at its fastest width and the parameters of the width that
     holds the fewest per device (``priced``: a dict to share across calls)."""
     priced = {} if priced is None else priced
-    if not par.per_stage:
-        times, params = _per_block(model, cluster, par, precision, priced)
-        return sum(times), params, par.dp
-    devices, samples = par.tp * par.dp, par.micro_batch * par.dp
     fastest, least = None, None
-    for t in range(1, min(devices, cluster.devices_per_node) + 1):
-        d = devices // t
-        if devices % t or samples % d or model.why_not(t, samples // d, par.sp and t > 1):
-            continue
-        times, params = _per_block(model, cluster, par.replace(
-            tp=t, dp=d, micro_batch=samples // d, sp=par.sp and t > 1, per_stage=False),
-            precision, priced)
+    for width in stage_widths(model, cluster, par):
+        times, params = _per_block(model, cluster, width, precision, priced)
         fastest = times if fastest is None else [min(a, b) for a, b in zip(fastest, times)]
-        if least is None or params / d < least[0] / least[1]:
-            least = (params, d)
+        if least is None or params / width[1] < least[0] / least[1]:
+            least = (params, width[1])
     if fastest is None:
-        times, params = _per_block(model, cluster, par, precision, priced)
+        times, params = _per_block(model, cluster, (par.tp, par.dp, par.micro_batch, par.sp),
+                                   precision, priced)
         return sum(times), params, par.dp
     return sum(fastest), least[0], least[1]
 
@@ -222,12 +211,14 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
     n_blocks = len(model.blocks(1, 1, False))
     cands = candidates(model, cluster, global_batch, fixed, n_blocks=n_blocks, max_tp=max_tp)
     rejected: dict[str, int] = {}
-    priced: dict[tuple, tuple[float, float]] = {}
+    # NOTE: one cache for the bounds and the evaluations: a block priced for a bound is not
+    # priced again when its candidate is evaluated
+    cache: dict = {}
 
     bounded = []
     least_static = float("inf")
     for par in cands:
-        seconds, params, dp = bound_terms(model, cluster, par, precision, priced)
+        seconds, params, dp = bound_terms(model, cluster, par, precision, cache)
         static = sum(parameter_bytes(params / par.pp, precision, par.zero, dp).values())
         least_static = min(least_static, static)
         if static > budget:
@@ -238,7 +229,6 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, *,
     bounded.sort(key=lambda x: x[0])           # stable: ties keep the listed order
     ranked: list[tuple[float, int, Prediction]] = []
     evaluated = 0
-    cache: dict = {}
     closest: Prediction | None = None
     for i, (bound, par) in enumerate(bounded):
         if len(ranked) >= top and bound >= ranked[top - 1][0]:
