@@ -24,7 +24,11 @@ Example:
 from __future__ import annotations
 
 from ..cost.devices import DeviceSpec, get_device
+from .cluster import Cluster, dgx_a100
+from .config import Parallelism
+from .evaluate import evaluate
 from .megatron_table import TABLE1, MegatronRow
+from .model import GptModel
 
 __all__ = ["ACHIEVABLE", "calibrate_flop_efficiency", "calibrated_device"]
 
@@ -54,18 +58,13 @@ def calibrate_flop_efficiency(row: MegatronRow = TABLE1[0], *,
                               tol: float = 1e-4) -> float:
     """The matmul fraction of peak at which ``row``'s published configuration is predicted at
     its published TFLOP/s per GPU (bisection; the prediction rises with the fraction)."""
-    from .cluster import dgx_a100
-    from .config import Parallelism
-    from .evaluate import evaluate
-    from .model import GptModel
-
     base = dgx_a100(row.gpus // 8)
     par = Parallelism(tp=row.t, pp=row.p, dp=row.dp, micro_batch=1,
                       n_micro=row.batch // row.dp, recompute="full", overlap_grad_reduce=False)
 
     def tflops(eff: float) -> float:
         device = base.device.replace(flop_efficiency=eff, bandwidth_efficiency=bandwidth_efficiency)
-        cluster = type(base)(device, base.devices_per_node, base.nodes, base.intra, base.inter)
+        cluster = Cluster(device, base.devices_per_node, base.nodes, base.intra, base.inter)
         pred = evaluate(GptModel(row.shape), cluster, par)
         return row.shape.flops_per_iteration(row.batch) / pred.step_s / row.gpus / 1e12
 

@@ -239,7 +239,6 @@ def _pinned(fix: dict, cluster: Cluster, global_batch: int) -> Parallelism:
 
 
 def _infeasible(spec, cluster, global_batch, fix, precision, budget, found, grow) -> Infeasible:
-    from .cluster import Cluster as _Cluster
     if found.closest is not None:
         binding = f"the closest configuration's {found.closest.binding}"
     elif found.least_static > found.budget:
@@ -254,7 +253,7 @@ def _infeasible(spec, cluster, global_batch, fix, precision, budget, found, grow
     smallest = None
     if grow:
         for factor in (2, 4, 8, 16, 32, 64):
-            bigger = _Cluster(cluster.device, cluster.devices_per_node, cluster.nodes * factor,
+            bigger = Cluster(cluster.device, cluster.devices_per_node, cluster.nodes * factor,
                               cluster.intra, cluster.inter)
             f = search(spec, bigger, global_batch, fixed={k: v for k, v in fix.items()
                                                           if k not in ("dp",)},
