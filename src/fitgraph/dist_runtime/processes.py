@@ -31,6 +31,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _to_bytes(value: Any) -> bytes:
+    # NOTE: tensors put on a torch.multiprocessing queue travel as shared-memory file
+    # descriptors that the parent fetches from the child *after* unpickling starts; a child
+    # that has exited by then leaves "FileNotFoundError: .../pymp-*/listener-*" (seen in CI).
+    # Bytes made by torch.save carry the tensors' data themselves.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out) -> None:
     import torch.distributed as dist
 
@@ -39,7 +61,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out) -> 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
-            out.put((rank, True, fn(rank, world, *args)))
+            out.put((rank, True, _to_bytes(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # NOTE: the parent reports it; a child must not die silently
@@ -78,4 +100,4 @@ def run_processes(fn: Callable[..., Any], world: int, *args, timeout_s: float = 
     if errors:
         rank = min(errors)
         raise DistributedRunError(f"rank {rank} failed:\n{errors[rank]}")
-    return [results[r] for r in range(world)]
+    return [_from_bytes(results[r]) for r in range(world)]
