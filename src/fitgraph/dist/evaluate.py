@@ -106,6 +106,9 @@ class Prediction:
     fits: bool
     binding: str = ""
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # the pipeline's chunks (virtual stages) in order: (device, block names); one per device
+    # unless the schedule runs several chunks per device (interleaved, ZB-V)
+    chunks: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     @property
     def peak_bytes_per_device(self) -> float:
@@ -362,4 +365,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
         tokens_per_s=samples * model.seq / step,
         tflops_per_device=executed / step / par.devices / 1e12,
         mfu=model_flops / step / par.devices / peak, model_flops=model_flops,
-        executed_flops=executed, fits=not over, binding=binding, timeline=timeline)
+        executed_flops=executed, fits=not over, binding=binding, timeline=timeline,
+        chunks=tuple((dev(c), tuple(names[a:b])) for c, (a, b) in enumerate(chunk_ranges)))

@@ -48,6 +48,20 @@ class GraphModelError(ValueError):
     """The captured graph cannot be cut into a chain of blocks."""
 
 
+def param_signature(named_shapes) -> str:
+    """A hash of a model's parameters, ``(name, shape)`` pairs in any order: what a plan made
+    for a captured model records, and the runtime checks against the model it runs.
+
+    Example:
+        >>> param_signature([("w", (2, 3))]) == param_signature([("w", [2, 3])])
+        True
+    """
+    import hashlib
+
+    text = ";".join(f"{n}:{tuple(int(d) for d in s)}" for n, s in sorted(named_shapes))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class GraphModel:
     """A captured step (``graph``, timed by ``cost_model``) as a chain of blocks."""
 
@@ -62,6 +76,10 @@ class GraphModel:
         self._at: dict[int, tuple[list[Block], str | None]] = {}
         self._flops = sum(n.flops for n in graph.nodes
                           if n.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD))
+        self.param_signature = param_signature(
+            (name.removeprefix("param:"), graph.values[vid].shape)
+            for name, vid in zip(graph.input_names, graph.inputs)
+            if name.startswith("param:"))
 
     def blocks(self, tp: int, micro_batch: int, sp: bool) -> list[Block]:
         why = self.why_not(tp, micro_batch, sp)

@@ -65,6 +65,11 @@ class DistPlan:
     plan_s: float
     search: dict = field(default_factory=dict)
     device_note: str = ""
+    # the pipeline's chunks in order, each {"device": stage, "blocks": [...]}; and a hash of
+    # the captured graph's parameter names and shapes ("" for a model by shape), which the
+    # runtime compares with the model it is given
+    chunks: list[dict] = field(default_factory=list)
+    param_signature: str = ""
     prediction: Prediction | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
@@ -81,6 +86,7 @@ class DistPlan:
                             "overlap_grad_reduce": par.overlap_grad_reduce,
                             "widths": [list(w) for w in par.widths]},
             "predicted": self.predicted, "stages": self.stages, "search": self.search,
+            "chunks": self.chunks, "param_signature": self.param_signature,
         }
 
     @classmethod
@@ -101,7 +107,9 @@ class DistPlan:
                    global_batch=data["global_batch"], seq=data["seq"],
                    precision=data["precision"], fits=data["fits"], binding=data["binding"],
                    predicted=data["predicted"], stages=data["stages"], plan_s=data["plan_s"],
-                   search=data.get("search", {}), device_note=data.get("device_note", ""))
+                   search=data.get("search", {}), device_note=data.get("device_note", ""),
+                   chunks=data.get("chunks", []),
+                   param_signature=data.get("param_signature", ""))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -185,7 +193,9 @@ def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precis
                     cluster=_cluster_json(cluster), global_batch=pred.parallelism.global_batch,
                     seq=model.seq, precision=precision.name, fits=pred.fits,
                     binding=pred.binding, predicted=predicted, stages=_stage_json(pred),
-                    plan_s=plan_s, search=stats, device_note=device_note, prediction=pred)
+                    plan_s=plan_s, search=stats, device_note=device_note,
+                    chunks=[{"device": d, "blocks": list(b)} for d, b in pred.chunks],
+                    param_signature=getattr(model, "param_signature", ""), prediction=pred)
 
 
 def plan(model, cluster: Cluster, global_batch: int, *, fix: dict | None = None,

@@ -1,10 +1,10 @@
-"""Running multi-device plans on torch.distributed (issue 28, in progress): the processes a
-test or a launcher starts, and a plan's pipeline stages cut from the user's module.
+"""Running multi-device plans on torch.distributed (issue 28): ``parallelize`` turns a model,
+its loss and optimizer and a ``DistPlan`` into a training step run by every rank of a launch;
+``run_processes`` starts local gloo processes (tests, examples).
 
 The planner (``fitgraph.dist``) is torch-free; this package is its torch side.
 """
 
-from .pipeline_split import build_stage, split_points
-from .processes import run_processes
+from .processes import DistributedRunError, run_processes
 
-__all__ = ["build_stage", "run_processes", "split_points"]
+__all__ = ["DistributedRunError", "run_processes"]

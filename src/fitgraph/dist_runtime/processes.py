@@ -99,5 +99,5 @@ def run_processes(fn: Callable[..., Any], world: int, *args, timeout_s: float = 
                 p.kill()
     if errors:
         rank = min(errors)
-        raise DistributedRunError(f"rank {rank} failed:\n{errors[rank]}")
+        raise DistributedRunError("\n".join(f"rank {r} failed:\n{errors[r]}" for r in sorted(errors)))
     return [_from_bytes(results[r]) for r in range(world)]

@@ -1,0 +1,55 @@
+"""Data parallelism of one chunk, as the plan's ZeRO stage says: ZeRO-0 replicates it (DDP: the
+gradients all-reduced), ZeRO-1/2 shard the gradients and optimizer state and keep the weights
+whole after the forward (FSDP2 ``fully_shard(reshard_after_forward=False)``), ZeRO-3 shards
+the weights too (``reshard_after_forward=True``). Either way the gradients are averaged over
+the replicas, so one replica's update is one process's on the whole batch.
+
+Example (inside a launch of ``dp`` processes; see ``run_processes``):
+    >>> replicate_chunk(chunk, zero=3, dp_mesh=mesh["dp"])   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["replicate_chunk", "zero_note"]
+
+
+def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Module:
+    """``chunk`` made data parallel over ``dp_mesh`` (a 1-D mesh); the module the pipeline
+    stage runs (``chunk`` itself for FSDP2, which changes it in place)."""
+    if dp_mesh.size() == 1:
+        return chunk
+    if zero == 0:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(chunk, process_group=dp_mesh.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    # NOTE: each block the chunk calls is its own FSDP unit under ZeRO-3, so that one block's
+    # weights are gathered at a time (what the planner prices), not the whole chunk's
+    if zero == 3:
+        for module in _blocks(chunk):
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=zero == 3)
+    return chunk
+
+
+def zero_note(zero: int) -> str:
+    """What the runtime runs for a plan's ZeRO stage, where it differs from the plan."""
+    if zero == 1:
+        return ("ZeRO-1 runs as FSDP2 without resharding after the forward, which also shards "
+                "the gradients (ZeRO-2): less memory than the plan's, the same results")
+    return ""
+
+
+def _blocks(chunk: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules the chunk's traced graph calls that hold parameters."""
+    body = chunk.body
+    out = []
+    for node in body.graph.nodes:
+        if node.op == "call_module":
+            module = body.get_submodule(node.target)
+            if any(True for _ in module.parameters()) and module not in out:
+                out.append(module)
+    return out

@@ -1,0 +1,73 @@
+"""The user's optimizer rebuilt over this rank's parameters: same class, same options per
+parameter group (groups matched by parameter name), and nothing of the parameters this rank
+does not hold.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Linear(2, 2)
+    >>> opt = torch.optim.AdamW([{"params": [net.weight], "lr": 0.1},
+    ...                          {"params": [net.bias], "lr": 0.2}])
+    >>> local = local_optimizer(opt, net, [("bias", net.bias)])
+    >>> [g["lr"] for g in local.param_groups]
+    [0.2]
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["local_optimizer"]
+
+
+def local_optimizer(optimizer, model: torch.nn.Module,
+                    params: list[tuple[str, torch.nn.Parameter]]):
+    """A new optimizer over ``params`` (``(name in model, parameter)``; a name may come twice:
+    copies of a tied parameter in two chunks of this rank, each updated alike): ``optimizer``
+    is an optimizer of ``model``'s parameters (not yet stepped) or a function of a parameter
+    list."""
+    if isinstance(optimizer, Callable) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer([p for _, p in params])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: a torch.optim.Optimizer or a function of the parameters, "
+                        f"not {type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError("the optimizer has state already (it has stepped): parallelize the "
+                         "model before the first step, or pass a function that makes the "
+                         "optimizer (lambda params: torch.optim.AdamW(params, ...))")
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        names = [name_of[id(p)] for p in group["params"] if id(p) in name_of]
+        wanted = set(names)
+        mine = [p for n, p in params if n in wanted]
+        if mine:
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": mine})
+    missing = sorted({n for n, _ in params} - set(name_of.values()))
+    if missing:
+        raise ValueError(f"parameters {missing[:3]} are not the model's")
+    if not groups:
+        return _NoParams()
+    # NOTE: every group carries all its options; the constructor gets those of its defaults
+    # it accepts (AdamW's defaults hold "decoupled_weight_decay", not an argument of AdamW)
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
+                                      if k in accepted})
+
+
+class _NoParams:
+    """A rank that holds no trainable parameter steps nothing."""
+
+    param_groups: list = []
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}

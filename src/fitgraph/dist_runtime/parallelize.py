@@ -1,0 +1,174 @@
+"""``parallelize``: a model, its loss and optimizer, and a multi-device plan → a training step
+that every rank of a launch runs (``torchrun --nproc-per-node N train.py``).
+
+What it applies, in this order (torchtitan's): the launch checked against the plan (world size,
+model, batch); the step traced and cut into the plan's pipeline chunks
+(``dist_runtime.stage_split``); this rank's chunks made data parallel as the plan's ZeRO stage
+says (``dist_runtime.data_parallel``); the chunks as ``torch.distributed.pipelining`` stages
+run by the plan's schedule; the optimizer rebuilt over this rank's parameters.
+
+Example (in each process of a launch; ``run_processes`` starts local ones):
+    >>> step = parallelize(model, batch, loss_fn, optimizer, plan="plan.json")  # doctest: +SKIP
+    >>> for batch in loader:                                                   # doctest: +SKIP
+    ...     loss = step(batch)      # the global batch's loss, on every rank
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..dist.graph_model import param_signature
+from ..dist.planner import DistPlan
+from .batches import FlatBatch
+from .data_parallel import replicate_chunk, zero_note
+from .layout import PlanMismatch, RankLayout
+from .local_optimizer import local_optimizer
+from .stage_split import StepModule, chunk_metas, split_step
+from .step import DistStep
+
+__all__ = ["PlanMismatch", "parallelize"]
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble",
+             "zb-h1": "ScheduleInterleavedZeroBubble"}
+MULTI = {"interleaved", "zb-v", "zb-h1"}     # schedules that take a list of stages
+
+
+def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimizer=None, *,
+                plan: DistPlan | str | Path | dict, local_batches: bool = False) -> DistStep:
+    """This rank's part of ``plan`` for ``model``: a ``DistStep``, called once per step with a
+    batch structured as ``example_batch`` (the global batch; with ``local_batches=True``, this
+    data-parallel replica's part). ``loss_fn(model, batch)`` returns the loss (None: the
+    model's output's ``.loss``, as Hugging Face models return it). ``optimizer``: an
+    optimizer of ``model``'s parameters, not yet stepped (rebuilt over this rank's, with the
+    same options per group), or a function of a parameter list. ``plan``: a ``DistPlan``, its
+    saved JSON (a path or the dict).
+
+    The process group is the launch's (``torchrun`` sets it up through the environment; gloo
+    on CPU). After this, train through the returned step: the model's own parameters are no
+    longer the ones updated (``step.named_parameters()`` are this rank's).
+    """
+    import torch.distributed as dist
+
+    plan = _as_plan(plan)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    par = plan.parallelism
+    layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
+    if par.tp > 1:
+        raise PlanMismatch(f"the plan splits tensors {par.tp} ways (tp={par.tp}): the runtime "
+                           f"does not run tensor parallelism yet; plan with --fix tp=1")
+    _check_model(plan, model)
+    flat = FlatBatch.of(example_batch)
+    micro_args = _micro_args(flat, par, local_batches)
+    chunks = plan.chunks or [{"device": s["index"], "blocks": s["blocks"]} for s in plan.stages]
+    starts = []
+    for c in chunks[1:]:
+        first = c["blocks"][0]
+        if first.startswith("<"):
+            raise PlanMismatch(f"a chunk of the plan begins with {first}, not a module of the "
+                               f"model: plan again with more blocks per stage")
+        starts.append(first)
+    split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
+    mesh = layout.mesh(_device(model).type)
+    notes = [n for n in [zero_note(par.zero)] if n and par.dp > 1]
+    mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
+    shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
+              for name in split.shared]
+    stages, runs = [], []
+    from torch.distributed.pipelining import PipelineStage
+
+    metas = chunk_metas(split.chunks, micro_args)
+    for ch in mine:
+        run = replicate_chunk(ch, par.zero, mesh["dp"])
+        runs.append(run)
+        ins, outs = metas[ch.index]
+        stages.append(PipelineStage(run, ch.index, len(chunks), _device(model),
+                                    input_args=ins, output_args=outs,
+                                    group=mesh["pp"].get_group()))
+    from .stage_split import model_name
+
+    params = [(model_name(n), p) for ch in mine for n, p in ch.named_parameters()]
+    opt = local_optimizer(optimizer, model, params)
+    schedule = _schedule(par, stages)
+    return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
+                    schedule=schedule, optimizer=opt, shared=shared,
+                    local_batches=local_batches, notes=notes)
+
+
+def _as_plan(plan) -> DistPlan:
+    if isinstance(plan, DistPlan):
+        return plan
+    if isinstance(plan, dict):
+        return DistPlan.from_json(plan)
+    if isinstance(plan, (str, Path)) and os.path.exists(plan):
+        return DistPlan.load(plan)
+    raise TypeError(f"plan: a DistPlan, its JSON dict or the path of a saved plan, not "
+                    f"{plan!r}")
+
+
+def _check_model(plan: DistPlan, model: torch.nn.Module) -> None:
+    if not plan.param_signature:
+        return
+    mine = param_signature((n, tuple(p.shape)) for n, p in model.named_parameters())
+    if mine != plan.param_signature:
+        raise PlanMismatch(f"the plan was made for another model (its parameters' names and "
+                           f"shapes differ from {type(model).__name__}'s): plan for this one")
+
+
+def _micro_args(flat: FlatBatch, par, local_batches: bool) -> tuple:
+    rows = par.micro_batch * par.n_micro * (1 if local_batches else par.dp)
+    batched = FlatBatch.batched(flat.tensors, rows)
+    if not any(batched):
+        sizes = sorted({t.shape[0] for t in flat.tensors if t.dim()})
+        raise PlanMismatch(f"the plan's {'replica batch' if local_batches else 'global batch'} "
+                           f"is {rows} samples, but the example batch's tensors have "
+                           f"{sizes} rows")
+    return tuple(t[:par.micro_batch] if b else t for t, b in zip(flat.tensors, batched))
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _param(split, name: str) -> torch.Tensor:
+    from .stage_split import model_name
+
+    for ch in split.chunks:
+        for n, p in ch.named_parameters():
+            if model_name(n) == name:
+                return p
+    raise KeyError(name)
+
+
+def _dtype(split, name: str) -> torch.dtype:
+    return _param(split, name).dtype
+
+
+def _local_shape(split, name: str, par, layout: RankLayout) -> tuple:
+    """The shape of this rank's gradient of ``name``: FSDP2 shards dim 0 in ``torch.chunk``'s
+    parts."""
+    shape = tuple(_param(split, name).shape)
+    if par.dp == 1 or par.zero == 0:
+        return shape
+    parts = torch.empty(shape, device="meta").chunk(par.dp, dim=0)
+    return tuple(parts[layout.replica].shape) if layout.replica < len(parts) else (0, *shape[1:])
+
+
+def _schedule(par, stages: list):
+    import torch.distributed.pipelining as pl
+
+    cls = getattr(pl, SCHEDULES[par.schedule])
+
+    def loss_is_output(output, target):   # NOTE: the last chunk returns the loss itself
+        return output
+
+    if par.schedule in MULTI:
+        return cls(stages, par.n_micro, loss_fn=loss_is_output)
+    (stage,) = stages
+    return cls(stage, par.n_micro, loss_fn=loss_is_output)

@@ -1,0 +1,180 @@
+"""A plan's pipeline chunks cut from the user's whole training step (model and loss).
+
+The step — ``loss_fn(model, batch)`` on the batch's tensors — is traced once
+(``torch.distributed.pipelining.pipeline``, i.e. ``torch.export``) and cut where each chunk after
+the first begins (its first block, a module path such as ``h.2``). Each chunk becomes a
+``ChunkModule`` that takes every value crossing the cut before it and returns every value
+crossing the cut after it: the batch's labels read by the last chunk, an attention mask read
+by all of them, or an activation skipping a chunk travel forward with the activations (the
+schedules pass one chunk's outputs to the next only). The last chunk returns the loss.
+
+A parameter used by several chunks (a tied embedding and head) is a copy in each
+(``SplitStep.shared``); their gradients are summed between the chunks' ranks after the
+backward (``dist_runtime.step``).
+
+Example (one process, no pipeline: a split is a local thing):
+    >>> import torch
+    >>> from fitgraph.dist_runtime.batches import FlatBatch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> flat = FlatBatch.of((torch.randn(2, 4), torch.randn(2, 2)))
+    >>> step = StepModule(net, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), flat)
+    >>> split = split_step(step, tuple(flat.tensors), ["1"])
+    >>> len(split.chunks), split.chunks[0].model_names()[:1]
+    (2, ['0.weight'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..capture.calling import compute_loss
+from .batches import FlatBatch
+
+__all__ = ["ChunkModule", "SplitStep", "StepModule", "chunk_metas", "split_step"]
+
+MODEL = "model"      # the user's model's attribute in StepModule: its parameters' FQN prefix
+
+
+class StepModule(torch.nn.Module):
+    """``loss_fn(model, batch)`` as a module of the batch's tensor leaves."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, flat: FlatBatch) -> None:
+        super().__init__()
+        setattr(self, MODEL, model)
+        self.loss_fn = loss_fn
+        self.flat = flat
+
+    def forward(self, *tensors):
+        return compute_loss(getattr(self, MODEL), self.flat.rebuild(tensors), self.loss_fn)
+
+
+class ChunkModule(torch.nn.Module):
+    """One chunk of the traced step: the values crossing the cut before it in, those crossing
+    the cut after it out (the loss, for the last chunk)."""
+
+    def __init__(self, body: torch.fx.GraphModule, index: int, ins: list[str], outs: list[str],
+                 call: tuple[list[str], list[str], bool]) -> None:
+        super().__init__()
+        self.body = body
+        self.index = index
+        self._ins, self._outs, self._call = ins, outs, call
+
+    def forward(self, *values):
+        env = dict(zip(self._ins, values))
+        args, results, whole = self._call
+        out = self.body(*(env[a] for a in args))
+        if whole:  # NOTE: the chunk's result is read as it is, not item by item
+            env[results[0]] = out
+        else:
+            for name, value in zip(results, out):
+                if name:
+                    env[name] = value
+        # NOTE: what crosses to another rank is sent as one buffer: a view (a slice of a
+        # mask) is made contiguous, the receiving buffer being so
+        got = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v
+                    for v in (env[n] for n in self._outs))
+        return got[0] if len(got) == 1 else got
+
+    def model_names(self) -> list[str]:
+        """This chunk's parameters by their names in the user's model."""
+        return [model_name(n) for n, _ in self.named_parameters()]
+
+
+def model_name(chunk_param: str) -> str:
+    """``body.model.h.1.ln_1.weight`` → ``h.1.ln_1.weight``."""
+    prefix = f"body.{MODEL}."
+    if not chunk_param.startswith(prefix):
+        raise ValueError(f"{chunk_param}: not a parameter of the user's model")
+    return chunk_param[len(prefix):]
+
+
+@dataclass
+class SplitStep:
+    chunks: list[ChunkModule]
+    shared: list[str]            # model parameter names held by more than one chunk
+
+
+def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitStep:
+    """``step`` traced on one micro-batch (``micro_args``) and cut before each module path in
+    ``starts`` (paths in the user's model)."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    modules = dict(getattr(step, MODEL).named_modules())
+    for path in starts:
+        if path not in modules:
+            raise ValueError(f"the plan cuts the model before {path!r}, which is not a module "
+                             f"of {type(getattr(step, MODEL)).__name__}: a plan made for "
+                             f"another model?")
+    spec = {f"{MODEL}.{p}": SplitPoint.BEGINNING for p in starts}
+    pipe = pipeline(step, micro_args, split_spec=spec)
+    if pipe.num_stages != len(starts) + 1:
+        raise ValueError(f"tracing the step cut it into {pipe.num_stages} chunks, not "
+                         f"{len(starts) + 1}: a cut point ({starts}) is inside a loop or "
+                         f"not on the path from the batch to the loss")
+    top = pipe.split_gm.graph
+    calls = [n for n in top.nodes if n.op == "call_module"]
+    position = {}                # value name -> the chunk that makes it (-1: the batch)
+    for n in top.nodes:
+        if n.op == "placeholder":
+            position[n.name] = -1
+    for i, c in enumerate(calls):
+        position[c.name] = i
+        for u in c.users:
+            if u.op == "call_function":  # a getitem of the chunk's outputs
+                position[u.name] = i
+    last = len(calls)
+    uses: dict[str, list[int]] = {k: [] for k in position}
+    for i, c in enumerate(calls):
+        for a in c.args:
+            if not isinstance(a, torch.fx.Node):
+                raise ValueError(f"chunk {i} reads a constant {a!r} of the traced step")
+            uses[a.name].append(i)
+    output = next(n for n in top.nodes if n.op == "output")
+    (result,) = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    uses[result.name].append(last)
+    order = list(position)
+    placeholders = [k for k in order if position[k] == -1]
+
+    def crossing(i: int) -> list[str]:  # values made before chunk i and read at or after it
+        if i == 0:
+            return placeholders
+        return [k for k in order if position[k] < i and any(u >= i for u in uses[k])]
+
+    chunks = []
+    for i, c in enumerate(calls):
+        args = [a.name for a in c.args]
+        getitems = {u.args[1]: u.name for u in c.users if u.op == "call_function"}
+        if getitems:
+            results = [getitems.get(j, "") for j in range(max(getitems) + 1)]
+        else:
+            results = [c.name]
+        outs = crossing(i + 1) if i + 1 < last else [result.name]
+        chunks.append(ChunkModule(pipe.get_stage_module(i), i, crossing(i), outs,
+                                  (args, results, not getitems)))
+    held: dict[str, int] = {}
+    for ch in chunks:
+        for name in set(ch.model_names()):
+            held[name] = held.get(name, 0) + 1
+    return SplitStep(chunks, sorted(n for n, k in held.items() if k > 1))
+
+
+def chunk_metas(chunks: list[ChunkModule], micro_args: tuple) -> list[tuple[tuple, tuple]]:
+    """Each chunk's example inputs and outputs on one micro-batch, as fake tensors (shapes,
+    dtypes, whether they need gradients), for the pipeline stages' static metadata.
+
+    NOTE: without them a stage infers its inputs by running its chunk on uninitialised
+    tensors, and a chunk that reads the labels (a cross-entropy) then indexes out of range."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        values = tuple(mode.from_tensor(t) for t in micro_args)
+        out = []
+        with torch.enable_grad():
+            for ch in chunks:
+                result = ch(*values)
+                result = result if isinstance(result, tuple) else (result,)
+                out.append((values, result))
+                values = result
+    return out

@@ -1,0 +1,166 @@
+"""One training step of a multi-device plan, run by every rank of the launch.
+
+``DistStep(batch)`` takes the global batch (the same on every rank, as in a one-process loop)
+or, built with ``local_batches=True``, this replica's part of it (a ``DistributedSampler``'s);
+runs the plan's micro-batches through this rank's pipeline chunks with the plan's schedule;
+sums the gradients of parameters that several chunks hold (a tied embedding and head); steps
+the optimizer; and returns the global step's loss on every rank: the mean of the micro-batch
+losses over all replicas, which is the whole batch's loss where the loss is a mean over
+samples (as a one-process loop's gradient accumulation assumes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .batches import FlatBatch
+from .layout import RankLayout
+
+__all__ = ["DistStep", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+class DistStep:
+    """Made by ``fitgraph.dist.parallelize``; call it with a batch, once per step."""
+
+    def __init__(self, *, plan, layout: RankLayout, mesh, flat: FlatBatch, chunks: list,
+                 stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
+                 local_batches: bool, notes: list[str]) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.mesh = mesh
+        self.flat = flat
+        self.chunks = chunks            # this rank's ChunkModules (unwrapped)
+        self.stages = stages
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.shared = shared            # (model name, local grad shape, dtype), every rank alike
+        self.local_batches = local_batches
+        self.notes = notes
+        self.record = StepRecord()
+        par = plan.parallelism
+        self._batched = None
+        self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, batch: Any) -> torch.Tensor:
+        start = time.perf_counter()
+        tensors = self._local(batch)
+        par = self.plan.parallelism
+        losses: list = []
+        # NOTE: every rank passes the batch and a target; the schedule reads them on the
+        # ranks of its first and last chunks only. The last chunk's output is the loss itself
+        target = torch.zeros(par.n_micro)
+        self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
+        self._sum_shared_grads()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._global_loss(losses)
+        self.record.seconds.append(time.perf_counter() - start)
+        self.record.losses.append(float(loss))
+        return loss
+
+    def _local(self, batch: Any) -> list:
+        tensors = self.flat.leaves_of(batch)
+        par = self.plan.parallelism
+        rows = par.micro_batch * par.n_micro
+        size = rows if self.local_batches else rows * par.dp
+        if self._batched is None:
+            self._batched = FlatBatch.batched(self.flat.tensors, self.flat.tensors[
+                self._first_batched()].shape[0])
+        for t, b in zip(tensors, self._batched):
+            if b and t.shape[0] != size:
+                what = "this replica's part" if self.local_batches else "the global batch"
+                raise ValueError(f"a batch of {t.shape[0]} samples, but the plan's "
+                                 f"{what} is {size} samples")
+        if self.local_batches:
+            return tensors
+        lay = self.layout
+        return [t[lay.replica * rows:(lay.replica + 1) * rows] if b else t
+                for t, b in zip(tensors, self._batched)]
+
+    def _first_batched(self) -> int:
+        return max(range(len(self.flat.tensors)),
+                   key=lambda i: self.flat.tensors[i].dim() > 0)
+
+    def _sum_shared_grads(self) -> None:
+        """A parameter held by chunks on several ranks (a tied embedding and head): its
+        gradient is the sum of theirs, on each of them (the copies stay equal)."""
+        if not self.shared:
+            return
+        import torch.distributed as dist
+
+        group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        for name, shape, dtype in self.shared:
+            mine = [p for ch in self.chunks for n, p in _named(ch) if n == name]
+            total = torch.zeros(shape, dtype=dtype)
+            for p in mine:
+                if p.grad is not None:
+                    total += _local(p.grad)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in mine:
+                if p.grad is None:
+                    p.grad = _like(p, total.clone())
+                else:
+                    _local(p.grad).copy_(total)
+
+    def _global_loss(self, losses: list) -> torch.Tensor:
+        import torch.distributed as dist
+
+        lay = self.layout
+        mine = lay.stage == self._last_device and lay.shard == 0
+        value = torch.stack([x.detach().float() for x in losses]).mean() if (mine and losses) \
+            else torch.zeros(())
+        value = value.reshape(())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value)
+        return value / lay.dp
+
+    # ------------------------------------------------------------------ results
+    def named_parameters(self):
+        """This rank's parameters by their names in the user's model (a parameter two chunks
+        of this rank hold, once)."""
+        seen = set()
+        for ch in self.chunks:
+            for name, p in _named(ch):
+                if name not in seen:
+                    seen.add(name)
+                    yield name, p
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters whole (gathered from their data-parallel shards)."""
+        out = {}
+        for name, p in self.named_parameters():
+            t = p.data
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            out[name] = t.detach().clone()
+        return out
+
+
+def _named(chunk):
+    from .stage_split import model_name
+
+    return [(model_name(n), p) for n, p in chunk.named_parameters()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local
