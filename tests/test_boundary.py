@@ -56,6 +56,8 @@ def test_probe_detects_torch():
 # NOTE: whole folders, not a list of modules: a new planning module is held to it from its
 # first commit. The measured cost model's modules import torch by design (DESIGN.md).
 TORCH_FREE_FOLDERS = ("dist", "graph", "plan", "sim", "solvers", "transform", "units.py")
+# NOTE: the multi-device planner's runtime (torch.distributed) is dist's torch side
+TORCH_SIDE = ("dist/runtime",)
 TORCH_FREE_COST = ("base", "cache", "devices", "fused", "roofline", "scaled")
 _SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "fitgraph"
 
@@ -66,6 +68,8 @@ def torch_free_modules() -> list[str]:
     for entry in TORCH_FREE_FOLDERS:
         paths = [_SRC / entry] if entry.endswith(".py") else sorted((_SRC / entry).rglob("*.py"))
         for p in paths:
+            if any(p.is_relative_to(_SRC / side) for side in TORCH_SIDE):
+                continue
             parts = p.relative_to(_SRC.parent).with_suffix("").parts
             out.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return out + ["fitgraph.cost"] + [f"fitgraph.cost.{m}" for m in TORCH_FREE_COST]

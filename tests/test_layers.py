@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
      "fitgraph.cost.first_touch", "fitgraph.cost.opaque"),
     ("fitgraph.measure", "fitgraph.latency_check", "fitgraph.regions_latency",
      "fitgraph.ambient", "fitgraph.python_values", "fitgraph.inspection", "fitgraph.report"),
-    ("fitgraph.compile_backend", "fitgraph.regions", "fitgraph.api", "fitgraph.dist_runtime"),
+    ("fitgraph.compile_backend", "fitgraph.regions", "fitgraph.api", "fitgraph.dist.runtime"),
     ("fitgraph", "fitgraph.cli", "fitgraph.cli_bench", "fitgraph.cli_case",
      "fitgraph.cli_optimize", "fitgraph.cli_plan_dist", "fitgraph.zoo", "fitgraph.bench"),
 ]

@@ -31,4 +31,14 @@ __all__ = ["FP32_ADAM", "GPT_PRESETS", "LINKS", "MIXED_ADAM", "TABLE1", "Cluster
            "GptModel", "GptShape", "GraphModel", "Infeasible", "Link", "MegatronRow",
            "ModelSpec", "Parallelism", "Precision", "Prediction", "all_gather_s",
            "all_reduce_s", "calibrated_device", "dgx_a100", "p2p_s", "parse_fix", "plan",
-           "reduce_scatter_s"]
+           "reduce_scatter_s", "parallelize"]
+
+
+def __getattr__(name: str):
+    # NOTE: running a plan needs torch (dist.runtime); planning does not, so the runtime is
+    # imported only when asked for
+    if name == "parallelize":
+        from ..dist.runtime.parallelize import parallelize
+
+        return parallelize
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,8 @@ class DistStep:
 
     def __init__(self, *, plan, layout: RankLayout, mesh, flat: FlatBatch, chunks: list,
                  stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
-                 local_batches: bool, notes: list[str]) -> None:
+                 local_batches: bool, notes: list[str], batched: list[bool],
+                 weights=None) -> None:
         self.plan = plan
         self.layout = layout
         self.mesh = mesh
@@ -46,20 +47,21 @@ class DistStep:
         self.shared = shared            # (model name, local grad shape, dtype), every rank alike
         self.local_batches = local_batches
         self.notes = notes
+        self.weights = weights          # LossWeights: micro-batches' shares of the loss
         self.record = StepRecord()
         par = plan.parallelism
-        self._batched = None
+        self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, batch: Any) -> torch.Tensor:
         start = time.perf_counter()
         tensors = self._local(batch)
-        par = self.plan.parallelism
         losses: list = []
-        # NOTE: every rank passes the batch and a target; the schedule reads them on the
-        # ranks of its first and last chunks only. The last chunk's output is the loss itself
-        target = torch.zeros(par.n_micro)
+        # NOTE: every rank passes the batch and the target; the schedule reads them on the
+        # ranks of its first and last chunks only. The "target" of a micro-batch is the factor
+        # its loss is scaled by (``_factors``)
+        target = self._factors(batch, tensors)
         self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
         self._sum_shared_grads()
         self.optimizer.step()
@@ -74,9 +76,6 @@ class DistStep:
         par = self.plan.parallelism
         rows = par.micro_batch * par.n_micro
         size = rows if self.local_batches else rows * par.dp
-        if self._batched is None:
-            self._batched = FlatBatch.batched(self.flat.tensors, self.flat.tensors[
-                self._first_batched()].shape[0])
         for t, b in zip(tensors, self._batched):
             if b and t.shape[0] != size:
                 what = "this replica's part" if self.local_batches else "the global batch"
@@ -88,9 +87,31 @@ class DistStep:
         return [t[lay.replica * rows:(lay.replica + 1) * rows] if b else t
                 for t, b in zip(tensors, self._batched)]
 
-    def _first_batched(self) -> int:
-        return max(range(len(self.flat.tensors)),
-                   key=lambda i: self.flat.tensors[i].dim() > 0)
+    def _factors(self, batch: Any, local: list) -> torch.Tensor:
+        """Each of this replica's micro-batches' loss factor: its weight times the number
+        of micro-batches of the whole batch over the whole weight, so that the schedule's mean
+        over micro-batches and the replicas' mean of gradients give the whole batch's loss."""
+        par = self.plan.parallelism
+        n, mb = par.n_micro, par.micro_batch
+        if self.weights is None:
+            return torch.ones(n, dtype=torch.float64)
+
+        def weights_of(tensors: list, parts: int) -> torch.Tensor:
+            return torch.cat([self.weights.of([t[i * mb:(i + 1) * mb] if b else t
+                                               for t, b in zip(tensors, self._batched)])
+                              for i in range(parts)]).double()
+
+        mine = weights_of(local, n)
+        if self.local_batches:
+            total = mine.sum().reshape(1)
+            if self.layout.dp > 1:
+                import torch.distributed as dist
+
+                dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            total = total[0]
+        else:
+            total = weights_of(self.flat.leaves_of(batch), n * par.dp).sum()
+        return mine * (n * par.dp) / total
 
     def _sum_shared_grads(self) -> None:
         """A parameter held by chunks on several ranks (a tied embedding and head): its

@@ -10,11 +10,11 @@ schedules pass one chunk's outputs to the next only). The last chunk returns the
 
 A parameter used by several chunks (a tied embedding and head) is a copy in each
 (``SplitStep.shared``); their gradients are summed between the chunks' ranks after the
-backward (``dist_runtime.step``).
+backward (``dist.runtime.step``).
 
 Example (one process, no pipeline: a split is a local thing):
     >>> import torch
-    >>> from fitgraph.dist_runtime.batches import FlatBatch
+    >>> from fitgraph.dist.runtime.batches import FlatBatch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     >>> flat = FlatBatch.of((torch.randn(2, 4), torch.randn(2, 2)))
     >>> step = StepModule(net, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), flat)
@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.calling import compute_loss
+from ...capture.calling import compute_loss
 from .batches import FlatBatch
+from .loss_weights import LossWeights, find_loss_weights
 
 __all__ = ["ChunkModule", "SplitStep", "StepModule", "chunk_metas", "split_step"]
 
@@ -94,6 +95,8 @@ def model_name(chunk_param: str) -> str:
 class SplitStep:
     chunks: list[ChunkModule]
     shared: list[str]            # model parameter names held by more than one chunk
+    weights: LossWeights | None = None   # each micro-batch's weight in the whole loss
+    weights_note: str = ""               # why micro-batches weigh alike, where that matters
 
 
 def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitStep:
@@ -157,7 +160,12 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
     for ch in chunks:
         for name in set(ch.model_names()):
             held[name] = held.get(name, 0) + 1
-    return SplitStep(chunks, sorted(n for n, k in held.items() if k > 1))
+    body = chunks[-1].body
+    inner = [n.name for n in body.graph.nodes if n.op == "placeholder"]
+    root_leaf = {name: placeholders.index(a.name) for name, a in zip(inner, calls[-1].args)
+                 if a.name in placeholders}
+    weights, note = find_loss_weights(body, root_leaf)
+    return SplitStep(chunks, sorted(n for n, k in held.items() if k > 1), weights, note)
 
 
 def chunk_metas(chunks: list[ChunkModule], micro_args: tuple) -> list[tuple[tuple, tuple]]:

@@ -3,8 +3,8 @@ that every rank of a launch runs (``torchrun --nproc-per-node N train.py``).
 
 What it applies, in this order (torchtitan's): the launch checked against the plan (world size,
 model, batch); the step traced and cut into the plan's pipeline chunks
-(``dist_runtime.stage_split``); this rank's chunks made data parallel as the plan's ZeRO stage
-says (``dist_runtime.data_parallel``); the chunks as ``torch.distributed.pipelining`` stages
+(``dist.runtime.stage_split``); this rank's chunks made data parallel as the plan's ZeRO stage
+says (``dist.runtime.data_parallel``); the chunks as ``torch.distributed.pipelining`` stages
 run by the plan's schedule; the optimizer rebuilt over this rank's parameters.
 
 Example (in each process of a launch; ``run_processes`` starts local ones):
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..dist.graph_model import param_signature
-from ..dist.planner import DistPlan
+from ..graph_model import param_signature
+from ..planner import DistPlan
 from .batches import FlatBatch
 from .data_parallel import replicate_chunk, zero_note
 from .layout import PlanMismatch, RankLayout
@@ -64,7 +64,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                            f"does not run tensor parallelism yet; plan with --fix tp=1")
     _check_model(plan, model)
     flat = FlatBatch.of(example_batch)
-    micro_args = _micro_args(flat, par, local_batches)
+    batched = FlatBatch.batched(
+        flat.tensors, par.micro_batch * par.n_micro * (1 if local_batches else par.dp))
+    micro_args = _micro_args(flat, par, batched, local_batches)
     chunks = plan.chunks or [{"device": s["index"], "blocks": s["blocks"]} for s in plan.stages]
     starts = []
     for c in chunks[1:]:
@@ -75,7 +77,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         starts.append(first)
     split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
     mesh = layout.mesh(_device(model).type)
-    notes = [n for n in [zero_note(par.zero)] if n and par.dp > 1]
+    notes = [n for n in [zero_note(par.zero) if par.dp > 1 else "", split.weights_note] if n]
     mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
     shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
               for name in split.shared]
@@ -97,7 +99,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     schedule = _schedule(par, stages)
     return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
                     schedule=schedule, optimizer=opt, shared=shared,
-                    local_batches=local_batches, notes=notes)
+                    local_batches=local_batches, notes=notes, batched=batched,
+                    weights=split.weights)
 
 
 def _as_plan(plan) -> DistPlan:
@@ -120,10 +123,9 @@ def _check_model(plan: DistPlan, model: torch.nn.Module) -> None:
                            f"shapes differ from {type(model).__name__}'s): plan for this one")
 
 
-def _micro_args(flat: FlatBatch, par, local_batches: bool) -> tuple:
-    rows = par.micro_batch * par.n_micro * (1 if local_batches else par.dp)
-    batched = FlatBatch.batched(flat.tensors, rows)
+def _micro_args(flat: FlatBatch, par, batched: list[bool], local_batches: bool) -> tuple:
     if not any(batched):
+        rows = par.micro_batch * par.n_micro * (1 if local_batches else par.dp)
         sizes = sorted({t.shape[0] for t in flat.tensors if t.dim()})
         raise PlanMismatch(f"the plan's {'replica batch' if local_batches else 'global batch'} "
                            f"is {rows} samples, but the example batch's tensors have "
@@ -165,8 +167,10 @@ def _schedule(par, stages: list):
 
     cls = getattr(pl, SCHEDULES[par.schedule])
 
-    def loss_is_output(output, target):   # NOTE: the last chunk returns the loss itself
-        return output
+    def loss_is_output(output, factor):
+        # NOTE: the last chunk returns the loss itself; ``factor`` is the micro-batch's share
+        # of the whole batch's loss (``DistStep._factors``)
+        return output * factor.to(output.dtype).reshape(())
 
     if par.schedule in MULTI:
         return cls(stages, par.n_micro, loss_fn=loss_is_output)

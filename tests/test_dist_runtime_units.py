@@ -1,0 +1,143 @@
+"""The runtime's one-process parts: a batch split between replicas, micro-batches' loss
+weights found in the traced step, the optimizer rebuilt per rank, the launch checked against
+the plan (``fitgraph.dist.runtime``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fitgraph.dist.config import Parallelism
+from fitgraph.dist.runtime.batches import FlatBatch
+from fitgraph.dist.runtime.layout import PlanMismatch, RankLayout
+from fitgraph.dist.runtime.local_optimizer import local_optimizer
+from fitgraph.dist.runtime.stage_split import StepModule, chunk_metas, split_step
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 11, (4, 5), generator=g)
+    labels = torch.where(torch.rand(4, 5, generator=g) < 0.5, ids, torch.full_like(ids, -100))
+    return {"ids": ids, "labels": labels}
+
+
+def _split(loss_fn, starts=("body",)):
+    torch.manual_seed(0)
+    model = Tiny()
+    batch = _batch()
+    flat = FlatBatch.of(batch)
+    return model, batch, split_step(StepModule(model, loss_fn, flat),
+                                    tuple(t[:2] for t in flat.tensors), list(starts))
+
+
+def test_batch_split_between_replicas_keeps_shared_leaves_whole():
+    flat = FlatBatch.of({"x": torch.arange(8).reshape(8, 1), "mask": torch.ones(3, 3),
+                         "scale": 0.5})
+    parts = flat.replica_part(flat.tensors, 1, 2, 8)
+    assert parts[0].flatten().tolist() == [4, 5, 6, 7]
+    assert parts[1].shape == (3, 3)
+    rebuilt = flat.rebuild(parts)
+    assert rebuilt["scale"] == 0.5 and rebuilt["x"].shape == (4, 1)
+    with pytest.raises(ValueError, match="equal data-parallel parts"):
+        flat.replica_part(flat.tensors, 0, 3, 8)
+
+
+def test_chunks_chained_give_the_steps_loss():
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten())
+
+    model, batch, split = _split(loss_fn)
+    micro = tuple(t[:2] for t in FlatBatch.of(batch).tensors)
+    values = micro
+    for ch in split.chunks:
+        values = ch(*values)
+        values = values if isinstance(values, tuple) else (values,)
+    expected = loss_fn(model, {k: v[:2] for k, v in batch.items()})
+    torch.testing.assert_close(values[0], expected)
+    # the labels travel with the activations to the chunk that reads them
+    metas = chunk_metas(split.chunks, micro)
+    assert sorted(str(t.dtype) for t in metas[1][0]) == ["torch.float32", "torch.int64"]
+
+
+def test_token_mean_cross_entropy_weighs_micro_batches_by_counted_tokens():
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten(),
+                               ignore_index=-100)
+
+    _, batch, split = _split(loss_fn)
+    assert split.weights is not None
+    tensors = FlatBatch.of(batch).tensors
+    counts = [int(split.weights.of([t[i:i + 1] for t in tensors])) for i in range(4)]
+    assert counts == [(batch["labels"][i] != -100).sum().item() for i in range(4)]
+
+
+def test_sum_loss_and_class_weighted_loss_weigh_micro_batches_alike():
+    def summed(m, b):
+        return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten(),
+                               reduction="sum")
+
+    assert _split(summed)[2].weights is None
+    w = torch.rand(11)
+
+    def weighted(m, b):
+        return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten(), weight=w)
+
+    split = _split(weighted)[2]
+    assert split.weights is None and "class-weighted" in split.weights_note
+
+
+def test_tied_parameter_is_shared_between_chunks():
+    class TiedLM(Tiny):
+        def forward(self, ids):
+            return F.linear(self.body(self.emb(ids)), self.emb.weight)
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    flat = FlatBatch.of(_batch())
+    split = split_step(StepModule(model, lambda m, b: F.cross_entropy(
+        m(b["ids"]).flatten(0, 1), b["ids"].flatten()), flat),
+        tuple(t[:2] for t in flat.tensors), ["body"])
+    assert split.shared == ["emb.weight"]
+
+
+def test_a_cut_that_is_not_a_module_is_refused():
+    with pytest.raises(ValueError, match="not a module"):
+        _split(lambda m, b: m(b["ids"]).mean(), starts=["layers.3"])
+
+
+def test_optimizer_rebuilt_with_each_groups_options():
+    model = Tiny()
+    opt = torch.optim.AdamW([{"params": model.emb.parameters(), "lr": 0.1},
+                             {"params": list(model.body.parameters())
+                              + list(model.head.parameters()), "weight_decay": 0.5}], lr=0.01)
+    local = local_optimizer(opt, model, [("head.weight", model.head.weight),
+                                         ("emb.weight", model.emb.weight)])
+    assert [(g["lr"], g["weight_decay"]) for g in local.param_groups] == [(0.1, 0.01),
+                                                                         (0.01, 0.5)]
+    made = local_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.3), model,
+                           [("head.bias", model.head.bias)])
+    assert made.param_groups[0]["lr"] == 0.3
+    model(torch.zeros(1, 1, dtype=torch.long)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="before the first step"):
+        local_optimizer(opt, model, [("head.bias", model.head.bias)])
+
+
+def test_launch_of_the_wrong_size_is_refused_with_the_command_to_run():
+    par = Parallelism(tp=1, pp=2, dp=2, micro_batch=1, n_micro=2)
+    with pytest.raises(PlanMismatch, match="--nproc-per-node 4"):
+        RankLayout.of(par, 0, 2)
+    lay = RankLayout.of(par, 3, 4)
+    assert (lay.stage, lay.replica, lay.shard) == (1, 1, 0)
