@@ -12,6 +12,8 @@ precision and compared only for staying within AdamW's step bound.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,8 @@ CONFIGS = {
     "pp2-interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
                         "chunks": 2},
     "pp2-zbv": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
+    "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+    "pp2xtp2": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
 }
 
 
@@ -51,7 +55,8 @@ def _train(rank: int, world: int, name: str, plan_json: dict):
     opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
     step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json)
     losses = [float(step(case.batch)) for _ in range(STEPS)]
-    return losses, step.full_parameters()
+    split = {n: tuple(p.shape) for n, p in step.named_parameters() if n in step.tp_params}
+    return losses, step.full_parameters(), split
 
 
 def one_process(name: str):
@@ -103,11 +108,15 @@ def test_planned_run_has_one_process_results(name, config, graphs, references):
     # NOTE: run_processes's time limit turns a hang into a failure (no pytest-timeout here)
     results = run_processes(_train, world, name, p.to_json(), timeout_s=300)
     ref_losses, ref_params, noise = references[name]
-    for losses, _ in results:   # every rank returns the global step's loss
+    for losses, _, _ in results:   # every rank returns the global step's loss
         assert losses == pytest.approx(ref_losses, rel=1e-5)
     got = {}
-    for _, params in results:
+    for _, params, split in results:
         got.update(params)
+        # tensor parallelism ran: every attention and MLP weight is half on each shard
+        assert (len(split) > 0) == (p.parallelism.tp > 1)
+        for n, shape in split.items():
+            assert math.prod(shape) * 2 == ref_params[n].numel(), n
     assert set(got) == set(ref_params)
     for n, ref in ref_params.items():
         ref = ref.detach()

@@ -70,6 +70,8 @@ class DistPlan:
     # runtime compares with the model it is given
     chunks: list[dict] = field(default_factory=list)
     param_signature: str = ""
+    # tensor parallelism of a captured model: parameter name -> "colwise" | "rowwise"
+    tp_styles: dict[str, str] = field(default_factory=dict)
     prediction: Prediction | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
@@ -87,6 +89,7 @@ class DistPlan:
                             "widths": [list(w) for w in par.widths]},
             "predicted": self.predicted, "stages": self.stages, "search": self.search,
             "chunks": self.chunks, "param_signature": self.param_signature,
+            "tp_styles": self.tp_styles,
         }
 
     @classmethod
@@ -109,7 +112,8 @@ class DistPlan:
                    predicted=data["predicted"], stages=data["stages"], plan_s=data["plan_s"],
                    search=data.get("search", {}), device_note=data.get("device_note", ""),
                    chunks=data.get("chunks", []),
-                   param_signature=data.get("param_signature", ""))
+                   param_signature=data.get("param_signature", ""),
+                   tp_styles=data.get("tp_styles", {}))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -176,6 +180,15 @@ def _batch_size(graph: Graph) -> int:
                      "GraphModel(graph, cost_model, batch_size=...)")
 
 
+def _tp_styles(model: ModelSpec, par: Parallelism) -> dict[str, str]:
+    tps = {w[0] for w in par.widths} | {par.tp}
+    if max(tps) == 1 or not hasattr(model, "tensor_parallel"):
+        return {}
+    if len(tps) > 1:
+        return {}   # NOTE: stages of several widths: the runtime refuses them (one width)
+    return dict(sorted(model.tensor_parallel(par.tp).styles.items()))
+
+
 def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precision: Precision,
                     plan_s: float, found: SearchResult | None = None,
                     device_note: str = "") -> DistPlan:
@@ -195,7 +208,8 @@ def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precis
                     binding=pred.binding, predicted=predicted, stages=_stage_json(pred),
                     plan_s=plan_s, search=stats, device_note=device_note,
                     chunks=[{"device": d, "blocks": list(b)} for d, b in pred.chunks],
-                    param_signature=getattr(model, "param_signature", ""), prediction=pred)
+                    param_signature=getattr(model, "param_signature", ""),
+                    tp_styles=_tp_styles(model, pred.parallelism), prediction=pred)
 
 
 def plan(model, cluster: Cluster, global_batch: int, *, fix: dict | None = None,

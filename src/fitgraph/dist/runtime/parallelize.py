@@ -29,6 +29,7 @@ from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
 from .stage_split import StepModule, chunk_metas, split_step
 from .step import DistStep
+from .tensor_parallel import shard_chunk
 
 __all__ = ["PlanMismatch", "parallelize"]
 
@@ -59,9 +60,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     par = plan.parallelism
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
-    if par.tp > 1:
-        raise PlanMismatch(f"the plan splits tensors {par.tp} ways (tp={par.tp}): the runtime "
-                           f"does not run tensor parallelism yet; plan with --fix tp=1")
+    if par.tp > 1 and not plan.tp_styles:
+        raise PlanMismatch(f"the plan splits tensors {par.tp} ways but names no split weights "
+                           f"(a plan of a model by its shape): plan the captured model")
     _check_model(plan, model)
     flat = FlatBatch.of(example_batch)
     batched = FlatBatch.batched(
@@ -85,6 +86,12 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     from torch.distributed.pipelining import PipelineStage
 
     metas = chunk_metas(split.chunks, micro_args)
+    tp_params: dict = {}
+    for ch in mine:
+        if par.tp > 1:
+            # NOTE: after the stages' metadata: what crosses a cut is whole on every shard
+            tp_params.update(shard_chunk(ch, plan.tp_styles, par.tp, layout.shard,
+                                         mesh["tp"].get_group()))
     for ch in mine:
         run = replicate_chunk(ch, par.zero, mesh["dp"])
         runs.append(run)
@@ -100,7 +107,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
                     schedule=schedule, optimizer=opt, shared=shared,
                     local_batches=local_batches, notes=notes, batched=batched,
-                    weights=split.weights)
+                    weights=split.weights, tp_params=tp_params)
 
 
 def _as_plan(plan) -> DistPlan:

@@ -35,7 +35,7 @@ class DistStep:
     def __init__(self, *, plan, layout: RankLayout, mesh, flat: FlatBatch, chunks: list,
                  stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
                  local_batches: bool, notes: list[str], batched: list[bool],
-                 weights=None) -> None:
+                 weights=None, tp_params: dict | None = None) -> None:
         self.plan = plan
         self.layout = layout
         self.mesh = mesh
@@ -48,6 +48,7 @@ class DistStep:
         self.local_batches = local_batches
         self.notes = notes
         self.weights = weights          # LossWeights: micro-batches' shares of the loss
+        self.tp_params = tp_params or {}   # model name -> TpParam: how tensor parallelism split it
         self.record = StepRecord()
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
@@ -159,13 +160,24 @@ class DistStep:
                     yield name, p
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters whole (gathered from their data-parallel shards)."""
+        """This rank's stage's parameters whole (gathered from their data-parallel and
+        tensor-parallel shards; every rank of the launch calls it)."""
+        import torch.distributed as dist
+
+        from .tensor_parallel import untake
+
         out = {}
-        for name, p in self.named_parameters():
+        for name, p in sorted(self.named_parameters(), key=lambda x: x[0]):
             t = p.data
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            out[name] = t.detach().clone()
+            t = t.detach().contiguous()
+            how = self.tp_params.get(name)
+            if how is not None:
+                shards = [torch.empty_like(t) for _ in range(self.layout.tp)]
+                dist.all_gather(shards, t, group=self.mesh["tp"].get_group())
+                t = untake(shards, how.dim, how.parts)
+            out[name] = t.clone()
         return out
 
 

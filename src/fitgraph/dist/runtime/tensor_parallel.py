@@ -1,0 +1,472 @@
+"""Megatron tensor parallelism of a traced chunk, as the plan's styles say.
+
+The plan names each split weight ``colwise`` (split along its output features) or
+``rowwise`` (along its input features), found from the captured graph
+(``dist.graph_tp``). Here the chunk's traced modules are rewritten for one shard: a column-
+parallel linear keeps its rows of the weight (of each part, where one matmul makes several
+projections, Q, K and V, that the model splits apart), its input gradient all-reduced
+(Megatron's ``f``); the slice of its output is followed op by op — reshapes into heads,
+transposes, attention over heads, elementwise ops — with each op's shape arguments made the
+slice's; a row-parallel linear multiplies its slice of the weight's columns and all-reduces
+the partial sums before adding its bias (``g``). Anything else that would read a slice — a
+norm over the features, an op without a rule here — is refused, naming the op.
+
+Example (inside a launch; ``parallelize`` calls it):
+    >>> shard_chunk(chunk, {"mlp.up.weight": "colwise", ...}, tp_mesh)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sharded", "TensorParallelError", "TpParam", "shard_chunk"]
+
+aten = torch.ops.aten
+
+
+class TensorParallelError(ValueError):
+    """The chunk cannot run the plan's tensor parallelism."""
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A tensor split along ``dim``: each of its ``parts`` equal parts split in ``tp``."""
+
+    dim: int
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class TpParam:
+    """How a parameter was split: along ``dim``, each of ``parts`` parts."""
+
+    dim: int
+    parts: int
+
+
+class _CopyToShards(torch.autograd.Function):
+    """Megatron's ``f``: the input of a column-parallel region; its gradient is summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumShards(torch.autograd.Function):
+    """Megatron's ``g``: partial sums of a row-parallel matmul, all-reduced."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ColumnLinear(torch.nn.Module):
+    def __init__(self, weight, bias, group) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = None if bias is None else torch.nn.Parameter(bias)
+        self.group = group
+
+    def forward(self, x):
+        return torch.nn.functional.linear(_CopyToShards.apply(x, self.group), self.weight,
+                                          self.bias)
+
+
+class RowLinear(torch.nn.Module):
+    def __init__(self, weight, bias, group) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = None if bias is None else torch.nn.Parameter(bias)
+        self.group = group
+
+    def forward(self, x):
+        out = _SumShards.apply(torch.nn.functional.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: int,
+                group) -> dict[str, TpParam]:
+    """Rewrite ``chunk`` (a ``stage_split.ChunkModule``) for shard ``shard`` of ``tp``;
+    ``styles``: model parameter name -> "colwise"/"rowwise". Returns how each of its split
+    parameters was split (by model name)."""
+    from .stage_split import MODEL
+
+    rw = _Rewrite(styles, tp, shard, group, prefix=f"{MODEL}.")
+    body = chunk.body
+    ins = [n for n in body.graph.nodes if n.op == "placeholder"]
+    outs = rw.run(body, "", [None] * len(ins))
+    if any(o is not None for o in outs):
+        raise TensorParallelError("a slice of a column-parallel output leaves its pipeline "
+                                  "chunk: plan with tp=1 or cut the stages elsewhere")
+    missing = sorted(set(styles) & set(chunk.model_names()) - set(rw.split))
+    if missing:
+        raise TensorParallelError(f"the plan splits {missing[:3]}, which this chunk's trace "
+                                  f"does not use as a linear layer's weight")
+    return rw.split
+
+
+class _Rewrite:
+    def __init__(self, styles, tp, shard, group, prefix) -> None:
+        self.styles, self.tp, self.shard, self.group, self.prefix = (styles, tp, shard, group,
+                                                                     prefix)
+        self.split: dict[str, TpParam] = {}
+        self.done: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------------ modules
+    def run(self, gm: torch.nn.Module, path: str, layouts: list) -> list:
+        """Follow ``layouts`` (of ``gm``'s inputs) through ``gm``'s graph; the outputs'."""
+        key = id(gm)
+        if key in self.done:
+            if self.done[key][0] != tuple(layouts):
+                raise TensorParallelError(f"module {path or '<chunk>'} is called with inputs "
+                                          f"split differently")
+            return self.done[key][1]
+        lay: dict = {}
+        it = iter(layouts)
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "placeholder":
+                lay[node] = next(it, None)
+            elif node.op == "get_attr":
+                lay[node] = None
+            elif node.op == "call_module":
+                lay[node] = self._module(gm, path, node, lay)
+            elif node.op == "call_function":
+                lay[node], edited = self._function(node, lay)
+                changed |= edited
+            elif node.op == "output":
+                res = node.args[0]
+                outs = [lay.get(r) if isinstance(r, torch.fx.Node) else None
+                        for r in (res if isinstance(res, (tuple, list)) else (res,))]
+        if changed and hasattr(gm, "finalize"):
+            gm.finalize()
+        elif changed and isinstance(gm, torch.fx.GraphModule):
+            gm.recompile()
+        self.done[key] = (tuple(layouts), outs)
+        return outs
+
+    def _module(self, gm, path, node, lay):
+        sub = gm.get_submodule(node.target)
+        full = f"{path}.{node.target}" if path else node.target
+        ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
+        linear = _linear_of(sub)
+        if linear is not None:
+            return self._linear(gm, node, sub, full, linear, ins)
+        if not hasattr(sub, "graph"):
+            if any(i is not None for i in ins):
+                raise TensorParallelError(f"{full} ({type(sub).__name__}) reads a slice and "
+                                          f"has no traced graph to follow")
+            return None
+        outs = self.run(sub, full, ins)
+        single = _single_output(sub)
+        return outs[0] if single else tuple(outs)
+
+    def _linear(self, gm, node, sub, full, linear, ins):
+        wname = self._model_name(f"{full}.{linear['weight']}")
+        bname = (self._model_name(f"{full}.{linear['bias']}") if linear["bias"] else None)
+        style = self.styles.get(wname)
+        (x,) = ins[:1] or (None,)
+        if style is None:
+            if x is not None:
+                raise TensorParallelError(f"{full} (a linear layer the plan keeps whole) reads "
+                                          f"a slice")
+            return None
+        weight = sub.get_parameter(linear["weight"]).detach()
+        bias = sub.get_parameter(linear["bias"]).detach() if linear["bias"] else None
+        if style == "colwise":
+            if x is not None:
+                raise TensorParallelError(f"{full} is column-parallel but its input is a slice")
+            parts = _parts_of(node, weight.shape[0])
+            w = _take(weight, 0, parts, self.tp, self.shard)
+            b = None if bias is None else _take(bias, 0, parts, self.tp, self.shard)
+            new = ColumnLinear(w, b, self.group)
+            self.split[wname] = TpParam(0, parts)
+            if bname:
+                self.split[bname] = TpParam(0, parts)
+            out = Sharded(_ndim(node) - 1, parts)
+        else:
+            if x != Sharded(_ndim(node.args[0]) - 1, 1):
+                raise TensorParallelError(f"{full} is row-parallel but its input is not split "
+                                          f"along its features ({x})")
+            new = RowLinear(_take(weight, 1, 1, self.tp, self.shard), bias, self.group)
+            self.split[wname] = TpParam(1, 1)
+            out = None
+        _replace_module(gm, node.target, new)
+        return out
+
+    def _model_name(self, path: str) -> str:
+        return path[len(self.prefix):] if path.startswith(self.prefix) else path
+
+    # ------------------------------------------------------------------ ops
+    def _function(self, node, lay) -> tuple[object, bool]:
+        args = [lay.get(a) if isinstance(a, torch.fx.Node) else None
+                for a in _flat(node.args) + _flat(list(node.kwargs.values()))]
+        split = [a for a in args if a is not None]
+        if node.target is operator.getitem:
+            src = lay.get(node.args[0])
+            return (src[node.args[1]] if isinstance(src, tuple) else src), False
+        if not split:
+            return None, False
+        t = node.target
+        if t in _SAME:
+            return self._same(node, lay), False
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            return self._reshape(node, lay)
+        if t in (aten.transpose.int, aten.swapaxes.default):
+            return self._transpose(node, lay), False
+        if t is aten.permute.default:
+            s = lay[node.args[0]]
+            dims = [d % _ndim(node) for d in node.args[1]]
+            return Sharded(dims.index(s.dim), s.parts), False
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            return self._split(node, lay)
+        if t in (aten.matmul.default, aten.bmm.default):
+            return self._matmul(node, lay), False
+        if t in (aten.scaled_dot_product_attention.default,):
+            return self._attention(node, lay), False
+        if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+                 aten._log_softmax.default):
+            s = lay[node.args[0]]
+            if node.args[1] % _ndim(node) == s.dim:
+                raise TensorParallelError(f"{node.name}: a softmax over the split dim")
+            return s, False
+        if t in (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+                 aten.squeeze.dim):
+            return self._indexing(node, lay), False
+        raise TensorParallelError(f"tensor parallelism cannot follow a slice through "
+                                  f"{node.name} ({t}): plan with tp=1")
+
+    def _same(self, node, lay):
+        """Elementwise: the slice's layout; other inputs must broadcast along its dim."""
+        out_nd = _ndim(node)
+        layout = None
+        for a in _flat(node.args) + _flat(list(node.kwargs.values())):
+            if not isinstance(a, torch.fx.Node):
+                continue
+            s = lay.get(a)
+            nd = _ndim(a)
+            if s is not None:
+                here = Sharded(s.dim + out_nd - nd, s.parts)
+                if layout is not None and layout != here:
+                    raise TensorParallelError(f"{node.name}: inputs split differently")
+                layout = here
+        for a in _flat(node.args) + _flat(list(node.kwargs.values())):
+            if isinstance(a, torch.fx.Node) and lay.get(a) is None and _ndim(a) > 0:
+                d = layout.dim - (out_nd - _ndim(a))
+                if d >= 0 and _shape(a)[d] != 1:
+                    raise TensorParallelError(f"{node.name} ({node.target}) mixes a slice with "
+                                              f"{a.name}, whole along the split dim")
+        return layout
+
+    def _reshape(self, node, lay):
+        s = lay[node.args[0]]
+        src, dst = _shape(node.args[0]), _shape(node)
+        before = _prod(src[:s.dim])
+        e, acc = 0, 1
+        while e < len(dst) and acc < before:
+            acc *= dst[e]
+            e += 1
+        if acc != before or e >= len(dst):
+            raise TensorParallelError(f"{node.name}: a reshape that cuts across the split dim")
+        if dst[e] == src[s.dim] or (s.parts == 1 and dst[e] > src[s.dim]
+                                     and dst[e] % src[s.dim] == 0):
+            out = Sharded(e, s.parts)
+        elif s.parts == 1 and src[s.dim] % dst[e] == 0 and dst[e] % self.tp == 0:
+            out = Sharded(e, 1)
+        else:
+            raise TensorParallelError(f"{node.name}: reshaping {list(src)} to {list(dst)} "
+                                      f"splits dim {s.dim} so that its slices are not whole")
+        local = list(dst)
+        if local[e] % self.tp:
+            raise TensorParallelError(f"{node.name}: dim {e} of {list(dst)} does not divide "
+                                      f"by {self.tp}")
+        local[e] //= self.tp
+        node.args = (node.args[0], local, *node.args[2:])
+        return out, True
+
+    def _transpose(self, node, lay):
+        s = lay[node.args[0]]
+        nd = _ndim(node)
+        a, b = node.args[1] % nd, node.args[2] % nd
+        d = b if s.dim == a else a if s.dim == b else s.dim
+        return Sharded(d, s.parts)
+
+    def _split(self, node, lay):
+        s = lay[node.args[0]]
+        nd = _ndim(node.args[0])
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+        n_out = len(node.meta["val"])
+        if dim != s.dim:
+            return tuple(s for _ in range(n_out)), False
+        whole = _shape(node.args[0])[dim]
+        sizes = [v.shape[dim] for v in node.meta["val"]]
+        if node.target is aten.chunk.default or len(set(sizes)) != 1 \
+                or len(sizes) != s.parts or sizes[0] * s.parts != whole:
+            raise TensorParallelError(f"{node.name} splits the split dim into {sizes}, not the "
+                                      f"{s.parts} parts the column-parallel layer made")
+        local = sizes[0] // self.tp
+        if node.target is aten.split.Tensor:
+            node.args = (node.args[0], local, *node.args[2:])
+        else:
+            node.args = (node.args[0], [local] * len(sizes), *node.args[2:])
+        return tuple(Sharded(dim, 1) for _ in range(n_out)), True
+
+    def _matmul(self, node, lay):
+        a, b = node.args[0], node.args[1]
+        sa, sb = lay.get(a), lay.get(b)
+        nd = _ndim(node)
+        batch = nd - 2
+        ok = (sa is not None and sb is not None
+              and sa.dim - (_ndim(a) - nd) == sb.dim - (_ndim(b) - nd)
+              and sa.dim - (_ndim(a) - nd) < batch)
+        if not ok:
+            raise TensorParallelError(f"{node.name}: a matmul of slices that is not along a "
+                                      f"batch dim of both (heads)")
+        return Sharded(sa.dim - (_ndim(a) - nd), 1)
+
+    def _attention(self, node, lay):
+        q, k, v = node.args[:3]
+        layouts = {lay.get(q), lay.get(k), lay.get(v)}
+        if len(layouts) != 1 or next(iter(layouts)) is None \
+                or next(iter(layouts)).dim >= _ndim(q) - 2:
+            raise TensorParallelError(f"{node.name}: attention over slices other than heads")
+        for a in list(node.args[3:4]) + [node.kwargs.get("attn_mask")]:
+            if isinstance(a, torch.fx.Node) and lay.get(a) is None:
+                d = next(iter(layouts)).dim - (_ndim(q) - _ndim(a))
+                if d >= 0 and _shape(a)[d] != 1:
+                    raise TensorParallelError(f"{node.name}: a mask per head")
+        return next(iter(layouts))
+
+    def _indexing(self, node, lay):
+        s = lay[node.args[0]]
+        nd_in = _ndim(node.args[0])
+        t = node.target
+        if t is aten.unsqueeze.default:
+            d = node.args[1] % (nd_in + 1)
+            return Sharded(s.dim + (d <= s.dim), s.parts)
+        d = node.args[1] % nd_in
+        if d == s.dim:
+            raise TensorParallelError(f"{node.name}: indexing along the split dim")
+        if t in (aten.select.int, aten.squeeze.dim) and (t is aten.select.int
+                                                        or _shape(node.args[0])[d] == 1):
+            return Sharded(s.dim - (d < s.dim), s.parts)
+        return s
+
+
+_SAME = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
+         aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default,
+         aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+         aten.sigmoid.default, aten.exp.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
+         aten.dropout.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+         aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clone.default,
+         aten.contiguous.default, aten.alias.default, aten.to.dtype, aten.to.dtype_layout,
+         aten._to_copy.default, aten.type_as.default, aten.erf.default, aten.cos.default,
+         aten.sin.default}
+
+
+def _linear_of(module) -> dict | None:
+    """A traced module that is one ``linear(x, weight[, bias])`` on its own parameters."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        if isinstance(module, torch.nn.Linear):
+            return {"weight": "weight", "bias": "bias" if module.bias is not None else None}
+        return None
+    # NOTE: nothing but the linear: a module that calls others and ends in a linear (a
+    # model whose head is a linear on the embedding) is not one
+    if any(n.op not in ("placeholder", "get_attr", "call_function", "output")
+           for n in graph.nodes):
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    if len(calls) != 1 or calls[0].target is not aten.linear.default:
+        return None
+    (call,) = calls
+    args = list(call.args) + [None] * (3 - len(call.args))
+    if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in args[1:2]):
+        return None
+    bias = args[2]
+    return {"weight": args[1].target,
+            "bias": bias.target if isinstance(bias, torch.fx.Node) and bias.op == "get_attr"
+            else None}
+
+
+def _single_output(module) -> bool:
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    return not isinstance(out.args[0], (tuple, list))
+
+
+def _parts_of(node, out_features: int) -> int:
+    """How many projections one column-parallel matmul makes: the parts its output is split
+    into along the features (Q, K, V), else one."""
+    for u in node.users:
+        if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            nd = _ndim(node)
+            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
+            sizes = [v.shape[dim] for v in u.meta["val"]]
+            if dim == nd - 1 and len(set(sizes)) == 1 and sum(sizes) == out_features:
+                return len(sizes)
+    return 1
+
+
+def _take(t: torch.Tensor, dim: int, parts: int, tp: int, shard: int) -> torch.Tensor:
+    """Shard ``shard`` of ``t`` along ``dim``: of each of its ``parts`` parts, the
+    ``shard``-th of ``tp`` slices, the parts' slices put together."""
+    pieces = t.chunk(parts, dim)
+    mine = [p.chunk(tp, dim)[shard] for p in pieces]
+    return torch.cat(mine, dim).contiguous().clone()
+
+
+def untake(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The whole tensor from every shard's ``_take`` (in shard order)."""
+    split = [s.chunk(parts, dim) for s in shards]
+    return torch.cat([torch.cat([sp[p] for sp in split], dim) for p in range(parts)], dim)
+
+
+def _replace_module(gm, target: str, new: torch.nn.Module) -> None:
+    parent, _, name = target.rpartition(".")
+    owner = gm.get_submodule(parent) if parent else gm
+    setattr(owner, name, new)
+
+
+def _flat(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            out.extend(_flat(a))
+        else:
+            out.append(a)
+    return out
+
+
+def _shape(node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def _ndim(node) -> int:
+    return len(node.meta["val"].shape)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
