@@ -40,7 +40,8 @@ MULTI = {"interleaved", "zb-v", "zb-h1"}     # schedules that take a list of sta
 
 
 def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimizer=None, *,
-                plan: DistPlan | str | Path | dict, local_batches: bool = False) -> DistStep:
+                plan: DistPlan | str | Path | dict, local_batches: bool = False,
+                measure_memory: bool = False) -> DistStep:
     """This rank's part of ``plan`` for ``model``: a ``DistStep``, called once per step with a
     batch structured as ``example_batch`` (the global batch; with ``local_batches=True``, this
     data-parallel replica's part). ``loss_fn(model, batch)`` returns the loss (None: the
@@ -50,8 +51,11 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     saved JSON (a path or the dict).
 
     The process group is the launch's (``torchrun`` sets it up through the environment; gloo
-    on CPU). After this, train through the returned step: the model's own parameters are no
-    longer the ones updated (``step.named_parameters()`` are this rank's).
+    on CPU). After this, train through the returned step: the model's parameters and buffers
+    that this rank does not run are released (emptied) and the others are no longer the ones
+    updated (``step.named_parameters()`` are this rank's; ``step.full_parameters()`` whole).
+    ``measure_memory``: meter this rank's allocator from its first step on, for
+    ``step.report()`` (slower steps).
     """
     import torch.distributed as dist
 
@@ -82,6 +86,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
     shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
               for name in split.shared]
+    weights = split.weights
     stages, runs = [], []
     from torch.distributed.pipelining import PipelineStage
 
@@ -104,10 +109,26 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     params = [(model_name(n), p) for ch in mine for n, p in ch.named_parameters()]
     opt = local_optimizer(optimizer, model, params)
     schedule = _schedule(par, stages)
+    release_unused(model, [t for ch in mine for t in [*ch.parameters(), *ch.buffers()]])
+    del split
     return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
                     schedule=schedule, optimizer=opt, shared=shared,
                     local_batches=local_batches, notes=notes, batched=batched,
-                    weights=split.weights, tp_params=tp_params)
+                    weights=weights, tp_params=tp_params, measure_memory=measure_memory)
+
+
+def release_unused(model: torch.nn.Module, kept: list) -> None:
+    """Empty the model's parameters and buffers whose storage this rank's chunks do not use
+    (other stages', and tensors that tensor or data parallelism copied into shards): a rank
+    holds its part of the model only."""
+    keep = set()
+    for t in kept:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        keep.add(t.untyped_storage().data_ptr())
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.untyped_storage().data_ptr() not in keep:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _as_plan(plan) -> DistPlan:

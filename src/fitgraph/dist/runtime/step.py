@@ -35,7 +35,8 @@ class DistStep:
     def __init__(self, *, plan, layout: RankLayout, mesh, flat: FlatBatch, chunks: list,
                  stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
                  local_batches: bool, notes: list[str], batched: list[bool],
-                 weights=None, tp_params: dict | None = None) -> None:
+                 weights=None, tp_params: dict | None = None,
+                 measure_memory: bool = False) -> None:
         self.plan = plan
         self.layout = layout
         self.mesh = mesh
@@ -50,12 +51,18 @@ class DistStep:
         self.weights = weights          # LossWeights: micro-batches' shares of the loss
         self.tp_params = tp_params or {}   # model name -> TpParam: how tensor parallelism split it
         self.record = StepRecord()
+        self.measure_memory = measure_memory
+        self._meter = None
+        self._resident = 0
+        self._peak: int | None = None
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.measure_memory and self._meter is None and self._peak is None:
+            self._start_meter()
         start = time.perf_counter()
         tensors = self._local(batch)
         losses: list = []
@@ -148,6 +155,41 @@ class DistStep:
             dist.all_reduce(value)
         return value / lay.dp
 
+    # ------------------------------------------------------------------ measuring
+    def _start_meter(self) -> None:
+        from ...execute.meter import MemoryMeter
+
+        # NOTE: what the rank holds as its first step begins: its parameters and buffers
+        # (whose bytes the meter cannot see freed or kept); everything later is the meter's
+        self._resident = storage_bytes(t for ch in self.chunks
+                                       for t in [*ch.parameters(), *ch.buffers()])
+        self._meter = MemoryMeter()
+        self._meter.__enter__()
+
+    def _stop_meter(self) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self._peak = self._resident + self._meter.peak_bytes
+            self._meter = None
+
+    def report(self):
+        """Every rank's measured step beside the plan's prediction (a ``DistReport``; every
+        rank calls it, and gets all ranks' rows). Ends the memory measurement."""
+        import torch.distributed as dist
+
+        from .rank_report import DistReport, RankReport
+
+        self._stop_meter()
+        lay = self.layout
+        stage = next((s for s in self.plan.stages if s["index"] == lay.stage), {})
+        mine = RankReport(lay.rank, lay.stage, lay.replica, lay.shard,
+                          list(self.record.seconds), self.plan.predicted.get("step_s", 0.0),
+                          self._peak, stage.get("peak_bytes", 0.0),
+                          dict(stage.get("memory", {})), list(self.notes))
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+        return DistReport(rows)
+
     # ------------------------------------------------------------------ results
     def named_parameters(self):
         """This rank's parameters by their names in the user's model (a parameter two chunks
@@ -179,6 +221,16 @@ class DistStep:
                 t = untake(shards, how.dim, how.parts)
             out[name] = t.clone()
         return out
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a sharded tensor's local part)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 def _named(chunk):

@@ -1,0 +1,85 @@
+"""Each rank's measured step beside the plan's prediction for it (``DistStep.report()``).
+
+Measured: the step time (median over the steps after the first, which builds the optimizer's
+state and the pipeline's buffers) and, where the step was built with
+``measure_memory=True``, the rank's peak in allocator bytes — what the rank held when its
+first step began (its parameters and buffers) plus the most the CPU allocator meter
+(``execute.meter.MemoryMeter``) saw added over the steps (gradients, optimizer state,
+in-flight activations, communication buffers). Predicted: the plan's step time and its
+stage's peak (weights, gradients, optimizer state, activations, working memory).
+
+Example:
+    >>> r = RankReport(0, 0, 0, 0, [0.2, 0.1, 0.1], 0.12, 1000, 990.0,
+    ...                {"weights": 500.0, "activations": 490.0}, [])
+    >>> round(r.step_s, 2), round(r.peak_ratio, 3)
+    (0.1, 1.01)
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+__all__ = ["DistReport", "RankReport"]
+
+
+@dataclass
+class RankReport:
+    rank: int
+    stage: int
+    replica: int
+    shard: int
+    seconds: list[float]               # every step's wall time on this rank
+    predicted_step_s: float
+    peak_bytes: int | None             # measured (None: not measured)
+    predicted_peak_bytes: float
+    predicted_memory: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        warm = self.seconds[1:] or self.seconds
+        return statistics.median(warm) if warm else float("nan")
+
+    @property
+    def peak_ratio(self) -> float | None:
+        if self.peak_bytes is None or not self.predicted_peak_bytes:
+            return None
+        return self.peak_bytes / self.predicted_peak_bytes
+
+    def gap(self) -> str:
+        """Where the measured peak is more than 5% from the prediction, what may explain it."""
+        r = self.peak_ratio
+        if r is None or abs(r - 1) <= 0.05:
+            return ""
+        side = "above" if r > 1 else "below"
+        big = max(self.predicted_memory, key=self.predicted_memory.get)
+        return (f"measured {abs(r - 1):.0%} {side} the prediction; its largest predicted term "
+                f"is {big} ({self.predicted_memory[big] / 2**20:.1f} MiB)")
+
+
+@dataclass
+class DistReport:
+    ranks: list[RankReport]
+
+    def __str__(self) -> str:
+        mib = 2 ** 20
+        lines = [f"{'rank':>4} {'stage':>5} {'dp':>3} {'tp':>3} {'step ms':>9} "
+                 f"{'pred ms':>9} {'peak MiB':>9} {'pred MiB':>9} {'ratio':>6}"]
+        for r in self.ranks:
+            peak = f"{r.peak_bytes / mib:9.1f}" if r.peak_bytes is not None else f"{'-':>9}"
+            ratio = f"{r.peak_ratio:6.3f}" if r.peak_ratio is not None else f"{'-':>6}"
+            lines.append(f"{r.rank:>4} {r.stage:>5} {r.replica:>3} {r.shard:>3} "
+                         f"{r.step_s * 1e3:9.1f} {r.predicted_step_s * 1e3:9.1f} {peak} "
+                         f"{r.predicted_peak_bytes / mib:9.1f} {ratio}")
+        for r in self.ranks:
+            for why in filter(None, [r.gap(), *r.notes]):
+                lines.append(f"rank {r.rank}: {why}")
+        return "\n".join(lines)
+
+    def to_json(self) -> list[dict]:
+        return [{"rank": r.rank, "stage": r.stage, "replica": r.replica, "shard": r.shard,
+                 "step_s": r.step_s, "predicted_step_s": r.predicted_step_s,
+                 "peak_bytes": r.peak_bytes, "predicted_peak_bytes": r.predicted_peak_bytes,
+                 "predicted_memory": r.predicted_memory, "gap": r.gap(), "notes": r.notes}
+                for r in self.ranks]
