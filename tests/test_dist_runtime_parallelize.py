@@ -47,7 +47,7 @@ def build(name: str):
     return case
 
 
-def _train(rank: int, world: int, name: str, plan_json: dict):
+def _train(rank: int, world: int, name: str, plan_json: dict, ckpt: str | None = None):
     from fitgraph.dist import parallelize
 
     torch.set_num_threads(1)
@@ -56,6 +56,8 @@ def _train(rank: int, world: int, name: str, plan_json: dict):
     step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json)
     losses = [float(step(case.batch)) for _ in range(STEPS)]
     split = {n: tuple(p.shape) for n, p in step.named_parameters() if n in step.tp_params}
+    if ckpt:
+        step.save(ckpt)
     return losses, step.full_parameters(), split
 
 
@@ -98,15 +100,28 @@ def make_plan(gm, fix: dict):
     return plan(gm, cluster, BATCH, fix={"tp": 1, **fix})
 
 
+CHECKPOINTED = {("gpt2", "pp2xtp2"), ("gpt2", "dp2-fsdp")}
+
+
+def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
+    assert set(got) == set(ref_params)
+    for n, ref in ref_params.items():
+        ref = ref.detach()
+        keep = ~noise[n]
+        torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
+        assert (got[n] - ref).abs().max() <= 2 * STEPS * LR, n
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", MODELS)
-def test_planned_run_has_one_process_results(name, config, graphs, references):
+def test_planned_run_has_one_process_results(name, config, graphs, references, tmp_path):
     if name == "bert-base" and config == "pp2-zbv":
         pytest.skip("one zero-bubble run (the decoder's) covers the schedule")
     p = make_plan(graphs[name], CONFIGS[config])
     world = p.parallelism.devices
     # NOTE: run_processes's time limit turns a hang into a failure (no pytest-timeout here)
-    results = run_processes(_train, world, name, p.to_json(), timeout_s=300)
+    ckpt = str(tmp_path / "ckpt") if (name, config) in CHECKPOINTED else None
+    results = run_processes(_train, world, name, p.to_json(), ckpt, timeout_s=300)
     ref_losses, ref_params, noise = references[name]
     for losses, _, _ in results:   # every rank returns the global step's loss
         assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -117,9 +132,12 @@ def test_planned_run_has_one_process_results(name, config, graphs, references):
         assert (len(split) > 0) == (p.parallelism.tp > 1)
         for n, shape in split.items():
             assert math.prod(shape) * 2 == ref_params[n].numel(), n
-    assert set(got) == set(ref_params)
-    for n, ref in ref_params.items():
-        ref = ref.detach()
-        keep = ~noise[n]
-        torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
-        assert (got[n] - ref).abs().max() <= 2 * STEPS * LR, n
+    assert_one_process_params(got, ref_params, noise)
+    if ckpt:
+        # the ranks' checkpoint loads into the whole model, in one process
+        from fitgraph.dist.runtime.checkpoint import load_unsplit
+
+        fresh = build(name)
+        load_unsplit(fresh.model, ckpt)
+        assert_one_process_params({n: p.detach() for n, p in fresh.model.named_parameters()},
+                                  ref_params, noise)

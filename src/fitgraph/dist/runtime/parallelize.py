@@ -68,6 +68,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         raise PlanMismatch(f"the plan splits tensors {par.tp} ways but names no split weights "
                            f"(a plan of a model by its shape): plan the captured model")
     _check_model(plan, model)
+    state_keys = frozenset(model.state_dict())
     flat = FlatBatch.of(example_batch)
     batched = FlatBatch.batched(
         flat.tensors, par.micro_batch * par.n_micro * (1 if local_batches else par.dp))
@@ -114,7 +115,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
                     schedule=schedule, optimizer=opt, shared=shared,
                     local_batches=local_batches, notes=notes, batched=batched,
-                    weights=weights, tp_params=tp_params, measure_memory=measure_memory)
+                    weights=weights, tp_params=tp_params, measure_memory=measure_memory,
+                    state_keys=state_keys)
 
 
 def release_unused(model: torch.nn.Module, kept: list) -> None:

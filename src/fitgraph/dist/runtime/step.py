@@ -36,7 +36,7 @@ class DistStep:
                  stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
                  local_batches: bool, notes: list[str], batched: list[bool],
                  weights=None, tp_params: dict | None = None,
-                 measure_memory: bool = False) -> None:
+                 measure_memory: bool = False, state_keys: frozenset = frozenset()) -> None:
         self.plan = plan
         self.layout = layout
         self.mesh = mesh
@@ -52,6 +52,7 @@ class DistStep:
         self.tp_params = tp_params or {}   # model name -> TpParam: how tensor parallelism split it
         self.record = StepRecord()
         self.measure_memory = measure_memory
+        self.state_keys = state_keys    # the user's model's state-dict names
         self._meter = None
         self._resident = 0
         self._peak: int | None = None
@@ -200,6 +201,14 @@ class DistStep:
                 if name not in seen:
                     seen.add(name)
                     yield name, p
+
+    def save(self, path: str) -> None:
+        """A ``torch.distributed.checkpoint`` of the model's state, by the model's own names:
+        every rank calls it; ``fitgraph.dist.runtime.checkpoint.load_unsplit`` (or
+        ``dcp.load`` into ``model.state_dict()``) reads it back into the whole model."""
+        from .checkpoint import save
+
+        save(self, path)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's stage's parameters whole (gathered from their data-parallel and
