@@ -141,3 +141,57 @@ def test_planned_run_has_one_process_results(name, config, graphs, references, t
         load_unsplit(fresh.model, ckpt)
         assert_one_process_params({n: p.detach() for n, p in fresh.model.named_parameters()},
                                   ref_params, noise)
+
+
+def _auto(rank: int, world: int):
+    from fitgraph.dist import parallelize
+
+    torch.set_num_threads(1)
+    case = build("gpt2")
+    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
+    step = parallelize(case.model, case.batch, case.loss_fn, opt, plan="auto")
+    losses = [float(step(case.batch)) for _ in range(STEPS)]
+    return losses, step.full_parameters(), step.plan.to_json()
+
+
+def _mismatches(rank: int, world: int, plan_json: dict):
+    """Each wrong launch's error message (world size, model, batch)."""
+    from fitgraph.dist import parallelize
+
+    out = {}
+    case = build("gpt2")
+    for what, call in {
+        "world": lambda: parallelize(case.model, case.batch, case.loss_fn, None,
+                                     plan={**plan_json, "parallelism": {
+                                         **plan_json["parallelism"], "dp": 2}}),
+        "model": lambda: parallelize(build("bert-base").model, case.batch, case.loss_fn,
+                                     None, plan=plan_json),
+        "batch": lambda: parallelize(case.model, {k: v[:3] for k, v in case.batch.items()},
+                                     case.loss_fn, None, plan=plan_json),
+    }.items():
+        try:
+            call()
+            out[what] = ""
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_auto_plans_for_the_launch_and_runs_it(references):
+    results = run_processes(_auto, 2, timeout_s=300)
+    ref_losses, ref_params, noise = references["gpt2"]
+    got = {}
+    for losses, params, plan_json in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert plan_json["cluster"]["intra"]["name"] == "gloo-loopback"
+        got.update(params)
+    assert results[0][2] == results[1][2]      # one plan, made on rank 0
+    assert_one_process_params(got, ref_params, noise)
+
+
+def test_a_launch_that_does_not_match_the_plan_is_refused_clearly(graphs):
+    p = make_plan(graphs["gpt2"], {"pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"})
+    (errors,) = run_processes(_mismatches, 1, p.to_json(), timeout_s=300)
+    assert "--nproc-per-node 2" in errors["world"]
+    assert "another model" in errors["model"]
+    assert "the example batch's tensors have [3] rows" in errors["batch"]

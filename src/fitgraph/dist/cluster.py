@@ -48,6 +48,11 @@ class Link:
 LINKS: dict[str, Link] = {link.name: link for link in (
     Link("nvlink3", 300 * GIGA, 3e-6, "NVLink 3 (A100 SXM): 300 GB/s per GPU per direction"),
     Link("hdr-ib", 25 * GIGA, 5e-6, "HDR InfiniBand 200 Gb/s, one port per GPU"),
+    # NOTE: measured once, not a datasheet: gloo over TCP loopback between two processes on
+    # the 2-core CI-class machine (python -m fitgraph.bench.gloo_link; docs/dist/
+    # gloo_link.json): 1 KiB one way in 121 us, 16-64 MiB at 2.3-2.6 GB/s
+    Link("gloo-loopback", 2.49 * GIGA, 121e-6,
+         "gloo (TCP loopback) between local CPU processes, measured"),
 )}
 
 

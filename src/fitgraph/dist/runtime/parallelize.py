@@ -40,7 +40,7 @@ MULTI = {"interleaved", "zb-v", "zb-h1"}     # schedules that take a list of sta
 
 
 def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimizer=None, *,
-                plan: DistPlan | str | Path | dict, local_batches: bool = False,
+                plan: DistPlan | str | Path | dict = "auto", local_batches: bool = False,
                 measure_memory: bool = False) -> DistStep:
     """This rank's part of ``plan`` for ``model``: a ``DistStep``, called once per step with a
     batch structured as ``example_batch`` (the global batch; with ``local_batches=True``, this
@@ -48,7 +48,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     model's output's ``.loss``, as Hugging Face models return it). ``optimizer``: an
     optimizer of ``model``'s parameters, not yet stepped (rebuilt over this rank's, with the
     same options per group), or a function of a parameter list. ``plan``: a ``DistPlan``, its
-    saved JSON (a path or the dict).
+    saved JSON (a path or the dict), or ``"auto"``: planned on rank 0 for this launch's
+    processes (``dist.runtime.auto_plan``).
 
     The process group is the launch's (``torchrun`` sets it up through the environment; gloo
     on CPU). After this, train through the returned step: the model's parameters and buffers
@@ -59,9 +60,20 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     """
     import torch.distributed as dist
 
-    plan = _as_plan(plan)
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group("gloo" if _device(model).type == "cpu" else "nccl")
+    if isinstance(plan, str) and plan == "auto":
+        from .auto_plan import auto_plan
+
+        if local_batches:
+            raise PlanMismatch("plan='auto' plans for the global batch, and which ranks are "
+                               "replicas is the plan's to say: give the global batch "
+                               "(local_batches=False) or a saved plan")
+        flat = FlatBatch.of(example_batch)
+        rows = max((t.shape[0] for t in flat.tensors if t.dim()), default=1)
+        plan = auto_plan(model, example_batch, loss_fn, dist.get_world_size(), rows,
+                         _device(model))
+    plan = _as_plan(plan)
     par = plan.parallelism
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
     if par.tp > 1 and not plan.tp_styles:
