@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
      "fitgraph.ambient", "fitgraph.python_values", "fitgraph.inspection", "fitgraph.report"),
     ("fitgraph.compile_backend", "fitgraph.regions", "fitgraph.api", "fitgraph.dist.runtime"),
     ("fitgraph", "fitgraph.cli", "fitgraph.cli_bench", "fitgraph.cli_case",
-     "fitgraph.cli_optimize", "fitgraph.cli_plan_dist", "fitgraph.zoo", "fitgraph.bench"),
+     "fitgraph.cli_optimize", "fitgraph.cli_plan_dist", "fitgraph.dist_script", "fitgraph.zoo",
+     "fitgraph.bench"),
 ]
 
 

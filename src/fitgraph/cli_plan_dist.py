@@ -62,6 +62,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE", help="write the schedule's Gantt chart (PNG)")
     p.add_argument("--save", metavar="FILE", help="write the plan (JSON) for the executor")
+    p.add_argument("--emit-script", metavar="FILE",
+                   help="zoo model: write a torchrun script that runs the plan (and the plan "
+                        "beside it, FILE with .plan.json)")
 
 
 def add_parser(sub) -> None:
@@ -159,8 +162,12 @@ def _cluster(args):
         return Link(base.name + "*", base.bandwidth if gbps is None else gbps * 1e9,
                     base.latency_s if lat_us is None else lat_us * 1e-6, "given on the command line")
 
-    intra = link(LINKS["nvlink3"], args.intra_gbps, args.intra_latency_us)
-    inter = link(LINKS["hdr-ib"], args.inter_gbps, args.inter_latency_us)
+    # NOTE: CPU devices are processes joined by gloo (measured once: bench.gloo_link)
+    cpu = device.name.startswith("cpu")
+    intra = link(LINKS["gloo-loopback" if cpu else "nvlink3"], args.intra_gbps,
+                 args.intra_latency_us)
+    inter = link(LINKS["gloo-loopback" if cpu else "hdr-ib"], args.inter_gbps,
+                 args.inter_latency_us)
     return Cluster(device, per_node, args.devices // per_node, intra, inter), note
 
 
@@ -242,10 +249,31 @@ def cmd_plan_dist(args) -> int:
         raise SystemExit(f"plan-dist: {e}") from None
     if args.save:
         p.save(args.save)
+    if args.emit_script:
+        _emit_script(args, p)
     if args.plot:
         _plot(p, shape, cluster, args.plot)
     print(json.dumps(p.to_json(), indent=1) if args.json else format_plan(p))
     return 0 if p.fits else 3
+
+
+def _emit_script(args, p) -> None:
+    from pathlib import Path
+
+    from .dist.megatron_table import GPT_PRESETS
+    from .dist_script import script_text
+
+    if args.model == "gpt" or args.model in GPT_PRESETS:
+        raise SystemExit("plan-dist --emit-script: a model by its shape has no module to run; "
+                         "plan a zoo model (fitgraph models)")
+    script = Path(args.emit_script)
+    plan_file = script.with_suffix(".plan.json")
+    p.save(plan_file)
+    dtype = args.dtype or ("float32" if p.cluster["device"].startswith("cpu") else "bfloat16")
+    script.write_text(script_text(args.model, args.config, dtype, p.global_batch, p.seq,
+                                  plan_file.name, p.parallelism.devices))
+    print(f"wrote {script} and {plan_file}: torchrun --nproc-per-node "
+          f"{p.parallelism.devices} {script}")
 
 
 def _plot(p, shape, cluster, path: str) -> None:
