@@ -1,7 +1,9 @@
 """Data parallelism of one chunk, as the plan's ZeRO stage says: ZeRO-0 replicates it (DDP: the
-gradients all-reduced), ZeRO-1/2 shard the gradients and optimizer state and keep the weights
-whole after the forward (FSDP2 ``fully_shard(reshard_after_forward=False)``), ZeRO-3 shards
-the weights too (``reshard_after_forward=True``). Either way the gradients are averaged over
+gradients all-reduced), ZeRO-1 too, with the optimizer state sharded
+(``ZeroRedundancyOptimizer``, ``dist.runtime.local_optimizer``), ZeRO-2 shards the gradients
+and optimizer state and keeps the weights whole after the forward (FSDP2
+``fully_shard(reshard_after_forward=False)``), ZeRO-3 shards the weights too
+(``reshard_after_forward=True``). Either way the gradients are averaged over
 the replicas, so one replica's update is one process's on the whole batch.
 
 Example (inside a launch of ``dp`` processes; see ``run_processes``):
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["replicate_chunk", "zero_note"]
+__all__ = ["replicate_chunk"]
 
 
 def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Module:
@@ -20,7 +22,7 @@ def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Modu
     stage runs (``chunk`` itself for FSDP2, which changes it in place)."""
     if dp_mesh.size() == 1:
         return chunk
-    if zero == 0:
+    if zero <= 1:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(chunk, process_group=dp_mesh.get_group())
@@ -33,14 +35,6 @@ def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Modu
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=True)
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=zero == 3)
     return chunk
-
-
-def zero_note(zero: int) -> str:
-    """What the runtime runs for a plan's ZeRO stage, where it differs from the plan."""
-    if zero == 1:
-        return ("ZeRO-1 runs as FSDP2 without resharding after the forward, which also shards "
-                "the gradients (ZeRO-2): less memory than the plan's, the same results")
-    return ""
 
 
 def _blocks(chunk: torch.nn.Module) -> list[torch.nn.Module]:

@@ -23,13 +23,15 @@ __all__ = ["local_optimizer"]
 
 
 def local_optimizer(optimizer, model: torch.nn.Module,
-                    params: list[tuple[str, torch.nn.Parameter]]):
+                    params: list[tuple[str, torch.nn.Parameter]], shard_group=None):
     """A new optimizer over ``params`` (``(name in model, parameter)``; a name may come twice:
     copies of a tied parameter in two chunks of this rank, each updated alike): ``optimizer``
     is an optimizer of ``model``'s parameters (not yet stepped) or a function of a parameter
-    list."""
+    list. ``shard_group``: ZeRO-1 over that process group — each replica keeps the optimizer
+    state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
     if isinstance(optimizer, Callable) and not isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer([p for _, p in params])
+        made = optimizer([p for _, p in params])
+        return made if shard_group is None else _zero1(made, made.param_groups, shard_group)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: a torch.optim.Optimizer or a function of the parameters, "
                         f"not {type(optimizer).__name__}")
@@ -53,9 +55,22 @@ def local_optimizer(optimizer, model: torch.nn.Module,
         return _NoParams()
     # NOTE: every group carries all its options; the constructor gets those of its defaults
     # it accepts (AdamW's defaults hold "decoupled_weight_decay", not an argument of AdamW)
+    if shard_group is not None:
+        return _zero1(optimizer, groups, shard_group)
+    return type(optimizer)(groups, **_accepted(optimizer))
+
+
+def _accepted(optimizer) -> dict:
     accepted = inspect.signature(type(optimizer)).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
-                                      if k in accepted})
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def _zero1(optimizer, groups: list[dict], group):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [{**g, "params": list(g["params"])} for g in groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   process_group=group, **_accepted(optimizer))
 
 
 class _NoParams:

@@ -24,7 +24,7 @@ import torch
 from ..graph_model import param_signature
 from ..planner import DistPlan
 from .batches import FlatBatch
-from .data_parallel import replicate_chunk, zero_note
+from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
 from .stage_split import StepModule, chunk_metas, split_step
@@ -95,7 +95,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         starts.append(first)
     split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
     mesh = layout.mesh(_device(model).type)
-    notes = [n for n in [zero_note(par.zero) if par.dp > 1 else "", split.weights_note] if n]
+    notes = [n for n in [split.weights_note] if n]
     mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
     shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
               for name in split.shared]
@@ -120,7 +120,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     from .stage_split import model_name
 
     params = [(model_name(n), p) for ch in mine for n, p in ch.named_parameters()]
-    opt = local_optimizer(optimizer, model, params)
+    zero1 = mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
+    opt = local_optimizer(optimizer, model, params, shard_group=zero1)
     schedule = _schedule(par, stages)
     release_unused(model, [t for ch in mine for t in [*ch.parameters(), *ch.buffers()]])
     del split
@@ -198,7 +199,7 @@ def _local_shape(split, name: str, par, layout: RankLayout) -> tuple:
     """The shape of this rank's gradient of ``name``: FSDP2 shards dim 0 in ``torch.chunk``'s
     parts."""
     shape = tuple(_param(split, name).shape)
-    if par.dp == 1 or par.zero == 0:
+    if par.dp == 1 or par.zero <= 1:
         return shape
     parts = torch.empty(shape, device="meta").chunk(par.dp, dim=0)
     return tuple(parts[layout.replica].shape) if layout.replica < len(parts) else (0, *shape[1:])
