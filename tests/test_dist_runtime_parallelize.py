@@ -33,6 +33,9 @@ CONFIGS = {
     "dp2-fsdp": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
     "pp2xdp2": {"pp": 2, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
     "pp2xdp2-zero1": {"pp": 2, "dp": 2, "micro_batch": 1, "schedule": "gpipe", "zero": 1},
+    # a per-stage memory plan: the blocks re-made in the backward (activation checkpointing)
+    "pp2-recompute": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
+                      "recompute": "full"},
     "pp2-interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
                         "chunks": 2},
     "pp2-zbv": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
@@ -60,7 +63,9 @@ def _train(rank: int, world: int, name: str, plan_json: dict, ckpt: str | None =
     split = {n: tuple(p.shape) for n, p in step.named_parameters() if n in step.tp_params}
     if ckpt:
         step.save(ckpt)
-    return losses, step.full_parameters(), split
+    remade = sorted(n for ch in step.chunks for n, m in ch.named_modules()
+                    if getattr(m.forward, "__wrapped__", None) is not None)
+    return losses, step.full_parameters(), split, remade
 
 
 def one_process(name: str):
@@ -117,7 +122,7 @@ def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", MODELS)
 def test_planned_run_has_one_process_results(name, config, graphs, references, tmp_path):
-    if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1"):
+    if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1", "pp2-recompute"):
         pytest.skip("the decoder's run covers this schedule / ZeRO stage")
     p = make_plan(graphs[name], CONFIGS[config])
     world = p.parallelism.devices
@@ -125,10 +130,16 @@ def test_planned_run_has_one_process_results(name, config, graphs, references, t
     ckpt = str(tmp_path / "ckpt") if (name, config) in CHECKPOINTED else None
     results = run_processes(_train, world, name, p.to_json(), ckpt, timeout_s=300)
     ref_losses, ref_params, noise = references[name]
-    for losses, _, _ in results:   # every rank returns the global step's loss
+    for losses, *_ in results:   # every rank returns the global step's loss
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # the stages' memory plans ran: the blocks they re-make, and only those
+    planned = sorted(f"body.model.{b}" for s in p.stages
+                     for b, o in zip(s["blocks"], s["block_options"])
+                     if o != "none" and not b.startswith("<"))
+    assert sorted(m for *_, remade in results for m in remade) == planned
+    assert bool(planned) == (config == "pp2-recompute")
     got = {}
-    for _, params, split in results:
+    for _, params, split, _ in results:
         got.update(params)
         # tensor parallelism ran: every attention and MLP weight is half on each shard
         assert (len(split) > 0) == (p.parallelism.tp > 1)

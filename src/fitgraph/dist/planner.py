@@ -146,6 +146,7 @@ def _stage_json(pred: Prediction) -> list[dict]:
             "devices": list(s.ranks),
             "peak_bytes": s.peak_bytes, "memory": s.memory(),
             "memory_plan": dict(sorted(Counter(st.plan).items())),
+            "block_options": list(st.plan),
             "offloaded_bytes": st.offload_bytes, "recomputed_s": st.recompute_s,
             "in_flight": st.in_flight,
             "time": {"fwd_s": st.fwd_s, "bwd_s": st.bwd_s, "recompute_s": st.recompute_s,

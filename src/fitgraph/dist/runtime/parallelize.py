@@ -27,6 +27,7 @@ from .batches import FlatBatch
 from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
+from .memory_plan import apply_memory_plan, block_options
 from .stage_split import StepModule, chunk_metas, split_step
 from .step import DistStep
 from .tensor_parallel import shard_chunk
@@ -110,6 +111,11 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
             # NOTE: after the stages' metadata: what crosses a cut is whole on every shard
             tp_params.update(shard_chunk(ch, plan.tp_styles, par.tp, layout.shard,
                                          mesh["tp"].get_group()))
+    options = block_options(plan, layout.stage)
+    for ch in mine:
+        for note in apply_memory_plan(ch, options):
+            if note not in notes:
+                notes.append(note)
     for ch in mine:
         run = replicate_chunk(ch, par.zero, mesh["dp"])
         runs.append(run)
