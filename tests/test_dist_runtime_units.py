@@ -141,3 +141,14 @@ def test_launch_of_the_wrong_size_is_refused_with_the_command_to_run():
         RankLayout.of(par, 0, 2)
     lay = RankLayout.of(par, 3, 4)
     assert (lay.stage, lay.replica, lay.shard) == (1, 1, 0)
+
+
+def test_a_cut_after_a_module_for_a_chain_end_that_is_no_module():
+    from fitgraph.dist.runtime.stage_split import END
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten())
+
+    model, batch, split = _split(loss_fn, starts=["body" + END])
+    assert split.chunks[0].model_names() == ["emb.weight", "body.0.weight", "body.0.bias"]
+    assert split.chunks[1].model_names() == ["head.weight", "head.bias"]

@@ -19,7 +19,7 @@ import pytest
 from fitgraph.dist.block_cost import BlockCost, MemoryOption
 from fitgraph.dist.memory import MIXED_ADAM, MIXED_SGD, parameter_bytes
 from fitgraph.dist.ops import Block
-from fitgraph.dist.stage import hull, plan_stage
+from fitgraph.dist.stage import backward_excess, hull, plan_stage
 
 PRECISION = MIXED_ADAM
 
@@ -110,9 +110,11 @@ def _check_plan(st, costs, flights, budget):
     chosen = [c.option(name) for c, name in zip(costs, st.plan)]
     assert st.recompute_s == pytest.approx(sum(o.recompute_s for o in chosen), rel=1e-12)
     assert st.held_bytes == sum(f * o.kept_bytes for f, o in zip(flights, chosen))
-    assert st.working_bytes == max(o.working_bytes for o in chosen)
-    assert st.peak_bytes == _peak(costs, flights, chosen)
-    assert st.peak_bytes <= budget
+    # NOTE: the greedy fits under the largest working set (``_peak``); the plan's predicted
+    # peak walks the backward (what the blocks after each have freed), never above that
+    assert st.working_bytes == backward_excess(chosen)
+    assert st.working_bytes <= max(o.working_bytes for o in chosen)
+    assert st.peak_bytes <= _peak(costs, flights, chosen) <= budget
     return chosen
 
 
@@ -174,7 +176,7 @@ def test_auto_takes_no_recompute_when_everything_fits_and_none_when_nothing_does
     flights = [2.0, 1.0, 3.0]
     roomy = _peak(costs, flights, [c.options[0] for c in costs])
     st = plan_stage(costs, flights, roomy, PRECISION)
-    assert st.recompute_s == 0.0 and st.plan == ("o0",) * 3 and st.peak_bytes == roomy
+    assert st.recompute_s == 0.0 and st.plan == ("o0",) * 3 and st.peak_bytes <= roomy
     tight = _peak(costs, flights, [c.options[-1] for c in costs])
     assert plan_stage(costs, flights, tight, PRECISION).plan == ("o3",) * 3
     assert plan_stage(costs, flights, tight - 1, PRECISION) is None

@@ -71,7 +71,7 @@ def held_vectors(schedule: str, p: int, m: int, d: int, v: int, cache: dict) -> 
 
 
 def device_plan(costs, idx, names, ranges, vectors, budget, precision,
-                       par: Parallelism) -> StagePlan:
+                       par: Parallelism, cpu: bool = False) -> StagePlan:
     """A device's chunks under one memory plan. Its activations peak right after one of its
     forwards, holding ``vector[c]`` micro-batches of chunk ``c``: plan for the vector holding
     the most, then, while the plan's own worst vector overflows, for the elementwise most of
@@ -93,7 +93,7 @@ def device_plan(costs, idx, names, ranges, vectors, budget, precision,
     for _ in range(8):
         per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
         st = plan_stage(blocks, per_block, budget, precision, par.zero, par.dp, par.recompute,
-                        names=names)
+                        names=names, cpu=cpu)
         if st is None:
             break
         held, worst = exact(st)
@@ -108,5 +108,5 @@ def device_plan(costs, idx, names, ranges, vectors, budget, precision,
         return best
     per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
     st = plan_stage(blocks, per_block, math.inf, precision, par.zero, par.dp, par.recompute,
-                    names=names)
+                    names=names, cpu=cpu)
     return replace(st, held_bytes=exact(st)[0])

@@ -146,6 +146,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
     shape_schedule = "1f1b" if par.schedule in ("zb-h1", "zb-v") else par.schedule
 
     devices_of = [chunk_device(par.schedule, p, v, c) for c in range(p * v)]
+    cpu = cluster.device.name.startswith("cpu")
     dev = devices_of.__getitem__
 
     if par.schedule == "interleaved" and m % p:
@@ -204,12 +205,12 @@ def evaluate(model: ModelSpec, cluster: Cluster, par: Parallelism, *,
             # NOTE: configurations of one width and micro-batch share their devices' plans
             key = ("device", tuple(id(costs[i]) for i in idx),
                    tuple(b - a for a, b in (chunk_ranges[c] for c in mine)), vectors, budget,
-                   precision, par.zero, par.dp, par.recompute)
+                   precision, par.zero, par.dp, par.recompute, cpu)
             st = cache.get(key)
             if st is None:
                 st = cache[key] = device_plan(costs, idx, [names[i] for i in idx],
                                                      [chunk_ranges[c] for c in mine], vectors,
-                                                     budget, precision, par)
+                                                     budget, precision, par, cpu)
             plans.append(replace(st, blocks=tuple(names[i] for i in idx)))
             pos = 0
             for c in mine:

@@ -161,6 +161,7 @@ class _Chain:
         chain = rotor_chain(graph, sg)
         self.bwd_peak = list(chain.model.b_peak) if chain else [0] * len(names)
         self.loss_parts = _loss_parts(graph, sg, fstage, node_block, len(names) - 1)
+        self.tied_add = _tied_grad_adds(graph, sg, bstage, len(names))
 
     def tp_map(self, tp: int) -> TensorParallelMap:
         if tp not in self._maps:
@@ -172,6 +173,37 @@ class _Chain:
 
 
 LOSS_PARTS = 8
+
+
+def _tied_grad_adds(graph: Graph, sg, bstage: dict[int, int], n: int) -> list[int]:
+    """Per block, the bytes of the adds that sum a tied parameter's gradient contributions
+    (the embedding's and the head's): one captured step adds them into a new tensor, which
+    a pipeline does not — each stage's copy takes its own contribution and the copies'
+    gradients are summed between stages after the backward."""
+    tied = {}
+    for name, vid in zip(graph.input_names, graph.inputs):
+        if name.startswith("param:"):
+            tied.setdefault(graph.values[vid].storage, []).append(name[len("param:"):])
+    unit_of = {m: u for u, unit in enumerate(sg.units) for m in unit.members}
+    out = [0] * n
+    for names in tied.values():
+        for name in names:
+            vid = graph.outputs.get(f"grad:{name}")
+            if vid is None:
+                continue
+            node = graph.values[vid].producer
+            if node is None or "add" not in str(graph.nodes[node].target):
+                continue
+            # NOTE: an add of two gradients (both made in the backward) is a tied weight's
+            # sum; an add of a gradient and a constant is not
+            made = [graph.values[i].producer for i in graph.nodes[node].inputs]
+            if sum(1 for p in made if p is not None
+                   and graph.nodes[p].phase is Phase.BACKWARD) < 2:
+                continue
+            k = bstage.get(unit_of.get(node, -1))
+            if k is not None:
+                out[k] += graph.storages[graph.values[vid].storage].nbytes
+    return out
 
 
 def _loss_parts(graph: Graph, sg, fstage, node_block, k: int) -> int:
@@ -216,6 +248,18 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
                 st = values[vid].storage
                 if st in reads_param:
                     reads_param[st].add(k)
+    # buffers (a causal mask): resident on the stage of the first block that reads them
+    buffers = [0] * n
+    first_reader: dict[int, int] = {}
+    buffer_storages = {values[vid].storage for vid in graph.inputs
+                       if values[vid].role is Role.BUFFER}
+    for u, k in sorted(fstage.items(), key=lambda x: x[1]):
+        for m in units[u].members:
+            for vid in nodes[m].inputs:
+                st = values[vid].storage
+                if st in buffer_storages and st not in first_reader:
+                    first_reader[st] = k
+                    buffers[k] += graph.storages[st].nbytes
     own = [0.0] * n
     shared: list[list[tuple[str, float]]] = [[] for _ in range(n)]
     for st, stages in reads_param.items():
@@ -284,13 +328,19 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
                       bwd_w_seconds=bwd_w[k] * shrink))
         role = "embedding" if k == 0 else "head" if k == n - 1 else "body"
         ops = tuple(ops)
+        largest = max((params[st] / (tp if st in tpm.sharded_params else 1)
+                       for st, ks in reads_param.items() if k in ks), default=0.0)
+        # NOTE: what makes a block's costs: a block holding a buffer is its own kind
         kind = "graph:" + hashlib.sha1(repr((ops, own[k], a[k - 1] if k else 0.0,
-                                             a[k] if k < n - 1 else 0.0)).encode()).hexdigest()[:12]
+                                             a[k] if k < n - 1 else 0.0, buffers[k],
+                                             largest)).encode()).hexdigest()[:12]
         blocks.append(Block(
             names[k], kind, ops, params=own[k],
             input_bytes=a[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
             role=role, shared=tuple(shared[k]), tp=tp,
-            bwd_temp_bytes=float(chain.bwd_peak[k]),
+            bwd_temp_bytes=float(max(0, chain.bwd_peak[k] - chain.tied_add[k])),
+            largest_param=largest,
+            buffer_bytes=float(buffers[k]),
             fission=(((f"in {chain.loss_parts} parts", tuple(
                 op.name for op in ops if op.saved > 0 and op.recomputable),
                 chain.loss_parts),) if k == n - 1 and chain.loss_parts > 1 else ()),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["FP32_ADAM", "MIXED_ADAM", "MIXED_SGD", "PRECISIONS", "Precision", "parameter_bytes",
-           "optimizer_step_bytes"]
+           "optimizer_step_bytes", "optimizer_temp_bytes"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Precision:
     master: int
     state: int
     activation_dtype: str = "bfloat16"
+    # the optimizer step's temporaries: "none" (a fused kernel: Megatron's, apex's), "torch"
+    # (torch.optim's Adam/AdamW: ``optimizer_temp_bytes``)
+    step_temp: str = "none"
 
     @property
     def per_parameter(self) -> int:
@@ -39,7 +42,7 @@ class Precision:
 
 
 MIXED_ADAM = Precision("mixed-adam", 2, 2, 4, 8)
-FP32_ADAM = Precision("fp32-adam", 4, 4, 0, 8, activation_dtype="float32")
+FP32_ADAM = Precision("fp32-adam", 4, 4, 0, 8, activation_dtype="float32", step_temp="torch")
 MIXED_SGD = Precision("mixed-sgd", 2, 2, 4, 0)
 PRECISIONS = {p.name: p for p in (MIXED_ADAM, FP32_ADAM, MIXED_SGD)}
 
@@ -64,3 +67,23 @@ def optimizer_step_bytes(params: float, precision: Precision, zero: int, dp: int
     mine = params / (dp if zero >= 1 else 1)
     return mine * (precision.grad + 2 * precision.master + 2 * precision.state
                    + (precision.weight if precision.master else 0))
+
+
+def optimizer_temp_bytes(precision: Precision, largest: float, params: float, zero: int,
+                         dp: int, cpu: bool) -> float:
+    """Bytes the optimizer step allocates for a moment, beyond the state it keeps: torch's
+    Adam/AdamW on the CPU updates one tensor at a time (``sqrt(v)`` and its quotient: two
+    temporaries of the largest tensor, ``largest`` elements; FSDP's shards from ZeRO-2 on),
+    on a GPU all at once (``_foreach_sqrt`` of every second moment: one moment's bytes of the
+    parameters this device updates); a fused step none.
+
+    Example:
+        >>> optimizer_temp_bytes(FP32_ADAM, 1000, 5000, 0, 1, cpu=True)
+        8000.0
+    """
+    if precision.step_temp == "none" or not precision.state:
+        return 0.0
+    moment = precision.state / 2
+    if cpu:
+        return 2.0 * moment * largest / (dp if zero >= 2 else 1)
+    return moment * params / (dp if zero >= 1 else 1)

@@ -106,7 +106,10 @@ class Block:
     "selective") applies to the body's blocks, as Megatron-LM's does to its layers.
     ``shared``: parameters other blocks read too (name, count on this device), not in
     ``params``: a stage holds each once (``stage_params``); stages apart hold a copy each and
-    reduce its gradient together (a tied embedding and LM head).
+    reduce its gradient together (a tied embedding and LM head). ``largest_param``: the
+    elements of its largest parameter tensor on this device (0: not known), what a
+    one-tensor-at-a-time optimizer step's temporaries scale with; ``buffer_bytes``: buffers
+    it reads (a causal mask), resident like its weights.
     """
 
     name: str
@@ -121,6 +124,8 @@ class Block:
     bwd_temp_bytes: float = 0.0
     options: tuple[tuple[str, tuple[str, ...]], ...] = ()
     fission: tuple[tuple[str, tuple[str, ...], int], ...] = ()
+    largest_param: float = 0.0
+    buffer_bytes: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

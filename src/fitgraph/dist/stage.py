@@ -35,10 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_cost import BlockCost, MemoryOption, hull
-from .memory import Precision, parameter_bytes
+from .memory import Precision, optimizer_temp_bytes, parameter_bytes
 from .ops import stage_params
 
-__all__ = ["StagePlan", "hull", "plan_stage"]
+__all__ = ["StagePlan", "backward_excess", "hull", "plan_stage"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class StagePlan:
 def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], budget: float,
                precision: Precision, zero: int = 0, dp: int = 1,
                recompute: str = "auto", names: Sequence[str] | None = None,
-               host_bandwidth: float | None = None) -> StagePlan | None:
+               host_bandwidth: float | None = None, cpu: bool = False) -> StagePlan | None:
     """The stage of ``costs`` (its blocks in order, named ``names``) under the least recompute
     that fits ``budget`` bytes, or None when even the most recompute does not fit. A named
     ``recompute`` is applied whether it fits or not (the caller reads ``peak_bytes``).
@@ -92,7 +92,13 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
     the forward and comes back before the backward, hidden behind a micro-batch's compute up to
     ``host_bandwidth × (fwd + bwd) / 2`` bytes per micro-batch (free, taken first), beyond that
     exposed — weighed per byte against recompute's next step. Needs one in-flight count for
-    every block (not interleaved)."""
+    every block (not interleaved).
+
+    The working bytes are what the step needs beyond the activations held at its worst
+    moment: the backward of a micro-batch walks its blocks last to first, each needing its
+    working set while the blocks after it have freed what they kept
+    (``backward_excess``); the optimizer step, once every activation is gone, its temporaries
+    (``cpu``: torch's one tensor at a time, ``memory.optimizer_temp_bytes``)."""
     if not costs:
         raise ValueError("a stage needs at least one block")
     flights = ([float(in_flight)] * len(costs) if isinstance(in_flight, (int, float))
@@ -119,7 +125,11 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
                   else c.options[0] for c in costs]
     kept = sum(o.kept_bytes for o in choice)
     held = sum(f * o.kept_bytes for f, o in zip(flights, choice)) - parked
-    working = max(o.working_bytes for o in choice) + gather
+    working = backward_excess(choice) + gather
+    largest = max(c.block.largest_param for c in costs)
+    step_temp = optimizer_temp_bytes(precision, largest, params, zero, dp, cpu)
+    working = max(working, step_temp - held)
+    buffers = sum(c.block.buffer_bytes for c in costs)
     plan = StagePlan(
         blocks=tuple(names) if names is not None else tuple(c.block.name for c in costs), plan=tuple(o.name for o in choice),
         fwd_s=sum(c.fwd_s for c in costs),
@@ -128,11 +138,30 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
         recompute_flops=sum(o.recompute_flops for o in choice),
         params=params, in_flight=max(flights), kept_bytes=kept, held_bytes=held,
         working_bytes=working,
-        weights=static["weights"], gradients=static["gradients"], optimizer=static["optimizer"],
+        weights=static["weights"] + buffers, gradients=static["gradients"],
+        optimizer=static["optimizer"],
         offload_bytes=parked, offload_s=exposed)
     if recompute == "auto" and plan.peak_bytes > budget * (1 + 1e-12):
         return None
     return plan
+
+
+def backward_excess(choice: Sequence[MemoryOption]) -> float:
+    """The most a micro-batch's backward needs beyond holding all its blocks' kept bytes:
+    block ``j``'s working set less what the blocks after it kept (freed by then).
+
+    Example:
+        >>> from fitgraph.dist.block_cost import MemoryOption
+        >>> opts = [MemoryOption("none", (), 10.0, 0.0, 25.0, 0.0),
+        ...         MemoryOption("none", (), 10.0, 0.0, 4.0, 0.0)]
+        >>> backward_excess(opts)
+        15.0
+    """
+    excess, later = 0.0, 0.0
+    for o in reversed(choice):
+        excess = max(excess, o.working_bytes - later)
+        later += o.kept_bytes
+    return excess
 
 
 def _has(cost: BlockCost, name: str) -> bool:

@@ -73,7 +73,8 @@ def stage_planner(costs, flights, budget, precision, zero: int, dp: int, recompu
     # NOTE: a stage's plan depends on its blocks' costs (shared across configurations of one
     # width and micro-batch through ``cache``), its in-flight count and its memory terms.
     host = host_bandwidth(cluster_device)
-    setting = (budget, precision, zero, dp, recompute, host)
+    cpu = cluster_device.name.startswith("cpu")
+    setting = (budget, precision, zero, dp, recompute, host, cpu)
     memo = cache.setdefault(("stages", ids[0], ids[1] if n > 1 else 0, ids[-1], uniform, n,
                              setting), {})
 
@@ -83,7 +84,7 @@ def stage_planner(costs, flights, budget, precision, zero: int, dp: int, recompu
         hit = memo.get(key, memo)
         if hit is memo:
             hit = memo[key] = plan_stage(costs[first:last], flights[k], budget, precision,
-                                         zero, dp, recompute, host_bandwidth=host)
+                                         zero, dp, recompute, host_bandwidth=host, cpu=cpu)
         return hit
 
     return plan

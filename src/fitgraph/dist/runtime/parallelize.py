@@ -28,7 +28,7 @@ from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
 from .memory_plan import apply_memory_plan, block_options
-from .stage_split import StepModule, chunk_metas, split_step
+from .stage_split import END, StepModule, chunk_metas, split_step
 from .step import DistStep
 from .tensor_parallel import shard_chunk
 
@@ -88,12 +88,18 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     micro_args = _micro_args(flat, par, batched, local_batches)
     chunks = plan.chunks or [{"device": s["index"], "blocks": s["blocks"]} for s in plan.stages]
     starts = []
-    for c in chunks[1:]:
+    for before, c in zip(chunks, chunks[1:]):
         first = c["blocks"][0]
-        if first.startswith("<"):
-            raise PlanMismatch(f"a chunk of the plan begins with {first}, not a module of the "
-                               f"model: plan again with more blocks per stage")
-        starts.append(first)
+        if not first.startswith("<"):
+            starts.append(first)
+        elif first == "<rest>" and not before["blocks"][-1].startswith("<"):
+            # NOTE: the chain's end (final norm, head, loss) is no module of its own: the
+            # cut goes after the block before it
+            starts.append(before["blocks"][-1] + END)
+        else:
+            raise PlanMismatch(f"a chunk of the plan begins with {first}, which is not a "
+                               f"module of the model to cut before: plan again with more "
+                               f"blocks per stage")
     split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
     mesh = layout.mesh(_device(model).type)
     notes = [n for n in [split.weights_note] if n]

@@ -36,6 +36,7 @@ from .loss_weights import LossWeights, find_loss_weights
 __all__ = ["ChunkModule", "SplitStep", "StepModule", "chunk_metas", "split_step"]
 
 MODEL = "model"      # the user's model's attribute in StepModule: its parameters' FQN prefix
+END = ":end"         # a cut after a module (``"h.3:end"``), not before it
 
 
 class StepModule(torch.nn.Module):
@@ -101,16 +102,18 @@ class SplitStep:
 
 def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitStep:
     """``step`` traced on one micro-batch (``micro_args``) and cut before each module path in
-    ``starts`` (paths in the user's model)."""
+    ``starts`` (paths in the user's model; ``path + END``: after that module)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     modules = dict(getattr(step, MODEL).named_modules())
     for path in starts:
+        path = path.removesuffix(END)
         if path not in modules:
             raise ValueError(f"the plan cuts the model before {path!r}, which is not a module "
                              f"of {type(getattr(step, MODEL)).__name__}: a plan made for "
                              f"another model?")
-    spec = {f"{MODEL}.{p}": SplitPoint.BEGINNING for p in starts}
+    spec = {f"{MODEL}.{p.removesuffix(END)}":
+            SplitPoint.END if p.endswith(END) else SplitPoint.BEGINNING for p in starts}
     pipe = pipeline(step, micro_args, split_spec=spec)
     if pipe.num_stages != len(starts) + 1:
         raise ValueError(f"tracing the step cut it into {pipe.num_stages} chunks, not "

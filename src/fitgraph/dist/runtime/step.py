@@ -56,6 +56,7 @@ class DistStep:
         self._meter = None
         self._resident = 0
         self._peak: int | None = None
+        self._zeros: dict[str, torch.Tensor] = {}   # a shared parameter this rank lacks
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
@@ -132,16 +133,25 @@ class DistStep:
         group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         for name, shape, dtype in self.shared:
             mine = [p for ch in self.chunks for n, p in _named(ch) if n == name]
-            total = torch.zeros(shape, dtype=dtype)
-            for p in mine:
-                if p.grad is not None:
-                    total += _local(p.grad)
+            grads = [_local(p.grad) for p in mine if p.grad is not None]
+            # NOTE: summed in place, into the first copy's gradient: a tensor made here and
+            # freed after a gloo collective may be released on gloo's thread, where the
+            # allocator meter does not see it go (and it costs the bytes of the parameter)
+            if grads:
+                total = grads[0]
+                for g in grads[1:]:
+                    total += g
+            else:
+                total = self._zeros.get(name)
+                if total is None:
+                    total = self._zeros[name] = torch.zeros(shape, dtype=dtype)
+                total.zero_()
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in mine:
                 if p.grad is None:
                     p.grad = _like(p, total.clone())
-                else:
+                elif _local(p.grad) is not total:
                     _local(p.grad).copy_(total)
 
     def _global_loss(self, losses: list) -> torch.Tensor:
