@@ -25,7 +25,10 @@ def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Modu
     if zero <= 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(chunk, process_group=dp_mesh.get_group())
+        # NOTE: gradients as views of DDP's buckets: otherwise the buckets are a second copy
+        # of every gradient (4 B a parameter the plan does not have)
+        return DistributedDataParallel(chunk, process_group=dp_mesh.get_group(),
+                                       gradient_as_bucket_view=True)
     from torch.distributed.fsdp import fully_shard
 
     # NOTE: each block the chunk calls is its own FSDP unit under ZeRO-3, so that one block's

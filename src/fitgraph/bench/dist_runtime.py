@@ -1,0 +1,137 @@
+"""Multi-device plans run on this machine (gloo, 2–4 CPU processes): each rank's measured step
+time and allocator peak beside the plan's prediction.
+
+GPT-2 (zoo, small, float32; global batch 8 of 64 tokens) under each configuration: the plan is
+made with ``--fix`` on the CPU device model (op times measured on this machine, the gloo link
+measured once: ``bench.gloo_link``), run twice by ``fitgraph.dist.parallelize`` — once timed
+(the median of the steps after the first, no meter), once with every rank's allocator meter
+(``measure_memory=True``) — and reported per rank.
+
+    python -m fitgraph.bench.dist_runtime [--out docs/dist/runtime.json] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+BATCH, SEQ = 8, 64
+CONFIGS = {
+    "pp2 1f1b": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "recompute": "none"},
+    "pp2 1f1b recompute": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
+                           "recompute": "full"},
+    "pp2 interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
+                        "chunks": 2},
+    "pp2 zb-v": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
+    "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+    "dp2 zero1": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 1},
+    "dp2 zero3": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
+    "pp2 x tp2": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+    "pp2 x dp2": {"pp": 2, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
+}
+
+
+def _case():
+    import fitgraph.zoo as zoo
+
+    case = zoo.build("gpt2", "small", batch_size=BATCH, seq_len=SEQ)
+    case.model.eval()     # NOTE: no dropout: the same step on every run
+    return case
+
+
+def _rank(rank: int, world: int, plan_json: dict, steps: int, memory: bool):
+    import torch
+
+    from ..dist import parallelize
+
+    torch.set_num_threads(1)
+    case = _case()
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
+    step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json,
+                       measure_memory=memory)
+    for _ in range(steps):
+        step(case.batch)
+    return step.report().to_json()[rank]
+
+
+def _plan(fix: dict, cost_model):
+    from .. import capture
+    from ..cost import get_device
+    from ..dist import FP32_ADAM, LINKS, Cluster
+    from ..dist.graph_model import GraphModel
+    from ..dist.planner import plan
+
+    case = _case()
+    mb = fix["micro_batch"]
+    graph = capture(case.model, {k: v[:mb] for k, v in case.batch.items()}, case.loss_fn)
+    world = fix.get("tp", 1) * fix["pp"] * fix["dp"]
+    link = LINKS["gloo-loopback"]
+    cluster = Cluster(get_device("cpu-generic"), world, 1, link, link)
+    if hasattr(cost_model, "profile"):
+        cost_model.profile(graph)      # NOTE: ops timed here, one thread, as the ranks run
+    gm = GraphModel(graph, cost_model, batch_size=mb, seq=SEQ)
+    return plan(gm, cluster, BATCH, fix={"tp": 1, **fix}, precision=FP32_ADAM)
+
+
+def run(steps: int, names: list[str]) -> dict:
+    import torch
+
+    from ..cost import cost_model_for
+    from ..dist.runtime import run_processes
+
+    torch.set_num_threads(1)
+    cost_model = cost_model_for("measured:cpu", progress=False)
+    rows = []
+    for name in names:
+        p = _plan(CONFIGS[name], cost_model)
+        world = p.parallelism.devices
+        timed = run_processes(_rank, world, p.to_json(), steps, False, timeout_s=600)
+        metered = run_processes(_rank, world, p.to_json(), 3, True, timeout_s=600)
+        for t, m in zip(timed, metered):
+            rows.append({"config": name, "rank": t["rank"], "stage": t["stage"],
+                         "step_s": t["step_s"], "predicted_step_s": t["predicted_step_s"],
+                         "peak_bytes": m["peak_bytes"],
+                         "predicted_peak_bytes": m["predicted_peak_bytes"],
+                         "notes": m["notes"]})
+        print(_format(rows[-world:]), flush=True)
+    return {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "torch": torch.__version__, "model": f"gpt2 small fp32, batch {BATCH} x {SEQ}",
+            "steps": steps, "rows": rows}
+
+
+def _format(rows: list[dict]) -> str:
+    mib = 2 ** 20
+    out = []
+    for r in rows:
+        ratio = r["peak_bytes"] / r["predicted_peak_bytes"]
+        out.append(f"{r['config']:<20} {r['rank']:>4} {r['step_s'] * 1e3:9.1f} "
+                   f"{r['predicted_step_s'] * 1e3:9.1f} {r['peak_bytes'] / mib:9.1f} "
+                   f"{r['predicted_peak_bytes'] / mib:9.1f} {ratio:6.3f}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}: {', '.join(CONFIGS)}")
+    print(f"{'config':<20} {'rank':>4} {'step ms':>9} {'pred ms':>9} {'peak MiB':>9} "
+          f"{'pred MiB':>9} {'ratio':>6}")
+    start = time.perf_counter()
+    res = run(args.steps, names)
+    res["seconds"] = time.perf_counter() - start
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
