@@ -93,7 +93,7 @@ def device_plan(costs, idx, names, ranges, vectors, budget, precision,
     for _ in range(8):
         per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
         st = plan_stage(blocks, per_block, budget, precision, par.zero, par.dp, par.recompute,
-                        names=names, cpu=cpu)
+                        names=names, cpu=cpu, segments=sizes)
         if st is None:
             break
         held, worst = exact(st)
@@ -108,5 +108,5 @@ def device_plan(costs, idx, names, ranges, vectors, budget, precision,
         return best
     per_block = [w for w, size in zip(weights, sizes) for _ in range(size)]
     st = plan_stage(blocks, per_block, math.inf, precision, par.zero, par.dp, par.recompute,
-                    names=names, cpu=cpu)
+                    names=names, cpu=cpu, segments=sizes)
     return replace(st, held_bytes=exact(st)[0])

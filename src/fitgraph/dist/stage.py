@@ -81,7 +81,8 @@ class StagePlan:
 def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], budget: float,
                precision: Precision, zero: int = 0, dp: int = 1,
                recompute: str = "auto", names: Sequence[str] | None = None,
-               host_bandwidth: float | None = None, cpu: bool = False) -> StagePlan | None:
+               host_bandwidth: float | None = None, cpu: bool = False,
+               segments: Sequence[int] | None = None) -> StagePlan | None:
     """The stage of ``costs`` (its blocks in order, named ``names``) under the least recompute
     that fits ``budget`` bytes, or None when even the most recompute does not fit. A named
     ``recompute`` is applied whether it fits or not (the caller reads ``peak_bytes``).
@@ -98,14 +99,25 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
     moment: the backward of a micro-batch walks its blocks last to first, each needing its
     working set while the blocks after it have freed what they kept
     (``backward_excess``); the optimizer step, once every activation is gone, its temporaries
-    (``cpu``: torch's one tensor at a time, ``memory.optimizer_temp_bytes``)."""
+    (``cpu``: torch's one tensor at a time, ``memory.optimizer_temp_bytes``).
+
+    ``segments``: the sizes of the chunks the blocks form on one device (interleaved, ZB-V):
+    a parameter two chunks share is a copy in each (the runtime's pipeline stages are
+    modules of their own)."""
     if not costs:
         raise ValueError("a stage needs at least one block")
     flights = ([float(in_flight)] * len(costs) if isinstance(in_flight, (int, float))
                else [float(f) for f in in_flight])
     if len(flights) != len(costs):
         raise ValueError(f"{len(flights)} in-flight counts for {len(costs)} blocks")
-    params = stage_params([c.block for c in costs])
+    blocks = [c.block for c in costs]
+    if segments:
+        edges = [0]
+        for size in segments:
+            edges.append(edges[-1] + size)
+        params = sum(stage_params(blocks[a:b]) for a, b in zip(edges, edges[1:]))
+    else:
+        params = stage_params(blocks)
     static = parameter_bytes(params, precision, zero, dp)
     gather = (2 * precision.weight * max(stage_params([c.block]) for c in costs)
               if zero >= 3 else 0.0)

@@ -131,7 +131,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                                     group=mesh["pp"].get_group()))
     from .stage_split import model_name
 
-    params = [(model_name(n), p) for ch in mine for n, p in ch.named_parameters()]
+    params = list({id(p): (model_name(n), p) for ch in mine
+                   for n, p in ch.named_parameters()}.values())
     zero1 = mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
     opt = local_optimizer(optimizer, model, params, shard_group=zero1)
     schedule = _schedule(par, stages)

@@ -132,7 +132,8 @@ class DistStep:
 
         group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         for name, shape, dtype in self.shared:
-            mine = [p for ch in self.chunks for n, p in _named(ch) if n == name]
+            mine = list({id(p): p for ch in self.chunks for n, p in _named(ch)
+                         if n == name}.values())
             grads = [_local(p.grad) for p in mine if p.grad is not None]
             # NOTE: summed in place, into the first copy's gradient: a tensor made here and
             # freed after a gloo collective may be released on gloo's thread, where the
