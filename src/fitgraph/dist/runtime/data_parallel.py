@@ -17,9 +17,11 @@ import torch
 __all__ = ["replicate_chunk"]
 
 
-def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Module:
+def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh,
+                    blocks: tuple[str, ...] = ()) -> torch.nn.Module:
     """``chunk`` made data parallel over ``dp_mesh`` (a 1-D mesh); the module the pipeline
-    stage runs (``chunk`` itself for FSDP2, which changes it in place)."""
+    stage runs (``chunk`` itself for FSDP2, which changes it in place). ``blocks``: the plan's
+    block names (module paths in the model), each its own FSDP unit under ZeRO-3."""
     if dp_mesh.size() == 1:
         return chunk
     if zero <= 1:
@@ -34,19 +36,16 @@ def replicate_chunk(chunk: torch.nn.Module, zero: int, dp_mesh) -> torch.nn.Modu
     # NOTE: each block the chunk calls is its own FSDP unit under ZeRO-3, so that one block's
     # weights are gathered at a time (what the planner prices), not the whole chunk's
     if zero == 3:
-        for module in _blocks(chunk):
+        for module in _blocks(chunk, blocks):
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=True)
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=zero == 3)
     return chunk
 
 
-def _blocks(chunk: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules the chunk's traced graph calls that hold parameters."""
-    body = chunk.body
-    out = []
-    for node in body.graph.nodes:
-        if node.op == "call_module":
-            module = body.get_submodule(node.target)
-            if any(True for _ in module.parameters()) and module not in out:
-                out.append(module)
-    return out
+def _blocks(chunk: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The chunk's modules for the plan's blocks (the chain's ends are not modules)."""
+    from .stage_split import MODEL
+
+    modules = dict(chunk.body.named_modules())
+    return [modules[f"{MODEL}.{n}"] for n in names if f"{MODEL}.{n}" in modules
+            and any(True for _ in modules[f"{MODEL}.{n}"].parameters())]

@@ -123,7 +123,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
             if note not in notes:
                 notes.append(note)
     for ch in mine:
-        run = replicate_chunk(ch, par.zero, mesh["dp"])
+        run = replicate_chunk(ch, par.zero, mesh["dp"], tuple(options))
         runs.append(run)
         ins, outs = metas[ch.index]
         stages.append(PipelineStage(run, ch.index, len(chunks), _device(model),

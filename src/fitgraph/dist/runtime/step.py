@@ -57,6 +57,7 @@ class DistStep:
         self._resident = 0
         self._peak: int | None = None
         self._zeros: dict[str, torch.Tensor] = {}   # a shared parameter this rank lacks
+        self._bucketed = plan.parallelism.dp > 1 and plan.parallelism.zero <= 1
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
@@ -75,7 +76,9 @@ class DistStep:
         self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
         self._sum_shared_grads()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # NOTE: DDP's gradients are views of its buckets: kept (zeroed), not dropped — a
+        # dropped one comes back as a new tensor beside its bucket at the next backward
+        self.optimizer.zero_grad(set_to_none=not self._bucketed)
         loss = self._global_loss(losses)
         self.record.seconds.append(time.perf_counter() - start)
         self.record.losses.append(float(loss))
