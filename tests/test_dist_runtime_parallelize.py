@@ -181,6 +181,9 @@ def _mismatches(rank: int, world: int, plan_json: dict):
                                      None, plan=plan_json),
         "batch": lambda: parallelize(case.model, {k: v[:3] for k, v in case.batch.items()},
                                      case.loss_fn, None, plan=plan_json),
+        "fit": lambda: parallelize(case.model, case.batch, case.loss_fn, None, plan={
+            **plan_json, "fits": False,
+            "predicted": {**plan_json["predicted"], "budget_bytes": 2**20}}),
     }.items():
         try:
             call()
@@ -208,3 +211,4 @@ def test_a_launch_that_does_not_match_the_plan_is_refused_clearly(graphs):
     assert "--nproc-per-node 2" in errors["world"]
     assert "another model" in errors["model"]
     assert "the example batch's tensors have [3] rows" in errors["batch"]
+    assert "rank 0 (stage 0) does not fit" in errors["fit"] and "largest term" in errors["fit"]

@@ -81,6 +81,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         raise PlanMismatch(f"the plan splits tensors {par.tp} ways but names no split weights "
                            f"(a plan of a model by its shape): plan the captured model")
     _check_model(plan, model)
+    _check_fits(plan, layout, _device(model))
     state_keys = frozenset(model.state_dict())
     flat = FlatBatch.of(example_batch)
     batched = FlatBatch.batched(
@@ -168,6 +169,29 @@ def _as_plan(plan) -> DistPlan:
         return DistPlan.load(plan)
     raise TypeError(f"plan: a DistPlan, its JSON dict or the path of a saved plan, not "
                     f"{plan!r}")
+
+
+def _check_fits(plan: DistPlan, layout: RankLayout, device: torch.device) -> None:
+    """Refuse, before the first step, a stage the plan says does not fit (or, on a GPU,
+    whose predicted peak is over the device's memory), naming the rank and the term."""
+    stage = next((s for s in plan.stages if s["index"] == layout.stage), None)
+    if stage is None:
+        return
+    peak = stage["peak_bytes"]
+    capacity = None
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    over = (not plan.fits and peak > plan.predicted.get("budget_bytes", float("inf"))) or (
+        capacity is not None and peak > capacity)
+    if over:
+        terms = stage.get("memory", {})
+        big = max(terms, key=terms.get) if terms else "?"
+        limit = capacity if capacity is not None else plan.predicted["budget_bytes"]
+        raise PlanMismatch(
+            f"rank {layout.rank} (stage {layout.stage}) does not fit: its predicted peak "
+            f"{peak / 2**30:.2f} GiB is over {limit / 2**30:.2f} GiB; its largest term is "
+            f"{big} ({terms.get(big, 0) / 2**30:.2f} GiB). Plan with more devices, a smaller "
+            f"micro-batch or recompute (fitgraph plan-dist ... --fix recompute=full)")
 
 
 def _check_model(plan: DistPlan, model: torch.nn.Module) -> None:
