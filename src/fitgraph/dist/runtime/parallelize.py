@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.pipelining import PipelineStage
 
 from ..graph_model import param_signature
 from ..planner import DistPlan
@@ -28,7 +29,7 @@ from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
 from .memory_plan import apply_memory_plan, block_options
-from .stage_split import END, StepModule, chunk_metas, split_step
+from .stage_split import END, StepModule, chunk_metas, model_name, split_step
 from .step import DistStep
 from .tensor_parallel import shard_chunk
 
@@ -88,19 +89,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         flat.tensors, par.micro_batch * par.n_micro * (1 if local_batches else par.dp))
     micro_args = _micro_args(flat, par, batched, local_batches)
     chunks = plan.chunks or [{"device": s["index"], "blocks": s["blocks"]} for s in plan.stages]
-    starts = []
-    for before, c in zip(chunks, chunks[1:]):
-        first = c["blocks"][0]
-        if not first.startswith("<"):
-            starts.append(first)
-        elif first == "<rest>" and not before["blocks"][-1].startswith("<"):
-            # NOTE: the chain's end (final norm, head, loss) is no module of its own: the
-            # cut goes after the block before it
-            starts.append(before["blocks"][-1] + END)
-        else:
-            raise PlanMismatch(f"a chunk of the plan begins with {first}, which is not a "
-                               f"module of the model to cut before: plan again with more "
-                               f"blocks per stage")
+    starts = chunk_starts(chunks)
     split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
     mesh = layout.mesh(_device(model).type)
     notes = [n for n in [split.weights_note] if n]
@@ -108,9 +97,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
               for name in split.shared]
     weights = split.weights
-    stages, runs = [], []
-    from torch.distributed.pipelining import PipelineStage
-
+    stages = []
     metas = chunk_metas(split.chunks, micro_args)
     tp_params: dict = {}
     for ch in mine:
@@ -125,13 +112,10 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                 notes.append(note)
     for ch in mine:
         run = replicate_chunk(ch, par.zero, mesh["dp"], tuple(options))
-        runs.append(run)
         ins, outs = metas[ch.index]
         stages.append(PipelineStage(run, ch.index, len(chunks), _device(model),
                                     input_args=ins, output_args=outs,
                                     group=mesh["pp"].get_group()))
-    from .stage_split import model_name
-
     params = list({id(p): (model_name(n), p) for ch in mine
                    for n, p in ch.named_parameters()}.values())
     zero1 = mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
@@ -144,6 +128,24 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                     local_batches=local_batches, notes=notes, batched=batched,
                     weights=weights, tp_params=tp_params, measure_memory=measure_memory,
                     state_keys=state_keys)
+
+
+def chunk_starts(chunks: list[dict]) -> list[str]:
+    """Where each chunk after the first begins: its first block's module path, or, for the
+    chain's end (``<rest>``: the final norm, head and loss, no module of its own), after the
+    block before it (``path + END``)."""
+    starts = []
+    for before, c in zip(chunks, chunks[1:]):
+        first = c["blocks"][0]
+        if not first.startswith("<"):
+            starts.append(first)
+        elif first == "<rest>" and not before["blocks"][-1].startswith("<"):
+            starts.append(before["blocks"][-1] + END)
+        else:
+            raise PlanMismatch(f"a chunk of the plan begins with {first}, which is not a "
+                               f"module of the model to cut before: plan again with more "
+                               f"blocks per stage")
+    return starts
 
 
 def release_unused(model: torch.nn.Module, kept: list) -> None:
@@ -219,8 +221,6 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _param(split, name: str) -> torch.Tensor:
-    from .stage_split import model_name
-
     for ch in split.chunks:
         for n, p in ch.named_parameters():
             if model_name(n) == name:
