@@ -8,6 +8,7 @@ measured once: ``bench.gloo_link``), run twice by ``fitgraph.dist.parallelize`` 
 (``measure_memory=True``) — and reported per rank.
 
     python -m fitgraph.bench.dist_runtime [--out docs/dist/runtime.json] [--steps 6]
+    python -m fitgraph.bench.dist_runtime --table docs/dist/runtime.json   # BENCHMARKS.md's
 """
 
 from __future__ import annotations
@@ -112,13 +113,32 @@ def _format(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def markdown(res: dict) -> str:
+    """The results as BENCHMARKS.md's table."""
+    mib = 2 ** 20
+    lines = ["| configuration | rank | stage | step (measured) | step (predicted) | ratio | "
+             "peak (measured) | peak (predicted) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['config']} | {r['rank']} | {r['stage']} | {r['step_s'] * 1e3:.0f} ms | "
+            f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['step_s'] / r['predicted_step_s']:.2f} | "
+            f"{r['peak_bytes'] / mib:.1f} MiB | {r['predicted_peak_bytes'] / mib:.1f} MiB | "
+            f"{r['peak_bytes'] / r['predicted_peak_bytes']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--table", metavar="JSON", help="print a saved run as a markdown table")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, of: {', '.join(CONFIGS)}")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
