@@ -212,3 +212,33 @@ def test_a_launch_that_does_not_match_the_plan_is_refused_clearly(graphs):
     assert "another model" in errors["model"]
     assert "the example batch's tensors have [3] rows" in errors["batch"]
     assert "rank 0 (stage 0) does not fit" in errors["fit"] and "largest term" in errors["fit"]
+
+
+def _local(rank: int, world: int, plan_json: dict):
+    """Each replica given only its part of the global batch (a DistributedSampler's)."""
+    from fitgraph.dist import parallelize
+    from fitgraph.dist.planner import DistPlan
+    from fitgraph.dist.runtime.layout import RankLayout
+
+    torch.set_num_threads(1)
+    case = build("bert-base")
+    par = DistPlan.from_json(plan_json).parallelism
+    replica = RankLayout.of(par, rank, world).replica
+    rows = BATCH // par.dp
+    part = {k: v[replica * rows:(replica + 1) * rows] for k, v in case.batch.items()}
+    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
+    step = parallelize(case.model, part, case.loss_fn, opt, plan=plan_json, local_batches=True)
+    losses = [float(step(part)) for _ in range(STEPS)]
+    return losses, step.full_parameters()
+
+
+def test_replicas_given_their_own_parts_of_the_batch_train_as_one_process(graphs, references):
+    # NOTE: BERT's masked-token loss: the replicas' token counts are summed across them
+    p = make_plan(graphs["bert-base"], CONFIGS["pp2xdp2-zero1"])
+    results = run_processes(_local, 4, p.to_json(), timeout_s=300)
+    ref_losses, ref_params, noise = references["bert-base"]
+    got = {}
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        got.update(params)
+    assert_one_process_params(got, ref_params, noise)
