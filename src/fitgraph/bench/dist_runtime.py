@@ -93,6 +93,9 @@ def run(steps: int, names: list[str]) -> dict:
         for t, m in zip(timed, metered):
             rows.append({"config": name, "rank": t["rank"], "stage": t["stage"],
                          "step_s": t["step_s"], "predicted_step_s": t["predicted_step_s"],
+                         "compute_s": t["compute_s"],
+                         "predicted_compute_s": t["predicted_compute_s"],
+                         "optimizer_s": t["optimizer_s"],
                          "peak_bytes": m["peak_bytes"],
                          "predicted_peak_bytes": m["predicted_peak_bytes"],
                          "notes": m["notes"]})
@@ -117,11 +120,14 @@ def markdown(res: dict) -> str:
     """The results as BENCHMARKS.md's table."""
     mib = 2 ** 20
     lines = ["| configuration | rank | stage | step (measured) | step (predicted) | ratio | "
-             "peak (measured) | peak (predicted) | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+             "compute (measured) | compute (predicted) | "
+             "peak (measured) | peak (predicted) | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(
             f"| {r['config']} | {r['rank']} | {r['stage']} | {r['step_s'] * 1e3:.0f} ms | "
             f"{r['predicted_step_s'] * 1e3:.0f} ms | {r['step_s'] / r['predicted_step_s']:.2f} | "
+            f"{r['compute_s'] * 1e3:.0f} ms | {r['predicted_compute_s'] * 1e3:.0f} ms | "
             f"{r['peak_bytes'] / mib:.1f} MiB | {r['predicted_peak_bytes'] / mib:.1f} MiB | "
             f"{r['peak_bytes'] / r['predicted_peak_bytes']:.3f} |")
     return "\n".join(lines)

@@ -35,11 +35,38 @@ class RankReport:
     predicted_peak_bytes: float
     predicted_memory: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)   # per step: inside this rank's chunks
+    predicted_compute_s: float = 0.0                     # the plan's busy time of the stage
+    optimizer: list[float] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
         warm = self.seconds[1:] or self.seconds
         return statistics.median(warm) if warm else float("nan")
+
+    @property
+    def compute_s(self) -> float:
+        warm = self.compute[1:] or self.compute
+        return statistics.median(warm) if warm else float("nan")
+
+    @property
+    def optimizer_s(self) -> float:
+        warm = self.optimizer[1:] or self.optimizer
+        return statistics.median(warm) if warm else float("nan")
+
+    def time_gap(self) -> str:
+        """Where the measured step is over 1.2× the prediction: how much of it the rank's
+        chunks computed, against the plan's compute for the stage, and the rest."""
+        if not self.seconds or not self.predicted_step_s:
+            return ""
+        r = self.step_s / self.predicted_step_s
+        if r <= 1.2 or not self.compute:
+            return ""
+        rest = self.step_s - self.compute_s - self.optimizer_s
+        return (f"step {r:.2f}x the prediction: its chunks computed {self.compute_s * 1e3:.0f} "
+                f"ms (predicted {self.predicted_compute_s * 1e3:.0f} ms), the optimizer "
+                f"{self.optimizer_s * 1e3:.0f} ms, and {rest * 1e3:.0f} ms went to waiting, "
+                f"communication and the pipeline's own work")
 
     @property
     def peak_ratio(self) -> float | None:
@@ -73,7 +100,7 @@ class DistReport:
                          f"{r.step_s * 1e3:9.1f} {r.predicted_step_s * 1e3:9.1f} {peak} "
                          f"{r.predicted_peak_bytes / mib:9.1f} {ratio}")
         for r in self.ranks:
-            for why in filter(None, [r.gap(), *r.notes]):
+            for why in filter(None, [r.gap(), r.time_gap(), *r.notes]):
                 lines.append(f"rank {r.rank}: {why}")
         return "\n".join(lines)
 
@@ -81,5 +108,7 @@ class DistReport:
         return [{"rank": r.rank, "stage": r.stage, "replica": r.replica, "shard": r.shard,
                  "step_s": r.step_s, "predicted_step_s": r.predicted_step_s,
                  "peak_bytes": r.peak_bytes, "predicted_peak_bytes": r.predicted_peak_bytes,
-                 "predicted_memory": r.predicted_memory, "gap": r.gap(), "notes": r.notes}
+                 "predicted_memory": r.predicted_memory, "gap": r.gap(),
+                 "compute_s": r.compute_s, "predicted_compute_s": r.predicted_compute_s,
+                 "optimizer_s": r.optimizer_s, "time_gap": r.time_gap(), "notes": r.notes}
                 for r in self.ranks]

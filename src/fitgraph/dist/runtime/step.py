@@ -27,6 +27,19 @@ __all__ = ["DistStep", "StepRecord"]
 class StepRecord:
     seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    compute: list[float] = field(default_factory=list)    # in this rank's chunks, per step
+    optimizer: list[float] = field(default_factory=list)
+    _open: float = 0.0
+
+    def timed(self, fn):
+        """``fn`` (a stage's forward or backward of one micro-batch), its time counted."""
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._open += time.perf_counter() - start
+        return run
 
 
 class DistStep:
@@ -51,6 +64,11 @@ class DistStep:
         self.weights = weights          # LossWeights: micro-batches' shares of the loss
         self.tp_params = tp_params or {}   # model name -> TpParam: how tensor parallelism split it
         self.record = StepRecord()
+        for st in stages:
+            # NOTE: the time inside this rank's chunks, apart from waiting and communication
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(st, name):
+                    setattr(st, name, self.record.timed(getattr(st, name)))
         self.measure_memory = measure_memory
         self.state_keys = state_keys    # the user's model's state-dict names
         self._meter = None
@@ -73,9 +91,13 @@ class DistStep:
         # ranks of its first and last chunks only. The "target" of a micro-batch is the factor
         # its loss is scaled by (``_factors``)
         target = self._factors(batch, tensors)
+        self.record._open = 0.0
         self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
+        self.record.compute.append(self.record._open)
         self._sum_shared_grads()
+        opt_start = time.perf_counter()
         self.optimizer.step()
+        self.record.optimizer.append(time.perf_counter() - opt_start)
         # NOTE: DDP's gradients are views of its buckets: kept (zeroed), not dropped — a
         # dropped one comes back as a new tensor beside its bucket at the next backward
         self.optimizer.zero_grad(set_to_none=not self._bucketed)
@@ -200,7 +222,10 @@ class DistStep:
         mine = RankReport(lay.rank, lay.stage, lay.replica, lay.shard,
                           list(self.record.seconds), self.plan.predicted.get("step_s", 0.0),
                           self._peak, stage.get("peak_bytes", 0.0),
-                          dict(stage.get("memory", {})), list(self.notes))
+                          dict(stage.get("memory", {})), list(self.notes),
+                          compute=list(self.record.compute),
+                          predicted_compute_s=stage.get("time", {}).get("busy_s", 0.0),
+                          optimizer=list(self.record.optimizer))
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, mine)
         return DistReport(rows)
