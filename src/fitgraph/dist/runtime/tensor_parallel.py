@@ -92,24 +92,25 @@ class _SumShards(torch.autograd.Function):
         return grad, None
 
 
-class ColumnLinear(torch.nn.Module):
+class _ShardLinear(torch.nn.Module):
+    """A linear layer's shard (``weight``, ``bias``: this shard's), tensor parallel over
+    ``group``; parameter names as ``nn.Linear``'s."""
+
     def __init__(self, weight, bias, group) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
         self.group = group
 
+
+class ColumnLinear(_ShardLinear):
     def forward(self, x):
         return torch.nn.functional.linear(_CopyToShards.apply(x, self.group), self.weight,
                                           self.bias)
 
 
-class RowLinear(torch.nn.Module):
-    def __init__(self, weight, bias, group) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight)
-        self.bias = None if bias is None else torch.nn.Parameter(bias)
-        self.group = group
+class RowLinear(_ShardLinear):
+    """Its bias is whole, added once after the partial sums are."""
 
     def forward(self, x):
         out = _SumShards.apply(torch.nn.functional.linear(x, self.weight), self.group)
