@@ -38,6 +38,7 @@ class RankReport:
     compute: list[float] = field(default_factory=list)   # per step: inside this rank's chunks
     predicted_compute_s: float = 0.0                     # the plan's busy time of the stage
     optimizer: list[float] = field(default_factory=list)
+    resident_bytes: int | None = None    # measured: parameters and buffers as steps begin
 
     @property
     def step_s(self) -> float:
@@ -80,9 +81,19 @@ class RankReport:
         if r is None or abs(r - 1) <= 0.05:
             return ""
         side = "above" if r > 1 else "below"
+        mib = 2 ** 20
         big = max(self.predicted_memory, key=self.predicted_memory.get)
-        return (f"measured {abs(r - 1):.0%} {side} the prediction; its largest predicted term "
-                f"is {big} ({self.predicted_memory[big] / 2**20:.1f} MiB)")
+        out = (f"peak measured {abs(r - 1):.0%} {side} the prediction; its largest predicted "
+               f"term is {big} ({self.predicted_memory[big] / mib:.1f} MiB)")
+        if self.resident_bytes is not None and "weights" in self.predicted_memory:
+            # NOTE: what was held before the steps against what they added: a wrong size of
+            # the parameters, or of what the steps make (gradients, state, activations)
+            rest = self.predicted_peak_bytes - self.predicted_memory["weights"]
+            out += (f"; held as the steps began {self.resident_bytes / mib:.1f} MiB (predicted "
+                    f"weights {self.predicted_memory['weights'] / mib:.1f}), added by them "
+                    f"{(self.peak_bytes - self.resident_bytes) / mib:.1f} MiB (predicted "
+                    f"{rest / mib:.1f})")
+        return out
 
 
 @dataclass

@@ -225,7 +225,8 @@ class DistStep:
                           dict(stage.get("memory", {})), list(self.notes),
                           compute=list(self.record.compute),
                           predicted_compute_s=stage.get("time", {}).get("busy_s", 0.0),
-                          optimizer=list(self.record.optimizer))
+                          optimizer=list(self.record.optimizer),
+                          resident_bytes=self._resident if self._peak is not None else None)
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, mine)
         return DistReport(rows)
