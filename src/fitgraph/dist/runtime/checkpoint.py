@@ -25,29 +25,16 @@ __all__ = ["load_unsplit", "rank_state_dict", "save"]
 def rank_state_dict(step) -> dict[str, torch.Tensor]:
     """This rank's part of the model's state dict (every rank calls it: tensor-parallel
     parameters are gathered)."""
-    import torch.distributed as dist
-
     from .stage_split import model_name
-    from .tensor_parallel import untake
 
     out: dict[str, torch.Tensor] = {}
     keys = step.state_keys
     for ch in step.chunks:
         for n, t in sorted([*ch.named_parameters(), *ch.named_buffers()], key=lambda x: x[0]):
             name = model_name(n)
-            if name not in keys or name in out:
-                continue
-            how = step.tp_params.get(name)
-            if how is not None:
-                local = t.detach()
-                if hasattr(local, "full_tensor"):
-                    local = local.full_tensor()
-                local = local.contiguous()
-                shards = [torch.empty_like(local) for _ in range(step.layout.tp)]
-                dist.all_gather(shards, local, group=step.mesh["tp"].get_group())
-                out[name] = untake(shards, how.dim, how.parts)
-            else:
-                out[name] = t.detach()
+            if name in keys and name not in out:
+                # NOTE: FSDP's shards stay shards (DCP joins them); tensor-parallel ones do not
+                out[name] = step.unsharded(name, t, data_parallel=False)
     return out
 
 

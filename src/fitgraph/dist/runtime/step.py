@@ -118,9 +118,7 @@ class DistStep:
                                  f"{what} is {size} samples")
         if self.local_batches:
             return tensors
-        lay = self.layout
-        return [t[lay.replica * rows:(lay.replica + 1) * rows] if b else t
-                for t, b in zip(tensors, self._batched)]
+        return self.flat.replica_part(tensors, self.layout.replica, par.dp, size)
 
     def _factors(self, batch: Any, local: list) -> torch.Tensor:
         """Each of this replica's micro-batches' loss factor: its weight times the number
@@ -253,23 +251,29 @@ class DistStep:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's stage's parameters whole (gathered from their data-parallel and
         tensor-parallel shards; every rank of the launch calls it)."""
+        return {name: self.unsharded(name, p.data, data_parallel=True).clone()
+                for name, p in sorted(self.named_parameters(), key=lambda x: x[0])}
+
+    def unsharded(self, name: str, t: torch.Tensor, data_parallel: bool) -> torch.Tensor:
+        """``t`` (model parameter ``name`` on this rank) whole along tensor parallelism
+        (gathered from the shards: every rank of the stage calls it alike) and, with
+        ``data_parallel``, along FSDP's shards too; else as it is."""
         import torch.distributed as dist
 
         from .tensor_parallel import untake
 
-        out = {}
-        for name, p in sorted(self.named_parameters(), key=lambda x: x[0]):
-            t = p.data
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            t = t.detach().contiguous()
-            how = self.tp_params.get(name)
-            if how is not None:
-                shards = [torch.empty_like(t) for _ in range(self.layout.tp)]
-                dist.all_gather(shards, t, group=self.mesh["tp"].get_group())
-                t = untake(shards, how.dim, how.parts)
-            out[name] = t.clone()
-        return out
+        how = self.tp_params.get(name)
+        if how is None and not data_parallel:
+            return t.detach()
+        t = t.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        t = t.contiguous()
+        if how is None:
+            return t
+        shards = [torch.empty_like(t) for _ in range(self.layout.tp)]
+        dist.all_gather(shards, t, group=self.mesh["tp"].get_group())
+        return untake(shards, how.dim, how.parts)
 
 
 def storage_bytes(tensors) -> int:
