@@ -16,6 +16,7 @@ Example (in each process of a launch; ``run_processes`` starts local ones):
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     schedule = _schedule(par, stages)
     release_unused(model, [t for ch in mine for t in [*ch.parameters(), *ch.buffers()]])
     del split
+    for note in notes:
+        # NOTE: law 5: what runs otherwise than planned is said now, not only in report()
+        warnings.warn(f"fitgraph.dist (rank {layout.rank}): {note}", stacklevel=2)
     return DistStep(plan=plan, layout=layout, mesh=mesh, flat=flat, chunks=mine, stages=stages,
                     schedule=schedule, optimizer=opt, shared=shared,
                     local_batches=local_batches, notes=notes, batched=batched,
