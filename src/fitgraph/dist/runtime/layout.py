@@ -56,6 +56,25 @@ class RankLayout:
     def shard(self) -> int:
         return self.rank % self.tp
 
+    def rank_of(self, stage: int, replica: int, shard: int) -> int:
+        return (stage * self.dp + replica) * self.tp + shard
+
+    def stages_group(self, stages, mesh):
+        """The process group joining this rank's replica and shard on pipeline ``stages``
+        (sorted, distinct), or None where this rank is not on them or they are one stage.
+        Every rank calls it with the same stages (groups are made by all ranks)."""
+        import torch.distributed as dist
+
+        stages = sorted(set(stages))
+        if len(stages) < 2:
+            return None
+        if len(stages) == self.pp:
+            return mesh["pp"].get_group() if self.stage in stages else None
+        ranks = [[self.rank_of(s, r, t) for s in stages]
+                 for r in range(self.dp) for t in range(self.tp)]
+        mine, _ = dist.new_subgroups_by_enumeration(ranks)
+        return mine if self.stage in stages else None
+
     def mesh(self, device_type: str = "cpu"):
         """The (pp, dp, tp) ``DeviceMesh`` of this launch."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -95,8 +95,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     mesh = layout.mesh(_device(model).type)
     notes = [n for n in [split.weights_note] if n]
     mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
-    shared = [(name, _local_shape(split, name, par, layout), _dtype(split, name))
-              for name in split.shared]
+    shared = _shared_groups(split, chunks, layout, mesh)
     weights = split.weights
     stages = []
     metas = chunk_metas(split.chunks, micro_args)
@@ -224,26 +223,19 @@ def _device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _param(split, name: str) -> torch.Tensor:
-    for ch in split.chunks:
-        for n, p in ch.named_parameters():
-            if model_name(n) == name:
-                return p
-    raise KeyError(name)
-
-
-def _dtype(split, name: str) -> torch.dtype:
-    return _param(split, name).dtype
-
-
-def _local_shape(split, name: str, par, layout: RankLayout) -> tuple:
-    """The shape of this rank's gradient of ``name``: FSDP2 shards dim 0 in ``torch.chunk``'s
-    parts."""
-    shape = tuple(_param(split, name).shape)
-    if par.dp == 1 or par.zero <= 1:
-        return shape
-    parts = torch.empty(shape, device="meta").chunk(par.dp, dim=0)
-    return tuple(parts[layout.replica].shape) if layout.replica < len(parts) else (0, *shape[1:])
+def _shared_groups(split, chunks: list[dict], layout: RankLayout, mesh) -> list[tuple]:
+    """(model name, process group or None) of each parameter several chunks hold that this
+    rank's chunks hold: the group joins the stages holding it (None: only this one)."""
+    out = []
+    for name in split.shared:
+        stages = {c["device"] for ch, c in zip(split.chunks, chunks)
+                  if any(model_name(n) == name for n, _ in ch.named_parameters())}
+        # NOTE: made on every rank alike (groups are created by all); a rank not holding the
+        # parameter takes no part in its sum (no zeros of its size kept for a collective)
+        group = layout.stages_group(stages, mesh)
+        if layout.stage in stages:
+            out.append((name, group))
+    return out
 
 
 def _schedule(par, stages: list):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .batches import FlatBatch
+from .collective_frees import SETTLE_S, frees_on_this_thread
 from .layout import RankLayout
 
 __all__ = ["DistStep", "StepRecord"]
@@ -46,7 +47,7 @@ class DistStep:
     """Made by ``fitgraph.dist.parallelize``; call it with a batch, once per step."""
 
     def __init__(self, *, plan, layout: RankLayout, mesh, flat: FlatBatch, chunks: list,
-                 stages: list, schedule, optimizer, shared: list[tuple[str, tuple, Any]],
+                 stages: list, schedule, optimizer, shared: list[tuple[str, Any]],
                  local_batches: bool, notes: list[str], batched: list[bool],
                  weights=None, tp_params: dict | None = None,
                  measure_memory: bool = False, state_keys: frozenset = frozenset()) -> None:
@@ -58,7 +59,7 @@ class DistStep:
         self.stages = stages
         self.schedule = schedule
         self.optimizer = optimizer
-        self.shared = shared            # (model name, local grad shape, dtype), every rank alike
+        self.shared = shared            # (model name, group of its holding stages or None)
         self.local_batches = local_batches
         self.notes = notes
         self.weights = weights          # LossWeights: micro-batches' shares of the loss
@@ -72,9 +73,9 @@ class DistStep:
         self.measure_memory = measure_memory
         self.state_keys = state_keys    # the user's model's state-dict names
         self._meter = None
+        self._held = None               # HeldWorks while metering
         self._resident = 0
         self._peak: int | None = None
-        self._zeros: dict[str, torch.Tensor] = {}   # a shared parameter this rank lacks
         self._bucketed = plan.parallelism.dp > 1 and plan.parallelism.zero <= 1
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
@@ -95,6 +96,8 @@ class DistStep:
         self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
         self.record.compute.append(self.record._open)
         self._sum_shared_grads()
+        if self._held is not None:
+            self._held.release(wait_s=SETTLE_S)
         opt_start = time.perf_counter()
         self.optimizer.step()
         self.record.optimizer.append(time.perf_counter() - opt_start)
@@ -153,23 +156,20 @@ class DistStep:
             return
         import torch.distributed as dist
 
-        group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
-        for name, shape, dtype in self.shared:
+        for name, group in self.shared:
             mine = list({id(p): p for ch in self.chunks for n, p in _named(ch)
                          if n == name}.values())
+            if not any(p.requires_grad for p in mine):
+                continue            # NOTE: frozen alike on every rank holding it
             grads = [_local(p.grad) for p in mine if p.grad is not None]
+            if not grads:           # NOTE: not reached by this rank's chunks this step
+                grads = [torch.zeros_like(_local(mine[0].detach()))]
             # NOTE: summed in place, into the first copy's gradient: a tensor made here and
             # freed after a gloo collective may be released on gloo's thread, where the
             # allocator meter does not see it go (and it costs the bytes of the parameter)
-            if grads:
-                total = grads[0]
-                for g in grads[1:]:
-                    total += g
-            else:
-                total = self._zeros.get(name)
-                if total is None:
-                    total = self._zeros[name] = torch.zeros(shape, dtype=dtype)
-                total.zero_()
+            total = grads[0]
+            for g in grads[1:]:
+                total += g
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in mine:
@@ -200,9 +200,15 @@ class DistStep:
                                        for t in [*ch.parameters(), *ch.buffers()])
         self._meter = MemoryMeter()
         self._meter.__enter__()
+        # NOTE: gloo frees a collective's buffers on its own threads, unseen by the meter:
+        # while metering, collectives run on aliases this thread drops (collective_frees)
+        self._frees = frees_on_this_thread()
+        self._held = self._frees.__enter__()
 
     def _stop_meter(self) -> None:
         if self._meter is not None:
+            self._frees.__exit__(None, None, None)
+            self._held = None
             self._meter.__exit__(None, None, None)
             self._peak = self._resident + self._meter.peak_bytes
             self._meter = None
