@@ -186,3 +186,15 @@ def test_collectives_buffers_are_seen_freed_while_metering():
 
     ends = run_processes(_collectives_metered, 2, True, timeout_s=120)
     assert ends == [0, 0]
+
+
+def test_batch_norm_in_training_mode_over_micro_batches_is_said():
+    from fitgraph.dist.runtime.parallelize import _batch_norm_note
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    par = Parallelism(tp=1, pp=2, dp=1, micro_batch=2, n_micro=4)
+    note = _batch_norm_note(model, par)
+    assert "1 normalize over each micro-batch of 2 samples" in note and "of 8" in note
+    assert _batch_norm_note(model.eval(), par) == ""
+    assert _batch_norm_note(model.train(), Parallelism(tp=1, pp=1, dp=1, micro_batch=8,
+                                                       n_micro=1)) == ""

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,11 +46,10 @@ def find_loss_weights(body: torch.fx.GraphModule, root_leaf: dict[str, int]) -> 
         LossWeights | None, str]:
     """The weights of the loss the last chunk's ``body`` returns (``root_leaf``: its
     placeholders that are the batch's tensors, by their index), or None and why the
-    micro-batches weigh alike."""
-    out = next(n for n in body.graph.nodes if n.op == "output")
-    loss = out.args[0]
-    loss = loss[0] if isinstance(loss, (tuple, list)) and len(loss) == 1 else loss
-    if not isinstance(loss, torch.fx.Node) or loss.target not in _LOSSES:
+    micro-batches weigh alike. The loss may be made inside the traced modules (a Hugging Face
+    model computing its own loss from ``labels``)."""
+    loss, frames = _loss_node(body)
+    if loss is None or loss.target not in _LOSSES:
         return None, ""
     schema = loss.target._schema
     args = {a.name: (loss.args[i] if i < len(loss.args) else loss.kwargs.get(a.name,
@@ -60,34 +60,79 @@ def find_loss_weights(body: torch.fx.GraphModule, root_leaf: dict[str, int]) -> 
     if args["weight"] is not None:
         return None, ("the loss is a class-weighted mean: its micro-batches are weighed alike, "
                       "which differs from one process's loss on the whole batch")
-    target = args["target"]
-    needed, order = _ancestors(target)
-    if any(n.op == "get_attr" or (n.op == "placeholder" and n.name not in root_leaf)
-           or n.op == "call_module" for n in needed):
+    try:
+        graph, leaves = _target_graph(args["target"], frames, root_leaf)
+    except _NotFromBatch:
         return None, ("the loss's targets are not made from the batch alone: its micro-"
                       "batches are weighed alike")
-    graph = torch.fx.Graph()
-    env: dict = {}
-    leaves = []
-    for n in order:
-        if n.op == "placeholder":
-            env[n] = graph.placeholder(n.name)
-            leaves.append(root_leaf[n.name])
-        else:
-            env[n] = graph.node_copy(n, lambda x: env[x])
-    graph.output(env[target])
     return LossWeights(torch.fx.GraphModule(torch.nn.Module(), graph), leaves,
                        int(args["ignore_index"])), ""
 
 
-def _ancestors(node: torch.fx.Node) -> tuple[set, list]:
-    seen: set = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    order = [n for n in node.graph.nodes if n in seen]
-    return seen, order
+class _NotFromBatch(Exception):
+    pass
+
+
+def _loss_node(body) -> tuple[torch.fx.Node | None, list]:
+    """The node that makes the value ``body`` returns, followed into the traced modules that
+    return it; and the frames it is in: ``(module, its call in the frame before)``."""
+    frames = [(body, None)]
+    out = next(n for n in body.graph.nodes if n.op == "output")
+    node = out.args[0]
+    while True:
+        if isinstance(node, (tuple, list)):
+            if len(node) != 1:
+                return None, frames
+            node = node[0]
+        if not isinstance(node, torch.fx.Node):
+            return None, frames
+        index = None
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], torch.fx.Node)
+                and node.args[0].op == "call_module"):
+            node, index = node.args[0], node.args[1]
+        if node.op != "call_module":
+            return node, frames
+        sub = frames[-1][0].get_submodule(node.target)
+        if not hasattr(sub, "graph"):
+            return None, frames
+        frames.append((sub, node))
+        result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        node = result[index] if index is not None else result
+
+
+def _target_graph(target, frames: list, root_leaf: dict[str, int]) -> tuple:
+    """A graph of the batch tensors that makes ``target`` (in ``frames[-1]``), crossing the
+    traced modules' boundaries; the batch tensors it reads."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    leaves: list[int] = []
+    inputs = [[n for n in m.graph.nodes if n.op == "placeholder"] for m, _ in frames]
+
+    def copy(node, level: int):
+        key = (level, node)
+        if key in env:
+            return env[key]
+        if node.op == "placeholder" and level == 0:
+            if node.name not in root_leaf:
+                raise _NotFromBatch
+            made = graph.placeholder(node.name)
+            leaves.append(root_leaf[node.name])
+        elif node.op == "placeholder":
+            call = frames[level][1]
+            at = inputs[level].index(node)
+            if call.kwargs or at >= len(call.args) or not isinstance(call.args[at],
+                                                                       torch.fx.Node):
+                raise _NotFromBatch
+            made = copy(call.args[at], level - 1)
+        elif node.op != "call_function":
+            raise _NotFromBatch
+        else:
+            made = graph.node_copy(node, lambda x: copy(x, level))
+        env[key] = made
+        return made
+
+    if not isinstance(target, torch.fx.Node):
+        raise _NotFromBatch
+    graph.output(copy(target, len(frames) - 1))
+    return graph, leaves

@@ -30,7 +30,7 @@ from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
 from .memory_plan import apply_memory_plan, block_options
-from .stage_split import END, StepModule, chunk_metas, model_name, split_step
+from .stage_split import END, StepModule, chunk_metas, split_step
 from .step import DistStep
 from .tensor_parallel import shard_chunk
 
@@ -93,7 +93,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     starts = chunk_starts(chunks)
     split = split_step(StepModule(model, loss_fn, flat), micro_args, starts)
     mesh = layout.mesh(_device(model).type)
-    notes = [n for n in [split.weights_note] if n]
+    notes = [n for n in [split.weights_note, _batch_norm_note(model, par)] if n]
     mine = [ch for ch, c in zip(split.chunks, chunks) if c["device"] == layout.stage]
     shared = _shared_groups(split, chunks, layout, mesh)
     weights = split.weights
@@ -116,7 +116,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         stages.append(PipelineStage(run, ch.index, len(chunks), _device(model),
                                     input_args=ins, output_args=outs,
                                     group=mesh["pp"].get_group()))
-    params = list({id(p): (model_name(n), p) for ch in mine
+    params = list({id(p): (ch.model_name(n), p) for ch in mine
                    for n, p in ch.named_parameters()}.values())
     zero1 = mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
     opt = local_optimizer(optimizer, model, params, shard_group=zero1)
@@ -223,13 +223,26 @@ def _device(model: torch.nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def _batch_norm_note(model: torch.nn.Module, par) -> str:
+    """Why a model normalizing over its batch in training mode differs from one process."""
+    norms = [n for n, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not norms or par.micro_batch * par.n_micro * par.dp == par.micro_batch:
+        return ""
+    more = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
+    return (f"{norms[0]}{more} normalize over each micro-batch of {par.micro_batch} samples in "
+            f"training mode, not over the whole batch of {par.micro_batch * par.n_micro * par.dp}"
+            f": outputs and running statistics differ from one process's (eval-mode "
+            f"normalization, or a norm over features such as GroupNorm, runs alike)")
+
+
 def _shared_groups(split, chunks: list[dict], layout: RankLayout, mesh) -> list[tuple]:
     """(model name, process group or None) of each parameter several chunks hold that this
     rank's chunks hold: the group joins the stages holding it (None: only this one)."""
     out = []
     for name in split.shared:
         stages = {c["device"] for ch, c in zip(split.chunks, chunks)
-                  if any(model_name(n) == name for n, _ in ch.named_parameters())}
+                  if name in ch.model_names()}
         # NOTE: made on every rank alike (groups are created by all); a rank not holding the
         # parameter takes no part in its sum (no zeros of its size kept for a collective)
         group = layout.stages_group(stages, mesh)

@@ -62,6 +62,7 @@ class ChunkModule(torch.nn.Module):
         self.body = body
         self.index = index
         self._ins, self._outs, self._call = ins, outs, call
+        self.aliases: dict[str, str] = {}   # a tied parameter's other names -> its first
 
     def forward(self, *values):
         env = dict(zip(self._ins, values))
@@ -81,7 +82,14 @@ class ChunkModule(torch.nn.Module):
 
     def model_names(self) -> list[str]:
         """This chunk's parameters by their names in the user's model."""
-        return [model_name(n) for n, _ in self.named_parameters()]
+        return [self.model_name(n) for n, _ in self.named_parameters()]
+
+    def model_name(self, chunk_param: str) -> str:
+        """The user's model's name of this chunk's parameter ``chunk_param``: for a tied one
+        (``lm_head.weight`` is ``transformer.wte.weight``), the name ``named_parameters()``
+        gives it."""
+        name = model_name(chunk_param)
+        return self.aliases.get(name, name)
 
 
 def model_name(chunk_param: str) -> str:
@@ -103,7 +111,7 @@ class SplitStep:
 def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitStep:
     """``step`` traced on one micro-batch (``micro_args``) and cut before each module path in
     ``starts`` (paths in the user's model; ``path + END``: after that module)."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining import SplitPoint
 
     modules = dict(getattr(step, MODEL).named_modules())
     for path in starts:
@@ -114,7 +122,7 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
                              f"another model?")
     spec = {f"{MODEL}.{p.removesuffix(END)}":
             SplitPoint.END if p.endswith(END) else SplitPoint.BEGINNING for p in starts}
-    pipe = pipeline(step, micro_args, split_spec=spec)
+    pipe = _pipeline(step, micro_args, spec)
     if pipe.num_stages != len(starts) + 1:
         raise ValueError(f"tracing the step cut it into {pipe.num_stages} chunks, not "
                          f"{len(starts) + 1}: a cut point ({starts}) is inside a loop or "
@@ -152,7 +160,15 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
     # (Python per op: a step of GPT-2 small was twice the measured ops' time)
     for module in pipe.split_gm.modules():
         if hasattr(module, "_run_with_interpreter"):
+            _unshadow_self(module)
             module._run_with_interpreter = False
+    # NOTE: a parameter tied by assignment (Hugging Face's lm_head.weight = wte.weight) is
+    # reached under each name by the chunk that uses it: named by its first name everywhere
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for n, p in getattr(step, MODEL).named_parameters(remove_duplicate=False):
+        aliases[n] = first.setdefault(id(p), n)
+    aliases = {k: v for k, v in aliases.items() if k != v}
     chunks = []
     for i, c in enumerate(calls):
         args = [a.name for a in c.args]
@@ -164,6 +180,7 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
         outs = crossing(i + 1) if i + 1 < last else [result.name]
         chunks.append(ChunkModule(pipe.get_stage_module(i), i, crossing(i), outs,
                                   (args, results, not getitems)))
+        chunks[-1].aliases = aliases
     held: dict[str, int] = {}
     for ch in chunks:
         for name in set(ch.model_names()):
@@ -174,6 +191,56 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
                  if a.name in placeholders}
     weights, note = find_loss_weights(body, root_leaf)
     return SplitStep(chunks, sorted(n for n, k in held.items() if k > 1), weights, note)
+
+
+def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
+    """``torch.distributed.pipelining.pipeline`` of ``step``, its trace's no-grad regions
+    inlined first (``grad_regions``), each rebuilt module checked to be called with its
+    inputs."""
+    from torch.distributed.pipelining import _IR, pipeline
+
+    from .grad_regions import inline_grad_regions
+
+    traced = _IR.Pipe._trace_with_export
+
+    def trace(mod, args, kwargs=None):
+        ep = traced(mod, args, kwargs)
+        inline_grad_regions(ep)
+        return ep
+
+    _IR.Pipe._trace_with_export = staticmethod(trace)
+    try:
+        pipe = pipeline(step, micro_args, split_spec=spec)
+    finally:
+        _IR.Pipe._trace_with_export = staticmethod(traced)
+    for name, module in pipe.split_gm.named_modules():
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
+            if node.op != "call_module":
+                continue
+            sub = module.get_submodule(node.target)
+            wanted = [n for n in getattr(sub, "graph", torch.fx.Graph()).nodes
+                      if n.op == "placeholder"]
+            if hasattr(sub, "graph") and len(node.args) + len(node.kwargs) < len(wanted):
+                path = f"{name}.{node.target}".split(f".{MODEL}.", 1)[-1]
+                raise ValueError(
+                    f"tracing the step for pipelining lost the inputs of module {path!r} "
+                    f"({len(wanted)} wanted, {len(node.args)} given): torch.distributed."
+                    f"pipelining cannot place what it runs (a region under torch.enable_grad "
+                    f"or torch.autocast, or another higher-order op, inside it). Plan without "
+                    f"a pipeline (pp=1), or run that code outside the module")
+    return pipe
+
+
+def _unshadow_self(module: torch.nn.Module) -> None:
+    """A value named ``self`` in a traced module's graph renamed, its code made again."""
+    # NOTE: a submodule named ``self`` (BERT's attention keeps its own in ``self.self``) makes
+    # a value of that name, which the generated code assigns to ``self``, shadowing the module
+    # for the calls after it
+    clash = [n for n in module.graph.nodes if n.name == "self"]
+    for n in clash:
+        n._rename("self_out")
+    if clash:
+        module.finalize()
 
 
 def chunk_metas(chunks: list[ChunkModule], micro_args: tuple) -> list[tuple[tuple, tuple]]:

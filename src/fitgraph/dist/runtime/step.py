@@ -293,9 +293,8 @@ def storage_bytes(tensors) -> int:
 
 
 def _named(chunk):
-    from .stage_split import model_name
 
-    return [(model_name(n), p) for n, p in chunk.named_parameters()]
+    return [(chunk.model_name(n), p) for n, p in chunk.named_parameters()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

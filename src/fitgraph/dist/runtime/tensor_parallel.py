@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sharded", "TensorParallelError", "TpParam", "shard_chunk"]
+__all__ = ["Sharded", "TensorParallelError", "TpParam", "shard_chunk", "untake"]
 
 aten = torch.ops.aten
 
@@ -103,9 +103,21 @@ class _ShardLinear(torch.nn.Module):
         self.group = group
 
 
+    def _weight(self) -> torch.Tensor:
+        return self.weight
+
+
+class _Transposed:
+    """A layer whose weight is stored (in features, out features) — Hugging Face's
+    ``Conv1D``: ``x @ weight + bias`` — kept so (its checkpoint names and shapes)."""
+
+    def _weight(self) -> torch.Tensor:
+        return self.weight.t()
+
+
 class ColumnLinear(_ShardLinear):
     def forward(self, x):
-        return torch.nn.functional.linear(_CopyToShards.apply(x, self.group), self.weight,
+        return torch.nn.functional.linear(_CopyToShards.apply(x, self.group), self._weight(),
                                           self.bias)
 
 
@@ -113,8 +125,16 @@ class RowLinear(_ShardLinear):
     """Its bias is whole, added once after the partial sums are."""
 
     def forward(self, x):
-        out = _SumShards.apply(torch.nn.functional.linear(x, self.weight), self.group)
+        out = _SumShards.apply(torch.nn.functional.linear(x, self._weight()), self.group)
         return out if self.bias is None else out + self.bias
+
+
+class ColumnConv1D(_Transposed, ColumnLinear):
+    pass
+
+
+class RowConv1D(_Transposed, RowLinear):
+    pass
 
 
 def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: int,
@@ -206,14 +226,17 @@ class _Rewrite:
             return None
         weight = sub.get_parameter(linear["weight"]).detach()
         bias = sub.get_parameter(linear["bias"]).detach() if linear["bias"] else None
+        # NOTE: the weight's dims of the output and input features: (out, in) for a linear,
+        # (in, out) for a layer computing x @ weight (Hugging Face's Conv1D)
+        out_dim, in_dim = (1, 0) if linear["transposed"] else (0, 1)
         if style == "colwise":
             if x is not None:
                 raise TensorParallelError(f"{full} is column-parallel but its input is a slice")
-            parts = _parts_of(node, weight.shape[0])
-            w = _take(weight, 0, parts, self.tp, self.shard)
+            parts = _parts_of(node, weight.shape[out_dim])
+            w = _take(weight, out_dim, parts, self.tp, self.shard)
             b = None if bias is None else _take(bias, 0, parts, self.tp, self.shard)
-            new = ColumnLinear(w, b, self.group)
-            self.split[wname] = TpParam(0, parts)
+            new = (ColumnConv1D if linear["transposed"] else ColumnLinear)(w, b, self.group)
+            self.split[wname] = TpParam(out_dim, parts)
             if bname:
                 self.split[bname] = TpParam(0, parts)
             out = Sharded(_ndim(node) - 1, parts)
@@ -221,8 +244,9 @@ class _Rewrite:
             if x != Sharded(_ndim(node.args[0]) - 1, 1):
                 raise TensorParallelError(f"{full} is row-parallel but its input is not split "
                                           f"along its features ({x})")
-            new = RowLinear(_take(weight, 1, 1, self.tp, self.shard), bias, self.group)
-            self.split[wname] = TpParam(1, 1)
+            new = (RowConv1D if linear["transposed"] else RowLinear)(
+                _take(weight, in_dim, 1, self.tp, self.shard), bias, self.group)
+            self.split[wname] = TpParam(in_dim, 1)
             out = None
         _replace_module(gm, node.target, new)
         return out
@@ -398,11 +422,14 @@ _SAME = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, ate
 
 
 def _linear_of(module) -> dict | None:
-    """A traced module that is one ``linear(x, weight[, bias])`` on its own parameters."""
+    """A traced module that is one linear layer on its own parameters: ``linear(x, weight[,
+    bias])``, or ``x @ weight (+ bias)`` with the weight stored (in, out) and ``x`` flattened to
+    rows and back around it (Hugging Face's ``Conv1D``: ``"transposed"``)."""
     graph = getattr(module, "graph", None)
     if graph is None:
         if isinstance(module, torch.nn.Linear):
-            return {"weight": "weight", "bias": "bias" if module.bias is not None else None}
+            return {"weight": "weight", "bias": "bias" if module.bias is not None else None,
+                    "transposed": False}
         return None
     # NOTE: nothing but the linear: a module that calls others and ends in a linear (a
     # model whose head is a linear on the embedding) is not one
@@ -410,16 +437,32 @@ def _linear_of(module) -> dict | None:
            for n in graph.nodes):
         return None
     calls = [n for n in graph.nodes if n.op == "call_function"]
-    if len(calls) != 1 or calls[0].target is not aten.linear.default:
+    if len(calls) == 1 and calls[0].target is aten.linear.default:
+        (call,) = calls
+        args = list(call.args) + [None] * (3 - len(call.args))
+        weight, bias = args[1], args[2]
+        transposed = False
+    else:
+        mms = [n for n in calls if n.target in (aten.addmm.default, aten.mm.default)]
+        if len(mms) != 1 or any(n.target not in _ROWS for n in calls if n is not mms[0]):
+            return None
+        (call,) = mms
+        if call.kwargs:             # NOTE: addmm's beta/alpha scale the sum: not a linear
+            return None
+        bias, weight = ((call.args[0], call.args[2]) if call.target is aten.addmm.default
+                        else (None, call.args[1]))
+        transposed = True
+    if not (isinstance(weight, torch.fx.Node) and weight.op == "get_attr"):
         return None
-    (call,) = calls
-    args = list(call.args) + [None] * (3 - len(call.args))
-    if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in args[1:2]):
-        return None
-    bias = args[2]
-    return {"weight": args[1].target,
+    return {"weight": weight.target,
             "bias": bias.target if isinstance(bias, torch.fx.Node) and bias.op == "get_attr"
-            else None}
+            else None,
+            "transposed": transposed}
+
+
+# the ops a Conv1D-style layer flattens its input to rows with, and its output back
+_ROWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+         aten.sym_size.int, operator.getitem, operator.mul}
 
 
 def _single_output(module) -> bool:

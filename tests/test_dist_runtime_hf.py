@@ -1,0 +1,89 @@
+"""Hugging Face models as users have them, run by ``fitgraph.dist.parallelize`` on gloo
+processes (issue 28): each of Llama (grouped-query attention, a rotary embedding computed under
+``torch.no_grad()``), GPT-2 (``Conv1D`` layers storing their weights (in, out); ``lm_head``
+tied to the embedding by assignment) and BERT (a submodule named ``self``) pipelined and
+tensor parallel, three AdamW steps with one process's losses and updated parameters (1e-5
+relative, float64: see ``test_dist_runtime_parallelize``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fitgraph
+import fitgraph.zoo as zoo
+from fitgraph.cost import RooflineCostModel, get_device
+from fitgraph.dist import LINKS, Cluster
+from fitgraph.dist.graph_model import GraphModel
+from fitgraph.dist.planner import plan
+from fitgraph.dist.runtime import run_processes
+
+pytestmark = pytest.mark.hf
+
+BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
+CASES = [("hf-llama", "tp2"), ("hf-llama", "pp2"), ("hf-gpt2", "pp2"), ("hf-gpt2", "tp2"),
+         ("hf-bert", "pp2")]
+FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+       "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"}}
+
+
+def build(name: str):
+    case = zoo.build(name, "small", batch_size=BATCH, seq_len=SEQ, dtype=torch.float64)
+    case.model.eval()      # NOTE: no dropout: the ranks and one process draw no masks
+    return case
+
+
+def loss_fn(model, batch):
+    return model(**batch).loss
+
+
+def _train(rank: int, world: int, name: str, plan_json: dict):
+    from fitgraph.dist import parallelize
+
+    torch.set_num_threads(1)
+    case = build(name)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
+    step = parallelize(case.model, case.batch, loss_fn, opt, plan=plan_json)
+    losses = [float(step(case.batch)) for _ in range(STEPS)]
+    return losses, step.full_parameters()
+
+
+def one_process(name: str):
+    case = build(name)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
+    losses, noise = [], {}
+    for _ in range(STEPS):
+        loss = loss_fn(case.model, case.batch)
+        loss.backward()
+        if not noise:
+            noise = {n: p.grad.abs() <= 1e-12 * p.grad.abs().max()
+                     for n, p in case.model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(case.model.named_parameters()), noise
+
+
+@pytest.mark.parametrize(("name", "config"), CASES)
+def test_hugging_face_model_planned_run_has_one_process_results(name, config):
+    pytest.importorskip("transformers")
+    case = build(name)
+    micro = {k: v[:2] for k, v in case.batch.items()}
+    gm = GraphModel(fitgraph.capture(case.model, micro, loss_fn),
+                    RooflineCostModel(get_device("cpu-generic")), batch_size=2, seq=SEQ)
+    fix = FIX[config]
+    devices = fix["pp"] * fix["dp"] * fix.get("tp", 1)
+    cluster = Cluster(get_device("cpu-generic"), devices, 1, LINKS["nvlink3"], LINKS["hdr-ib"])
+    p = plan(gm, cluster, BATCH, fix={"tp": 1, **fix})
+    results = run_processes(_train, devices, name, p.to_json(), timeout_s=300)
+    ref_losses, ref_params, noise = one_process(name)
+    got = {}
+    for losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        got.update(params)
+    assert set(got) == set(ref_params)
+    for n, ref in ref_params.items():
+        keep = ~noise[n]
+        torch.testing.assert_close(got[n][keep], ref.detach()[keep], rtol=1e-5, atol=1e-9,
+                                   msg=n)
