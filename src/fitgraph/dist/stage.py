@@ -119,8 +119,7 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
     else:
         params = stage_params(blocks)
     static = parameter_bytes(params, precision, zero, dp)
-    gather = (2 * precision.weight * max(stage_params([c.block]) for c in costs)
-              if zero >= 3 else 0.0)
+    gather = _gathered(blocks, precision) if zero >= 3 else 0.0
     fixed = sum(static.values()) + gather
     offload = None
     if host_bandwidth and recompute == "auto" and len(set(flights)) == 1 and flights[0] > 1:
@@ -156,6 +155,17 @@ def plan_stage(costs: Sequence[BlockCost], in_flight: float | Sequence[float], b
     if recompute == "auto" and plan.peak_bytes > budget * (1 + 1e-12):
         return None
     return plan
+
+
+def _gathered(blocks, precision: Precision) -> float:
+    """Bytes of whole weights a ZeRO-3 stage holds beside its shards at its worst moment."""
+    # NOTE: as FSDP2 runs it (dist.runtime.data_parallel): each body block is a unit of its
+    # own, gathered for its forward and again for its backward while the next one's gather is
+    # under way (two at a time); the chain's ends (embedding, head) belong to the stage's root
+    # unit, gathered through the stage's whole forward and backward
+    ends = [b for b in blocks if b.role != "body"]
+    body = [stage_params([b]) for b in blocks if b.role == "body"]
+    return precision.weight * ((stage_params(ends) if ends else 0.0) + 2 * max(body, default=0.0))
 
 
 def backward_excess(choice: Sequence[MemoryOption]) -> float:

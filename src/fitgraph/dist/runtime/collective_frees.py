@@ -11,12 +11,16 @@ and every later moment of the rank looks that many bytes fuller (measured: 50 al
 
 While metering, ``frees_on_this_thread`` wraps the collectives fitgraph's runtime reaches
 (FSDP2's ``all_gather_single``/``reduce_scatter_single``, ``all_reduce``, ``broadcast``): each
-is issued asynchronously and its ``Work`` — which owns the collective's tensors and gloo's
-temporaries (a reduce-scatter's copy of its input) — is kept by this thread until a moment
-(``SETTLE_S``) after it finished, when the worker has let go of it; then dropped here, at the
-next collective or ``release``, so that what only the collective held is freed where the meter
-sees it. A buffer may so live a little past its true free: the measured peak stays an upper
-bound of the true one, no longer an unbounded one.
+runs on *aliases* of its tensors (new tensor objects on the same memory) that this thread
+keeps. Gloo's state holds the aliases, so an alias's reference count falls back to this
+thread's own exactly when gloo has let go of it — whichever thread that happened on, nothing
+was freed there, the alias still holding the memory. Then the alias is dropped here (at the
+next collective, or ``release``), and with it, where the meter sees it, whatever only the
+collective still held. A reduce-scatter runs as an all-reduce of a copy of its input (made
+and dropped here) and a copy of this rank's part: gloo's own reduce-scatter makes that copy
+inside, where its free cannot be kept on this thread. A buffer may so live a little past its
+true free (until the next collective): the measured peak is an upper bound of the true one,
+and nothing is missed however the threads are scheduled.
 
 Example (inside a gloo launch; see ``run_processes``):
     >>> with frees_on_this_thread() as held:       # doctest: +SKIP
@@ -31,7 +35,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["SETTLE_S", "WRAPPED", "HeldWorks", "frees_on_this_thread"]
+__all__ = ["WRAPPED", "HeldWorks", "frees_on_this_thread"]
 
 # NOTE: the collectives FSDP2, DDP's Python side and fitgraph's own step call through the
 # ``torch.distributed`` module's attributes (looked up at each call, so a patch reaches them).
@@ -39,66 +43,149 @@ __all__ = ["SETTLE_S", "WRAPPED", "HeldWorks", "frees_on_this_thread"]
 # ``isend``/``irecv`` and its receive buffers are the stage's, kept.
 WRAPPED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_reduce", "broadcast")
-
-# NOTE: a finished collective's worker lets go of it within microseconds unless descheduled
-# (2 cores, 4 ranks): a work is dropped this long after it finished, under metering only
-SETTLE_S = 0.005
+_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+# NOTE: how long a finished collective's aliases are waited for: gloo's worker lets go within
+# microseconds unless descheduled; past it they go at the next collective (nothing is missed)
+SETTLE_S = 0.05
 
 
 class HeldWorks:
-    """The ``Work`` of every collective issued while metering, with the moment it was seen
-    finished, kept until gloo's worker has let go of it."""
+    """The aliases of every metered collective's tensors, kept until gloo let go of them."""
 
     def __init__(self) -> None:
-        self.pending: list[list[Any]] = []       # [work, finished at (or None)]
+        self.pending: list[list[Any]] = []
 
-    def release(self, wait_s: float = 0.0) -> None:
-        """Drop the works finished ``SETTLE_S`` ago (waiting up to ``wait_s`` for that)."""
-        now = time.perf_counter()
-        for entry in self.pending:
-            # NOTE: gloo's reduce-scatter work never reports itself completed: it is only
-            # issued synchronously here (FSDP2 does), finished when wait() returned
-            if entry[1] is None and entry[0].is_completed():
-                entry[1] = now
-        done = [e[1] for e in self.pending if e[1] is not None]
-        if done and wait_s > 0:
-            time.sleep(max(0.0, min(wait_s, max(done) + SETTLE_S - now)))
-            now = time.perf_counter()
-        self.pending = [e for e in self.pending if e[1] is None or now - e[1] < SETTLE_S]
+    def release(self, wait_s: float = 0.0, until: list | None = None) -> None:
+        """Drop the aliases gloo is done with, waiting up to ``wait_s`` seconds for the rest
+        (for the aliases ``until`` only, when given)."""
+        deadline = time.perf_counter() + wait_s
+        while True:
+            pending, self.pending = self.pending, []
+            # NOTE: popped one by one, so that an alias list dropped here is the last reference
+            while pending:
+                aliases = pending.pop(0)
+                if any(a._use_count() > 1 for a in aliases):
+                    self.pending.append(aliases)
+                del aliases
+            waiting = (self.pending if until is None
+                       else [p for p in self.pending if p is until])
+            if not waiting or time.perf_counter() >= deadline:
+                return
+            del waiting
+            time.sleep(1e-4)
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, all_reduce):
+        import torch
+
         sig = inspect.signature(fn)
+
+        def alias(value, aliases: list):
+            if isinstance(value, torch.Tensor):
+                aliases.append(value.view(value.shape))
+                return aliases[-1]
+            if isinstance(value, (list, tuple)) and value and all(
+                    isinstance(v, torch.Tensor) for v in value):
+                return type(value)(alias(v, aliases) for v in value)
+            return value
 
         def wrapped(*args, **kwargs):
             self.release()
             bound = sig.bind(*args, **kwargs)
-            wanted_async = bool(bound.arguments.get("async_op", False))
-            bound.arguments["async_op"] = True
+            bound.apply_defaults()
+            wanted_async = bool(bound.arguments.get("async_op"))
+            if name in _SCATTERS:
+                return self._scatter(bound.arguments, all_reduce)
+            aliases: list = []
+            for key, value in list(bound.arguments.items()):
+                bound.arguments[key] = alias(value, aliases)
             work = fn(*bound.args, **bound.kwargs)
-            if work is None:            # NOTE: this rank is not in the group
-                return None
+            self.pending.append(aliases)
+            del bound
             if wanted_async:
-                self.pending.append([work, None])
-                return work
-            work.wait()
-            self.pending.append([work, time.perf_counter()])
-            return None
+                return None if work is None else _waited(work, self, aliases)
+            # NOTE: finished: gloo lets go within microseconds; the aliases dropped then, the
+            # caller's own references are the last, dropped on this thread when it is done
+            self.release(wait_s=SETTLE_S, until=aliases)
+            return work
 
         wrapped.__name__ = wrapped.__qualname__ = name
         wrapped.__wrapped__ = fn
         return wrapped
 
+    def _scatter(self, args: dict, all_reduce):
+        """A reduce-scatter as an all-reduce of a copy of the input, this rank's part copied
+        out (synchronously; a finished work is returned where one was asked for)."""
+        import torch.distributed as dist
+
+        output = args.get("output", args.get("output_tensor"))
+        source = args.get("input", args.get("input_tensor"))
+        op, group = args.get("op", dist.ReduceOp.SUM), args.get("group")
+        average = op == dist.ReduceOp.AVG
+        whole = source.detach().clone()
+        work = all_reduce(whole, op=dist.ReduceOp.SUM if average else op, group=group,
+                          async_op=True)
+        mark = [whole]
+        self.pending.append(mark)
+        work.wait()
+        world = dist.get_world_size(group)
+        mine = whole.reshape(world, -1)[dist.get_rank(group)]
+        if average:
+            mine = mine / world
+        output.reshape(-1).copy_(mine)
+        del whole, mine
+        self.release(wait_s=SETTLE_S, until=mark)
+        return work if args.get("async_op") else None
+
+
+_WAITED: list = []
+
+
+def _waited(work, held: HeldWorks, aliases: list):
+    """``work``, whose ``wait()`` also drops the aliases gloo has let go of."""
+    if not _WAITED:
+        import torch.distributed as dist
+
+        class WaitedWork(dist.Work):
+            # NOTE: a Work: callers check ``isinstance(work, dist.Work)`` (FSDP2's copy-out).
+            # One class for all (a class made per call lives in a reference cycle, holding
+            # the collective's state until the garbage collector runs)
+            def __init__(self, inner, held: HeldWorks, aliases: list) -> None:
+                super().__init__()
+                self.inner, self.held, self.aliases = inner, held, aliases
+
+            def wait(self, timeout=None):
+                done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
+                self.held.release(wait_s=SETTLE_S, until=self.aliases)
+                self.aliases = None     # NOTE: held by ``held`` alone from here
+                return done
+
+            def is_completed(self):
+                return self.inner.is_completed()
+
+            def is_success(self):
+                return self.inner.is_success()
+
+            def exception(self):
+                return self.inner.exception()
+
+            def get_future(self):
+                return self.inner.get_future()
+
+        _WAITED.append(WaitedWork)
+    return _WAITED[0](work, held, aliases)
+
 
 @contextmanager
 def frees_on_this_thread():
-    """Within: the collectives in ``WRAPPED`` leave their works to this thread to drop (yields
-    the ``HeldWorks``; all dropped on leaving)."""
+    """Within: the collectives in ``WRAPPED`` run on aliases this thread drops once gloo is
+    done with them (yields the ``HeldWorks``; all released on leaving)."""
     import torch.distributed as dist
 
     held = HeldWorks()
     originals = {n: getattr(dist, n) for n in WRAPPED if hasattr(dist, n)}
+    all_reduce = originals["all_reduce"]
     for name, fn in originals.items():
-        setattr(dist, name, held.wrap(name, fn))
+        setattr(dist, name, held.wrap(name, fn, all_reduce))
     try:
         yield held
     finally:

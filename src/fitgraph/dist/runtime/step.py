@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .batches import FlatBatch
-from .collective_frees import SETTLE_S, frees_on_this_thread
+from .collective_frees import frees_on_this_thread
 from .layout import RankLayout
 
 __all__ = ["DistStep", "StepRecord"]
@@ -97,7 +97,7 @@ class DistStep:
         self.record.compute.append(self.record._open)
         self._sum_shared_grads()
         if self._held is not None:
-            self._held.release(wait_s=SETTLE_S)
+            self._held.release(wait_s=1.0)
         opt_start = time.perf_counter()
         self.optimizer.step()
         self.record.optimizer.append(time.perf_counter() - opt_start)
