@@ -127,3 +127,33 @@ DIM_ZOO = {
     "resnet50": dict(batch_size=2, image_size=32),
     "unet": dict(batch_size=2, image_size=32),
 }
+
+
+def adamw_reference(model, loss_of, steps: int, lr: float):
+    """``steps`` AdamW steps of ``model`` in one process (``loss_of()`` the step's loss): the
+    losses, the updated parameters, and per parameter the elements whose first gradient is
+    rounding noise (an exact zero: compared only for staying within AdamW's step bound)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, noise = [], {}
+    for _ in range(steps):
+        loss = loss_of()
+        loss.backward()
+        if not noise:
+            noise = {n: p.grad.abs() <= 1e-12 * p.grad.abs().max()
+                     for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters()), noise
+
+
+def assert_like_reference(got: dict, ref_params: dict, noise: dict, steps: int,
+                          lr: float) -> None:
+    """Parameters ``got`` (by name) equal ``ref_params`` (relative 1e-5) where the gradient
+    is not noise, and within AdamW's step bound everywhere."""
+    assert set(got) == set(ref_params)
+    for n, ref in ref_params.items():
+        ref = ref.detach()
+        keep = ~noise[n]
+        torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
+        assert (got[n] - ref).abs().max() <= 2 * steps * lr, n

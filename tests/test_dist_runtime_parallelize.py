@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from helpers import adamw_reference, assert_like_reference
 
 import fitgraph
 import fitgraph.zoo as zoo
@@ -31,6 +32,7 @@ MODELS = ["gpt2", "bert-base"]
 CONFIGS = {
     "pp2-1f1b": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
     "dp2-fsdp": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
+    "dp2-zero2": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 2},
     "pp2xdp2": {"pp": 2, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
     "pp2xdp2-zero1": {"pp": 2, "dp": 2, "micro_batch": 1, "schedule": "gpipe", "zero": 1},
     # a per-stage memory plan: the blocks re-made in the backward (activation checkpointing)
@@ -70,18 +72,7 @@ def _train(rank: int, world: int, name: str, plan_json: dict, ckpt: str | None =
 
 def one_process(name: str):
     case = build(name)
-    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
-    losses, noise = [], {}
-    for _ in range(STEPS):
-        loss = case.loss()
-        loss.backward()
-        if not noise:
-            noise = {n: p.grad.abs() <= 1e-12 * p.grad.abs().max()
-                     for n, p in case.model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, dict(case.model.named_parameters()), noise
+    return adamw_reference(case.model, case.loss, STEPS, LR)
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +102,14 @@ CHECKPOINTED = {("gpt2", "pp2xtp2"), ("gpt2", "dp2-fsdp")}
 
 
 def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
-    assert set(got) == set(ref_params)
-    for n, ref in ref_params.items():
-        ref = ref.detach()
-        keep = ~noise[n]
-        torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
-        assert (got[n] - ref).abs().max() <= 2 * STEPS * LR, n
+    assert_like_reference(got, ref_params, noise, STEPS, LR)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("name", MODELS)
 def test_planned_run_has_one_process_results(name, config, graphs, references, tmp_path):
-    if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1", "pp2-recompute"):
+    if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1", "pp2-recompute",
+                                               "dp2-zero2"):
         pytest.skip("the decoder's run covers this schedule / ZeRO stage")
     p = make_plan(graphs[name], CONFIGS[config])
     world = p.parallelism.devices
@@ -184,6 +171,8 @@ def _mismatches(rank: int, world: int, plan_json: dict):
         "fit": lambda: parallelize(case.model, case.batch, case.loss_fn, None, plan={
             **plan_json, "fits": False,
             "predicted": {**plan_json["predicted"], "budget_bytes": 2**20}}),
+        "sp": lambda: parallelize(case.model, case.batch, case.loss_fn, None, plan={
+            **plan_json, "parallelism": {**plan_json["parallelism"], "tp": 2, "sp": True}}),
     }.items():
         try:
             call()
@@ -212,6 +201,7 @@ def test_a_launch_that_does_not_match_the_plan_is_refused_clearly(graphs):
     assert "another model" in errors["model"]
     assert "the example batch's tensors have [3] rows" in errors["batch"]
     assert "rank 0 (stage 0) does not fit" in errors["fit"] and "largest term" in errors["fit"]
+    assert "--fix sp=0" in errors["sp"]
 
 
 def _local(rank: int, world: int, plan_json: dict):

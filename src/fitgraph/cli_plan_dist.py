@@ -233,6 +233,12 @@ def cmd_plan_dist(args) -> int:
         fix = parse_fix(args.fix)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if args.emit_script:
+        if fix.get("sp") or fix.get("per_stage"):
+            raise SystemExit("plan-dist --emit-script: the runtime does not run sequence "
+                             "parallelism or per-stage widths yet: drop sp/per_stage from --fix")
+        # NOTE: a plan for the script is one the runtime runs: one width, no sequence sharding
+        fix = {"sp": False, "per_stage": False, **fix}
     budget = args.budget_gib * GIB if args.budget_gib else None
     try:
         p = plan(shape, cluster, args.global_batch, fix=fix,

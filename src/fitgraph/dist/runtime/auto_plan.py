@@ -70,6 +70,6 @@ def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
         seq = max((t.shape[1] for t in flat.tensors if t.dim() > 1), default=1)
         gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq)
         box[0] = plan(gm, cluster, global_batch, precision=precision,
-                      fix={"per_stage": False}).to_json()
+                      fix={"per_stage": False, "sp": False}).to_json()
     dist.broadcast_object_list(box, src=0)
     return DistPlan.from_json(box[0])

@@ -78,6 +78,12 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                          _device(model))
     plan = _as_plan(plan)
     par = plan.parallelism
+    if par.sp:
+        # NOTE: run without it, each tensor-parallel rank would keep whole what the plan
+        # shards along the sequence (norms, dropout, residuals): more than planned, unsaid
+        raise PlanMismatch("the plan shards activations along the sequence between tensor-"
+                           "parallel ranks (sp), which the runtime does not run yet: plan "
+                           "with --fix sp=0 (or fix={'sp': False})")
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
     if par.tp > 1 and not plan.tp_styles:
         raise PlanMismatch(f"the plan splits tensors {par.tp} ways but names no split weights "
