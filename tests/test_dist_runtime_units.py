@@ -198,3 +198,62 @@ def test_batch_norm_in_training_mode_over_micro_batches_is_said():
     assert _batch_norm_note(model.eval(), par) == ""
     assert _batch_norm_note(model.train(), Parallelism(tp=1, pp=1, dp=1, micro_batch=8,
                                                        n_micro=1)) == ""
+
+
+class _Region(torch.nn.Module):
+    """A module computing part of its output in a no-grad or autocast region."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        if self.kind == "no_grad":
+            with torch.no_grad():
+                scale = self.w.norm()       # NOTE: from a parameter: no gradient through it
+            return x @ self.w * scale
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.kind == "autocast"):
+            return (x @ self.w).float()
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.inner = _Region(kind)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.inner(self.a(x)))
+
+
+@pytest.mark.parametrize("kind", ["no_grad", "autocast_off"])
+def test_no_grad_and_disabled_autocast_regions_are_cut_with_eager_gradients(kind):
+    torch.manual_seed(0)
+    model = _Wrapped(kind)
+    batch = {"x": torch.randn(4, 8)}
+
+    def loss_fn(m, b):
+        return m(b["x"]).pow(2).mean()
+
+    flat = FlatBatch.of(batch)
+    split = split_step(StepModule(model, loss_fn, flat), tuple(flat.tensors), ["inner", "b"])
+    values = tuple(flat.tensors)
+    for ch in split.chunks:
+        out = ch(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    values[0].backward()
+    got = {ch.model_name(n): p.grad for ch in split.chunks for n, p in ch.named_parameters()}
+    loss_fn(model, batch).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, msg=n)
+
+
+def test_an_autocast_region_the_splitter_cannot_place_is_refused_clearly():
+    model = _Wrapped("autocast")
+    batch = {"x": torch.randn(4, 8)}
+    flat = FlatBatch.of(batch)
+    with pytest.raises(ValueError, match="pp=1"):
+        split_step(StepModule(model, lambda m, b: m(b["x"]).sum(), flat), tuple(flat.tensors),
+                   ["inner"])

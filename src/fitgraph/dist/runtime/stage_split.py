@@ -211,6 +211,12 @@ def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
     _IR.Pipe._trace_with_export = staticmethod(trace)
     try:
         pipe = pipeline(step, micro_args, split_spec=spec)
+    except Exception as e:
+        raise ValueError(
+            f"torch.distributed.pipelining could not trace and cut the step ({type(e).__name__}"
+            f": {e}). A region under torch.autocast or torch.enable_grad inside a module, or "
+            f"another higher-order op, is beyond torch 2.13's splitter: plan without a pipeline "
+            f"(pp=1), or move that code out of the module") from e
     finally:
         _IR.Pipe._trace_with_export = staticmethod(traced)
     for name, module in pipe.split_gm.named_modules():
