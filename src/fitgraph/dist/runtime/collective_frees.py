@@ -16,11 +16,15 @@ keeps. Gloo's state holds the aliases, so an alias's reference count falls back 
 thread's own exactly when gloo has let go of it — whichever thread that happened on, nothing
 was freed there, the alias still holding the memory. Then the alias is dropped here (at the
 next collective, or ``release``), and with it, where the meter sees it, whatever only the
-collective still held. A reduce-scatter runs as an all-reduce of a copy of its input (made
-and dropped here) and a copy of this rank's part: gloo's own reduce-scatter makes that copy
-inside, where its free cannot be kept on this thread. A buffer may so live a little past its
-true free (until the next collective): the measured peak is an upper bound of the true one,
-and nothing is missed however the threads are scheduled.
+collective still held. An all-gather or reduce-scatter runs as an all-reduce (which holds
+the very tensor it is given): an all-gather in place on its output (the other ranks' parts
+zeroed, so the sum is the gather), a reduce-scatter on a copy of its input made and dropped
+here (gloo's own makes that copy inside, where its free could not be kept on this thread) —
+each finished before it returns. A buffer may so live a little past its true free (until the
+next collective): the measured peak is an upper bound of the true one. Left: in a rare run
+(about 1 in 10 runs of a test's 80 collectives) one buffer's free still goes unseen — a
+measurement too high, never too low (``tests/test_dist_runtime_memory.py`` measures such a
+rank again).
 
 Example (inside a gloo launch; see ``run_processes``):
     >>> with frees_on_this_thread() as held:       # doctest: +SKIP
@@ -44,6 +48,7 @@ __all__ = ["WRAPPED", "HeldWorks", "frees_on_this_thread"]
 WRAPPED = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
            "reduce_scatter_tensor", "all_reduce", "broadcast")
 _SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+_GATHERS = ("all_gather_single", "all_gather_into_tensor")
 # NOTE: how long a finished collective's aliases are waited for: gloo's worker lets go within
 # microseconds unless descheduled; past it they go at the next collective (nothing is missed)
 SETTLE_S = 0.05
@@ -95,22 +100,45 @@ class HeldWorks:
             wanted_async = bool(bound.arguments.get("async_op"))
             if name in _SCATTERS:
                 return self._scatter(bound.arguments, all_reduce)
+            if name in _GATHERS and bound.arguments["output_tensor"].is_contiguous():
+                return self._gather(bound.arguments, all_reduce)
             aliases: list = []
             for key, value in list(bound.arguments.items()):
                 bound.arguments[key] = alias(value, aliases)
             work = fn(*bound.args, **bound.kwargs)
             self.pending.append(aliases)
             del bound
-            if wanted_async:
-                return None if work is None else _waited(work, self, aliases)
-            # NOTE: finished: gloo lets go within microseconds; the aliases dropped then, the
-            # caller's own references are the last, dropped on this thread when it is done
-            self.release(wait_s=SETTLE_S, until=aliases)
+            if not wanted_async:
+                # NOTE: finished: gloo lets go within microseconds; the aliases dropped then,
+                # the caller's own references are the last, dropped on this thread
+                self.release(wait_s=SETTLE_S, until=aliases)
             return work
 
         wrapped.__name__ = wrapped.__qualname__ = name
         wrapped.__wrapped__ = fn
         return wrapped
+
+    def _gather(self, args: dict, all_reduce):
+        """An all-gather as an all-reduce in place on the output, the other ranks' parts
+        zeroed (synchronously; a finished work is returned where one was asked for)."""
+        import torch.distributed as dist
+
+        output, source, group = args["output_tensor"], args["input_tensor"], args.get("group")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = output.view(world, -1)
+        for r in range(world):
+            if r != rank:
+                parts[r].zero_()
+        # NOTE: FSDP2's input is a view of its output's own part: copied onto itself
+        parts[rank].copy_(source.reshape(-1))
+        whole = output.view(output.shape)
+        work = all_reduce(whole, group=group, async_op=True)
+        mark = [whole]
+        self.pending.append(mark)
+        work.wait()
+        del whole, parts
+        self.release(wait_s=SETTLE_S, until=mark)
+        return work if args.get("async_op") else None
 
     def _scatter(self, args: dict, all_reduce):
         """A reduce-scatter as an all-reduce of a copy of the input, this rank's part copied
@@ -135,44 +163,6 @@ class HeldWorks:
         del whole, mine
         self.release(wait_s=SETTLE_S, until=mark)
         return work if args.get("async_op") else None
-
-
-_WAITED: list = []
-
-
-def _waited(work, held: HeldWorks, aliases: list):
-    """``work``, whose ``wait()`` also drops the aliases gloo has let go of."""
-    if not _WAITED:
-        import torch.distributed as dist
-
-        class WaitedWork(dist.Work):
-            # NOTE: a Work: callers check ``isinstance(work, dist.Work)`` (FSDP2's copy-out).
-            # One class for all (a class made per call lives in a reference cycle, holding
-            # the collective's state until the garbage collector runs)
-            def __init__(self, inner, held: HeldWorks, aliases: list) -> None:
-                super().__init__()
-                self.inner, self.held, self.aliases = inner, held, aliases
-
-            def wait(self, timeout=None):
-                done = self.inner.wait() if timeout is None else self.inner.wait(timeout)
-                self.held.release(wait_s=SETTLE_S, until=self.aliases)
-                self.aliases = None     # NOTE: held by ``held`` alone from here
-                return done
-
-            def is_completed(self):
-                return self.inner.is_completed()
-
-            def is_success(self):
-                return self.inner.is_success()
-
-            def exception(self):
-                return self.inner.exception()
-
-            def get_future(self):
-                return self.inner.get_future()
-
-        _WAITED.append(WaitedWork)
-    return _WAITED[0](work, held, aliases)
 
 
 @contextmanager
