@@ -23,8 +23,10 @@ from fitgraph.dist.runtime import run_processes
 pytestmark = pytest.mark.hf
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
-CASES = [("hf-llama", "tp2"), ("hf-llama", "pp2"), ("hf-gpt2", "pp2"), ("hf-gpt2", "tp2"),
-         ("hf-bert", "pp2")]
+# NOTE: ~10 s each; two run in ``make test-slow`` only (the default run keeps under 25 min)
+CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"),
+         pytest.param("hf-llama", "pp2", marks=pytest.mark.slow),
+         pytest.param("hf-gpt2", "tp2", marks=pytest.mark.slow)]
 FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
        "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"}}
 
