@@ -39,7 +39,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["WRAPPED", "HeldWorks", "frees_on_this_thread"]
+__all__ = ["WRAPPED", "HeldAliases", "frees_on_this_thread"]
 
 # NOTE: the collectives FSDP2, DDP's Python side and fitgraph's own step call through the
 # ``torch.distributed`` module's attributes (looked up at each call, so a patch reaches them).
@@ -54,7 +54,7 @@ _GATHERS = ("all_gather_single", "all_gather_into_tensor")
 SETTLE_S = 0.05
 
 
-class HeldWorks:
+class HeldAliases:
     """The aliases of every metered collective's tensors, kept until gloo let go of them."""
 
     def __init__(self) -> None:
@@ -131,13 +131,8 @@ class HeldWorks:
                 parts[r].zero_()
         # NOTE: FSDP2's input is a view of its output's own part: copied onto itself
         parts[rank].copy_(source.reshape(-1))
-        whole = output.view(output.shape)
-        work = all_reduce(whole, group=group, async_op=True)
-        mark = [whole]
-        self.pending.append(mark)
-        work.wait()
-        del whole, parts
-        self.release(wait_s=SETTLE_S, until=mark)
+        del parts
+        work, _ = self._all_reduced(output.view(output.shape), all_reduce, None, group)
         return work if args.get("async_op") else None
 
     def _scatter(self, args: dict, all_reduce):
@@ -148,30 +143,35 @@ class HeldWorks:
         output = args.get("output", args.get("output_tensor"))
         source = args.get("input", args.get("input_tensor"))
         op, group = args.get("op", dist.ReduceOp.SUM), args.get("group")
+        world = dist.get_world_size(group)
         average = op == dist.ReduceOp.AVG
-        whole = source.detach().clone()
-        work = all_reduce(whole, op=dist.ReduceOp.SUM if average else op, group=group,
-                          async_op=True)
-        mark = [whole]
+        work, mine = self._all_reduced(
+            source.detach().clone(), all_reduce, dist.ReduceOp.SUM if average else op, group,
+            lambda whole: whole.reshape(world, -1)[dist.get_rank(group)])
+        output.reshape(-1).copy_(mine / world if average else mine)
+        return work if args.get("async_op") else None
+
+    def _all_reduced(self, tensor, all_reduce, op, group, read=None):
+        """``tensor`` all-reduced, held here until gloo lets go of it; the finished work and
+        ``read(tensor)`` (read before this thread's last reference is left to ``pending``)."""
+        kwargs = {} if op is None else {"op": op}
+        work = all_reduce(tensor, group=group, async_op=True, **kwargs)
+        mark = [tensor]
         self.pending.append(mark)
         work.wait()
-        world = dist.get_world_size(group)
-        mine = whole.reshape(world, -1)[dist.get_rank(group)]
-        if average:
-            mine = mine / world
-        output.reshape(-1).copy_(mine)
-        del whole, mine
+        value = read(tensor) if read is not None else None
+        del tensor
         self.release(wait_s=SETTLE_S, until=mark)
-        return work if args.get("async_op") else None
+        return work, value
 
 
 @contextmanager
 def frees_on_this_thread():
     """Within: the collectives in ``WRAPPED`` run on aliases this thread drops once gloo is
-    done with them (yields the ``HeldWorks``; all released on leaving)."""
+    done with them (yields the ``HeldAliases``; all released on leaving)."""
     import torch.distributed as dist
 
-    held = HeldWorks()
+    held = HeldAliases()
     originals = {n: getattr(dist, n) for n in WRAPPED if hasattr(dist, n)}
     all_reduce = originals["all_reduce"]
     for name, fn in originals.items():

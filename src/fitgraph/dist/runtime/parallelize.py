@@ -233,7 +233,7 @@ def _batch_norm_note(model: torch.nn.Module, par) -> str:
     """Why a model normalizing over its batch in training mode differs from one process."""
     norms = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
-    if not norms or par.micro_batch * par.n_micro * par.dp == par.micro_batch:
+    if not norms or par.n_micro * par.dp == 1:
         return ""
     more = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
     return (f"{norms[0]}{more} normalize over each micro-batch of {par.micro_batch} samples in "

@@ -220,20 +220,20 @@ def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
     finally:
         _IR.Pipe._trace_with_export = staticmethod(traced)
     for name, module in pipe.split_gm.named_modules():
-        for node in getattr(module, "graph", torch.fx.Graph()).nodes:
-            if node.op != "call_module":
+        for node in module.graph.nodes if hasattr(module, "graph") else ():
+            sub = module.get_submodule(node.target) if node.op == "call_module" else None
+            if not hasattr(sub, "graph"):
                 continue
-            sub = module.get_submodule(node.target)
-            wanted = [n for n in getattr(sub, "graph", torch.fx.Graph()).nodes
-                      if n.op == "placeholder"]
-            if hasattr(sub, "graph") and len(node.args) + len(node.kwargs) < len(wanted):
+            wanted = sum(1 for n in sub.graph.nodes if n.op == "placeholder")
+            given = len(node.args) + len(node.kwargs)
+            if given < wanted:
                 path = f"{name}.{node.target}".split(f".{MODEL}.", 1)[-1]
                 raise ValueError(
                     f"tracing the step for pipelining lost the inputs of module {path!r} "
-                    f"({len(wanted)} wanted, {len(node.args)} given): torch.distributed."
-                    f"pipelining cannot place what it runs (a region under torch.enable_grad "
-                    f"or torch.autocast, or another higher-order op, inside it). Plan without "
-                    f"a pipeline (pp=1), or run that code outside the module")
+                    f"({wanted} wanted, {given} given): torch.distributed.pipelining cannot "
+                    f"place what it runs (a region under torch.enable_grad or torch.autocast, "
+                    f"or another higher-order op, inside it). Plan without a pipeline (pp=1), "
+                    f"or run that code outside the module")
     return pipe
 
 

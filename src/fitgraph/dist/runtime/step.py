@@ -12,6 +12,7 @@ samples (as a one-process loop's gradient accumulation assumes).
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +74,7 @@ class DistStep:
         self.measure_memory = measure_memory
         self.state_keys = state_keys    # the user's model's state-dict names
         self._meter = None
-        self._held = None               # HeldWorks while metering
+        self._held = None               # HeldAliases while metering
         self._resident = 0
         self._peak: int | None = None
         self._bucketed = plan.parallelism.dp > 1 and plan.parallelism.zero <= 1
@@ -199,17 +200,16 @@ class DistStep:
         self._resident = storage_bytes(t for ch in self.chunks
                                        for t in [*ch.parameters(), *ch.buffers()])
         self._meter = MemoryMeter()
-        self._meter.__enter__()
+        self._metering = ExitStack()
+        self._metering.enter_context(self._meter)
         # NOTE: gloo frees a collective's buffers on its own threads, unseen by the meter:
         # while metering, collectives run on aliases this thread drops (collective_frees)
-        self._frees = frees_on_this_thread()
-        self._held = self._frees.__enter__()
+        self._held = self._metering.enter_context(frees_on_this_thread())
 
     def _stop_meter(self) -> None:
         if self._meter is not None:
-            self._frees.__exit__(None, None, None)
+            self._metering.close()
             self._held = None
-            self._meter.__exit__(None, None, None)
             self._peak = self._resident + self._meter.peak_bytes
             self._meter = None
 

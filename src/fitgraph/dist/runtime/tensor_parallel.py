@@ -94,25 +94,19 @@ class _SumShards(torch.autograd.Function):
 
 class _ShardLinear(torch.nn.Module):
     """A linear layer's shard (``weight``, ``bias``: this shard's), tensor parallel over
-    ``group``; parameter names as ``nn.Linear``'s."""
+    ``group``; parameter names as ``nn.Linear``'s. ``transposed``: the weight is stored (in
+    features, out features), as Hugging Face's ``Conv1D`` computes ``x @ weight + bias`` —
+    kept so (its checkpoint names and shapes)."""
 
-    def __init__(self, weight, bias, group) -> None:
+    def __init__(self, weight, bias, group, transposed: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
         self.group = group
-
-
-    def _weight(self) -> torch.Tensor:
-        return self.weight
-
-
-class _Transposed:
-    """A layer whose weight is stored (in features, out features) — Hugging Face's
-    ``Conv1D``: ``x @ weight + bias`` — kept so (its checkpoint names and shapes)."""
+        self.transposed = transposed
 
     def _weight(self) -> torch.Tensor:
-        return self.weight.t()
+        return self.weight.t() if self.transposed else self.weight
 
 
 class ColumnLinear(_ShardLinear):
@@ -127,14 +121,6 @@ class RowLinear(_ShardLinear):
     def forward(self, x):
         out = _SumShards.apply(torch.nn.functional.linear(x, self._weight()), self.group)
         return out if self.bias is None else out + self.bias
-
-
-class ColumnConv1D(_Transposed, ColumnLinear):
-    pass
-
-
-class RowConv1D(_Transposed, RowLinear):
-    pass
 
 
 def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: int,
@@ -235,7 +221,7 @@ class _Rewrite:
             parts = _parts_of(node, weight.shape[out_dim])
             w = _take(weight, out_dim, parts, self.tp, self.shard)
             b = None if bias is None else _take(bias, 0, parts, self.tp, self.shard)
-            new = (ColumnConv1D if linear["transposed"] else ColumnLinear)(w, b, self.group)
+            new = ColumnLinear(w, b, self.group, linear["transposed"])
             self.split[wname] = TpParam(out_dim, parts)
             if bname:
                 self.split[bname] = TpParam(0, parts)
@@ -244,8 +230,8 @@ class _Rewrite:
             if x != Sharded(_ndim(node.args[0]) - 1, 1):
                 raise TensorParallelError(f"{full} is row-parallel but its input is not split "
                                           f"along its features ({x})")
-            new = (RowConv1D if linear["transposed"] else RowLinear)(
-                _take(weight, in_dim, 1, self.tp, self.shard), bias, self.group)
+            new = RowLinear(_take(weight, in_dim, 1, self.tp, self.shard), bias, self.group,
+                            linear["transposed"])
             self.split[wname] = TpParam(in_dim, 1)
             out = None
         _replace_module(gm, node.target, new)
