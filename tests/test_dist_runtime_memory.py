@@ -1,7 +1,7 @@
 """Each rank's measured peak is its plan's prediction (DESIGN law 7; issue 28): GPT-2 (small,
 float32, batch 8 of 64 tokens) run by ``fitgraph.dist.parallelize`` on gloo processes, every
 rank's CPU allocator metered over three steps (``measure_memory=True``), within 5% of the
-peak the plan predicts for its stage — pipelined (1F1B, with and without recompute,
+peak the plan predicts for its stage — pipelined (1F1B, with and without recompute, op by op,
 interleaved, ZB-V), tensor parallel, ZeRO-1 and ZeRO-3 (FSDP2) data parallel, pipelined ×
 tensor parallel and pipelined × FSDP2. (Gloo frees a collective's buffers on its own threads,
 which the meter cannot see: while metering, ``collective_frees`` leaves them to the rank's
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import budget_between
 
 import fitgraph
 import fitgraph.zoo as zoo
@@ -30,6 +31,7 @@ CONFIGS = {
     "pp2-1f1b": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "recompute": "none"},
     "pp2-recompute": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
                       "recompute": "full"},
+    "pp2-drop": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "between": 0.5},
     "pp2-interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
                         "chunks": 2},
     "pp2-zbv": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
@@ -75,10 +77,16 @@ def graphs():
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_each_ranks_measured_peak_is_its_prediction(config, graphs):
     fix = {"tp": 1, **CONFIGS[config]}
+    between = fix.pop("between", None)
     world = fix["tp"] * fix["pp"] * fix["dp"]
     link = LINKS["gloo-loopback"]
     cluster = Cluster(get_device("cpu-generic"), world, 1, link, link)
-    p = plan(graphs[fix["micro_batch"]], cluster, BATCH, fix=fix, precision=FP32_ADAM)
+    gm = graphs[fix["micro_batch"]]
+    budget = (None if between is None else
+              budget_between(gm, cluster, BATCH, fix, between, precision=FP32_ADAM))
+    p = plan(gm, cluster, BATCH, fix=fix, precision=FP32_ADAM, budget=budget)
+    assert any(o.startswith("drop:") for s in p.stages for o in s["block_options"]) == bool(
+        between)
     rows = run_processes(_metered, world, p.to_json(), timeout_s=300)
     if any(r["peak_bytes"] > 1.05 * r["predicted_peak_bytes"] for r in rows):
         # NOTE: a buffer gloo frees on a thread the meter does not see (rare, however the

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from helpers import adamw_reference, assert_like_reference
+from helpers import adamw_reference, assert_like_reference, budget_between
 
 import fitgraph
 import fitgraph.zoo as zoo
@@ -38,6 +38,8 @@ CONFIGS = {
     # a per-stage memory plan: the blocks re-made in the backward (activation checkpointing)
     "pp2-recompute": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
                       "recompute": "full"},
+    # op by op: a budget between keeping everything and re-making every block
+    "pp2-drop": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "between": 0.5},
     "pp2-interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
                         "chunks": 2},
     "pp2-zbv": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
@@ -67,7 +69,7 @@ def _train(rank: int, world: int, name: str, plan_json: dict, ckpt: str | None =
         step.save(ckpt)
     remade = sorted(n for ch in step.chunks for n, m in ch.named_modules()
                     if getattr(m.forward, "__wrapped__", None) is not None)
-    return losses, step.full_parameters(), split, remade
+    return losses, step.full_parameters(), split, (remade, list(step.notes))
 
 
 def one_process(name: str):
@@ -93,12 +95,19 @@ def references():
 
 
 def make_plan(gm, fix: dict):
-    devices = fix["pp"] * fix["dp"] * fix.get("tp", 1)
+    """The plan of ``fix``; ``between`` (0–1) sets each stage's budget that far from its peak
+    re-making every block to its peak keeping everything (so the stages choose op by op)."""
+    fix = {"tp": 1, **fix}
+    between = fix.pop("between", None)
+    devices = fix["pp"] * fix["dp"] * fix["tp"]
     cluster = Cluster(get_device("cpu-generic"), devices, 1, LINKS["nvlink3"], LINKS["hdr-ib"])
-    return plan(gm, cluster, BATCH, fix={"tp": 1, **fix})
+    if between is None:
+        return plan(gm, cluster, BATCH, fix=fix)
+    return plan(gm, cluster, BATCH, fix=fix,
+                budget=budget_between(gm, cluster, BATCH, fix, between))
 
 
-CHECKPOINTED = {("gpt2", "pp2xtp2"), ("gpt2", "dp2-fsdp")}
+CHECKPOINTED = {("gpt2", "pp2xtp2"), ("gpt2", "dp2-fsdp"), ("gpt2", "pp2xdp2-zero1")}
 
 
 def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
@@ -123,8 +132,12 @@ def test_planned_run_has_one_process_results(name, config, graphs, references, t
     planned = sorted(f"body.model.{b}" for s in p.stages
                      for b, o in zip(s["blocks"], s["block_options"])
                      if o != "none" and not b.startswith("<"))
-    assert sorted(m for *_, remade in results for m in remade) == planned
-    assert bool(planned) == (config == "pp2-recompute")
+    assert sorted(m for *_, (remade, _) in results for m in remade) == planned
+    assert bool(planned) == (config in ("pp2-recompute", "pp2-drop"))
+    options = {o for s in p.stages for o in s["block_options"]}
+    assert any(o.startswith("drop:") for o in options) == (config == "pp2-drop")
+    for *_, (_, notes) in results:      # op by op as planned: no block re-made whole
+        assert not [n for n in notes if "whole block" in n or "plan does not" in n], notes
     got = {}
     for _, params, split, _ in results:
         got.update(params)
@@ -138,9 +151,17 @@ def test_planned_run_has_one_process_results(name, config, graphs, references, t
         from fitgraph.dist.runtime.checkpoint import load_unsplit
 
         fresh = build(name)
-        load_unsplit(fresh.model, ckpt)
+        opt = torch.optim.AdamW(fresh.model.parameters(), lr=LR)
+        load_unsplit(fresh.model, ckpt, opt)
         assert_one_process_params({n: p.detach() for n, p in fresh.model.named_parameters()},
                                   ref_params, noise)
+        # ... with the optimizer's state: one more step is one process's fourth
+        fresh.loss().backward()
+        opt.step()
+        four = build(name)
+        _, ref4, noise4 = adamw_reference(four.model, four.loss, STEPS + 1, LR)
+        assert_like_reference({n: p.detach() for n, p in fresh.model.named_parameters()},
+                              ref4, noise4, STEPS + 1, LR)
 
 
 def _auto(rank: int, world: int):

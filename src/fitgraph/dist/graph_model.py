@@ -113,6 +113,17 @@ class GraphModel:
     def model_flops(self, samples: int) -> float:
         return self._flops * samples / self.batch_size
 
+    def op_signature(self, block: str) -> list[list]:
+        """The ops of ``block`` as the runtime finds them (``dist.runtime.op_recompute``): per
+        op ``o{i}``, the ATen ops of its unit and whether the block's plan keeps its output
+        (its backward, or a later block, reads it)."""
+        ch = self._chain
+        k = ch.names.index(block)
+        units = sorted(u for u, s in ch.fstage.items() if s == k)
+        ops = self._width(1)[0][k].ops
+        return [[[str(ch.graph.nodes[m].target) for m in ch.sg.units[u].members],
+                 ops[i].saved > 0] for i, u in enumerate(units)]
+
 
 def _scaled(block: Block, r: float) -> Block:
     if r == 1:

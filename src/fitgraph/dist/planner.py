@@ -137,16 +137,22 @@ def _cluster_json(cluster: Cluster) -> dict:
             "memory_bytes": cluster.device.memory_bytes}
 
 
-def _stage_json(pred: Prediction) -> list[dict]:
+def _stage_json(pred: Prediction, model: ModelSpec | None = None) -> list[dict]:
     out = []
     for s in pred.stages:
         st = s.plan
+        # NOTE: what the runtime needs to re-make a block's ops as planned: its units' ATen
+        # ops (a captured model's; a model by its shape has none, and is re-made whole)
+        signature = getattr(model, "op_signature", None)
+        block_ops = {b: signature(b) for b, o in zip(st.blocks, st.plan)
+                     if o.startswith("drop:") and signature is not None}
         out.append({
             "index": s.index, "tp": s.tp, "dp": s.dp, "blocks": list(st.blocks),
             "devices": list(s.ranks),
             "peak_bytes": s.peak_bytes, "memory": s.memory(),
             "memory_plan": dict(sorted(Counter(st.plan).items())),
             "block_options": list(st.plan),
+            **({"block_ops": block_ops} if block_ops else {}),
             "offloaded_bytes": st.offload_bytes, "recomputed_s": st.recompute_s,
             "in_flight": st.in_flight,
             "time": {"fwd_s": st.fwd_s, "bwd_s": st.bwd_s, "recompute_s": st.recompute_s,
@@ -206,7 +212,7 @@ def from_prediction(pred: Prediction, model: ModelSpec, cluster: Cluster, precis
     return DistPlan(model=model.name, parallelism=pred.parallelism,
                     cluster=_cluster_json(cluster), global_batch=pred.parallelism.global_batch,
                     seq=model.seq, precision=precision.name, fits=pred.fits,
-                    binding=pred.binding, predicted=predicted, stages=_stage_json(pred),
+                    binding=pred.binding, predicted=predicted, stages=_stage_json(pred, model),
                     plan_s=plan_s, search=stats, device_note=device_note,
                     chunks=[{"device": d, "blocks": list(b)} for d, b in pred.chunks],
                     param_signature=getattr(model, "param_signature", ""),

@@ -29,7 +29,7 @@ from .batches import FlatBatch
 from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer
-from .memory_plan import apply_memory_plan, block_options
+from .memory_plan import apply_memory_plan, block_ops, block_options
 from .stage_split import END, StepModule, chunk_metas, split_step
 from .step import DistStep
 from .tensor_parallel import shard_chunk
@@ -112,10 +112,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
             tp_params.update(shard_chunk(ch, plan.tp_styles, par.tp, layout.shard,
                                          mesh["tp"].get_group()))
     options = block_options(plan, layout.stage)
+    signatures = block_ops(plan, layout.stage)
     for ch in mine:
-        for note in apply_memory_plan(ch, options):
-            if note not in notes:
-                notes.append(note)
+        apply_memory_plan(ch, options, signatures, notes)
     for ch in mine:
         run = replicate_chunk(ch, par.zero, mesh["dp"], tuple(options))
         ins, outs = metas[ch.index]
