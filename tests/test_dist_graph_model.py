@@ -208,6 +208,11 @@ def test_the_head_runs_its_loss_in_parts_and_each_block_carries_its_backward_pea
     assert parts.kept_bytes < cost.options[0].kept_bytes
     assert parts.kept_bytes == pytest.approx(head.input_bytes, abs=64)   # its input only
     assert parts.working_bytes < whole.working_bytes / 2
+    # what the runtime runs (parallelize's plan="auto", --emit-script) has no loss in parts
+    _, graph, _ = tiny
+    runnable = GraphModel(graph, RooflineCostModel(A100), batch_size=4, seq=16,
+                          loss_in_parts=False)
+    assert runnable.blocks(1, 4, False)[-1].fission == ()
 
 
 def test_the_split_names_each_weight_as_parallelize_module_would(tiny):

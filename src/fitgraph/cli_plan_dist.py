@@ -104,8 +104,10 @@ def _model(args, cluster):
     batch, seq = _batch_shape(case.batch)
     if args.precision is None:
         args.precision = "fp32-adam" if dtype == "float32" else "mixed-adam"
+    # NOTE: a plan for --emit-script is one the runtime runs: no loss in parts
     return GraphModel(graph, RooflineCostModel(cluster.device), batch_size=batch,
-                      name=f"{args.model} ({args.config}, {dtype})", seq=seq)
+                      name=f"{args.model} ({args.config}, {dtype})", seq=seq,
+                      loss_in_parts=not getattr(args, "emit_script", None))
 
 
 def _batch_shape(batch) -> tuple[int, int]:

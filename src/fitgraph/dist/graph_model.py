@@ -15,7 +15,8 @@ activations and FLOPs by ``b / batch_size`` (linear in the batch, as the kernels
 sizes planned), parameters not. Tensor parallelism: the weight matmuls ``dist.graph_tp`` finds
 splittable run on ``1/tp`` of their data with their all-reduces (Megatron's column/row pairs,
 found from the graph's structure), the rest of each block whole on every device; sequence
-parallelism needs the model by its shape (``GptModel``).
+parallelism needs the model by its shape (``GptModel``). ``loss_in_parts=False`` leaves out the
+head's option of re-making its loss in parts (what ``dist.runtime`` runs).
 
 Example:
     >>> import torch, fitgraph
@@ -66,13 +67,16 @@ class GraphModel:
     """A captured step (``graph``, timed by ``cost_model``) as a chain of blocks."""
 
     def __init__(self, graph: Graph, cost_model: CostModel, *, batch_size: int,
-                 name: str = "", seq: int = 1) -> None:
+                 name: str = "", seq: int = 1, loss_in_parts: bool = True) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size {batch_size}: the samples the graph was captured at")
         self.name = name or str(graph.meta.get("model", "captured"))
         self.seq = seq
         self.batch_size = batch_size
         self._chain = _Chain(graph, cost_model)
+        if not loss_in_parts:
+            # NOTE: what the runtime runs (dist.runtime): it re-makes no loss in parts yet
+            self._chain.loss_parts = 1
         self._at: dict[int, tuple[list[Block], str | None]] = {}
         self._flops = sum(n.flops for n in graph.nodes
                           if n.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD))

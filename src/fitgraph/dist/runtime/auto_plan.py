@@ -68,7 +68,9 @@ def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
         dtype = next(model.parameters()).dtype
         precision = FP32_ADAM if dtype in (torch.float32, torch.float64) else MIXED_ADAM
         seq = max((t.shape[1] for t in flat.tensors if t.dim() > 1), default=1)
-        gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq)
+        # NOTE: plans only what runs here: one width, no sequence sharding, no loss in parts
+        gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq,
+                        loss_in_parts=False)
         box[0] = plan(gm, cluster, global_batch, precision=precision,
                       fix={"per_stage": False, "sp": False}).to_json()
     dist.broadcast_object_list(box, src=0)
