@@ -158,14 +158,3 @@ def assert_like_reference(got: dict, ref_params: dict, noise: dict, steps: int,
         torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
         assert (got[n] - ref).abs().max() <= 2 * steps * lr, n
 
-
-def budget_between(graph_model, cluster, batch: int, fix: dict, between: float, **kw) -> float:
-    """A memory budget ``between`` (0-1) of the way from the plan of ``fix`` that re-makes
-    every block to the one that keeps everything (the largest stage's): under it, the
-    stages choose their memory plans op by op."""
-    from fitgraph.dist.planner import plan
-
-    peaks = [[s["peak_bytes"] for s in plan(graph_model, cluster, batch,
-                                            fix={**fix, "recompute": r}, **kw).stages]
-             for r in ("full", "none")]
-    return max(lo + between * (hi - lo) for lo, hi in zip(*peaks))

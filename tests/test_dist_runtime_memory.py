@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import budget_between
 
 import fitgraph
 import fitgraph.zoo as zoo
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.dist import FP32_ADAM, LINKS, Cluster
 from fitgraph.dist.graph_model import GraphModel
-from fitgraph.dist.planner import plan
+from fitgraph.dist.planner import budget_between, plan
 from fitgraph.dist.runtime import run_processes
 
 BATCH, SEQ = 8, 64

@@ -17,14 +17,14 @@ import math
 
 import pytest
 import torch
-from helpers import adamw_reference, assert_like_reference, budget_between
+from helpers import adamw_reference, assert_like_reference
 
 import fitgraph
 import fitgraph.zoo as zoo
 from fitgraph.cost import RooflineCostModel, get_device
 from fitgraph.dist import LINKS, Cluster
 from fitgraph.dist.graph_model import GraphModel
-from fitgraph.dist.planner import plan
+from fitgraph.dist.planner import budget_between, plan
 from fitgraph.dist.runtime import run_processes
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-2

@@ -23,6 +23,9 @@ CONFIGS = {
     "pp2 1f1b": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "recompute": "none"},
     "pp2 1f1b recompute": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
                            "recompute": "full"},
+    # op by op: each stage's budget halfway between re-making every block and none
+    "pp2 1f1b op-level": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
+                          "between": 0.5},
     "pp2 interleaved": {"pp": 2, "dp": 1, "micro_batch": 1, "schedule": "interleaved",
                         "chunks": 2},
     "pp2 zb-v": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
@@ -62,18 +65,22 @@ def _plan(fix: dict, cost_model):
     from ..cost import get_device
     from ..dist import FP32_ADAM, LINKS, Cluster
     from ..dist.graph_model import GraphModel
-    from ..dist.planner import plan
+    from ..dist.planner import budget_between, plan
 
+    fix = {"tp": 1, **fix}
+    between = fix.pop("between", None)
     case = _case()
     mb = fix["micro_batch"]
     graph = capture(case.model, {k: v[:mb] for k, v in case.batch.items()}, case.loss_fn)
-    world = fix.get("tp", 1) * fix["pp"] * fix["dp"]
+    world = fix["tp"] * fix["pp"] * fix["dp"]
     link = LINKS["gloo-loopback"]
     cluster = Cluster(get_device("cpu-generic"), world, 1, link, link)
     if hasattr(cost_model, "profile"):
         cost_model.profile(graph)      # NOTE: ops timed here, one thread, as the ranks run
     gm = GraphModel(graph, cost_model, batch_size=mb, seq=SEQ)
-    return plan(gm, cluster, BATCH, fix={"tp": 1, **fix}, precision=FP32_ADAM)
+    budget = (None if between is None else
+              budget_between(gm, cluster, BATCH, fix, between, precision=FP32_ADAM))
+    return plan(gm, cluster, BATCH, fix=fix, precision=FP32_ADAM, budget=budget)
 
 
 def run(steps: int, names: list[str]) -> dict:

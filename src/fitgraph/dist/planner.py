@@ -251,6 +251,28 @@ def plan(model, cluster: Cluster, global_batch: int, *, fix: dict | None = None,
                            found, device_note)
 
 
+def budget_between(model, cluster: Cluster, global_batch: int, fix: dict, between: float,
+                   **kw) -> float:
+    """A memory budget ``between`` (0–1) of the way from the plan of ``fix`` re-making every
+    block to the one keeping everything (its largest stage's): under it, the stages choose
+    their memory plans op by op. ``kw``: as ``plan``'s.
+
+    Example:
+        >>> from fitgraph.cost import get_device
+        >>> from fitgraph.dist import LINKS, Cluster, GptShape
+        >>> cluster = Cluster(get_device("a100-80gb"), 8, 1, LINKS["nvlink3"], LINKS["hdr-ib"])
+        >>> fix = {"tp": 2, "pp": 4, "dp": 1, "micro_batch": 1, "schedule": "1f1b"}
+        >>> gpt = GptShape(24, 2048, 16, seq=2048)
+        >>> lo, hi = (budget_between(gpt, cluster, 16, fix, x) for x in (0.0, 1.0))
+        >>> lo < budget_between(gpt, cluster, 16, fix, 0.5) < hi
+        True
+    """
+    peaks = [[s["peak_bytes"] for s in plan(model, cluster, global_batch,
+                                            fix={**fix, "recompute": r}, **kw).stages]
+             for r in ("full", "none")]
+    return max(lo + between * (hi - lo) for lo, hi in zip(*peaks))
+
+
 def _pinned(fix: dict, cluster: Cluster, global_batch: int) -> Parallelism:
     tp, pp, dp, b = fix["tp"], fix["pp"], fix["dp"], fix["micro_batch"]
     if tp * pp * dp != cluster.devices:
