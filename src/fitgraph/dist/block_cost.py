@@ -93,19 +93,28 @@ def _comm_seconds(comms: tuple[Collective, ...], tp: int, link: Link) -> float:
 def price_block(block: Block, device: DeviceSpec, tp_link: Link,
                 dtype: str = "bfloat16") -> BlockCost:
     """Seconds and memory plans of ``block`` on ``device``, its collectives on ``tp_link``."""
+    shaped = getattr(device, "gemm_seconds", None) if dtype != "float32" else None
+
     def fwd_s(op: Op) -> float:
         if op.seconds is not None:
             return op.seconds
+        if shaped and op.gemms:
+            return sum(shaped(m, n, k, b) for m, n, k, b in op.gemms)
         return op_seconds(op.flops, op.bytes, op.matmul, device, dtype)
 
     def bwd_s(op: Op) -> float:
         if op.bwd_seconds is not None:
             return op.bwd_seconds
+        if shaped and op.gemms:
+            # NOTE: dA = dC·Bᵀ ([M, N]·[N, K]) and dB = Aᵀ·dC ([K, M]·[M, N])
+            return sum(shaped(m, k, n, b) + shaped(k, n, m, b) for m, n, k, b in op.gemms)
         return op_seconds(op.bwd_flops, op.bwd_bytes, op.matmul, device, dtype)
 
     def bwd_w_s(op: Op) -> float:
         if op.bwd_w_seconds is not None:
             return op.bwd_w_seconds
+        if shaped and op.gemms and op.bwd_w_flops:
+            return sum(shaped(k, n, m, b) for m, n, k, b in op.gemms)
         # NOTE: a matmul's weight gradient is a matmul of the same shape class as its input
         # gradient; its share of the backward is its share of the FLOPs.
         return bwd_s(op) * (op.bwd_w_flops / op.bwd_flops) if op.bwd_flops else 0.0

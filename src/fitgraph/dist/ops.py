@@ -72,6 +72,9 @@ class Op:
     bwd_seconds: float | None = None
     bwd_w_seconds: float | None = None
     recomputable: bool = True
+    # NOTE: the matmuls it runs, (M, N, K, batch) each: a device that times GEMMs by their
+    # shapes (``fitgraph.hw``'s chips) prices them so; a roofline by the FLOPs otherwise
+    gemms: tuple[tuple[int, int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.bwd_flops is None:
