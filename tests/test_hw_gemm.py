@@ -97,3 +97,18 @@ def test_a_bad_gemm_or_chip_is_refused():
         _toy(tensor_cores=0)
     with pytest.raises(KeyError, match="unknown chip"):
         get_chip("tpu-v9")
+
+
+def test_the_sram_feed_by_hand_and_narrow_arrays_re_read_their_input():
+    # 2 banks of 32 KiB, 1 byte per cycle each: 2 GB/s between the SRAM and the array
+    chip = _toy(sram_bytes=64 * 1024, sram_port_bytes=1)
+    g = gemm_timing(chip, 16, 8, 8)
+    # weights once (8x8), the input once per column of tiles (2), the output once: bf16
+    fed = 2 * (8 * 8 + 16 * 8 * 2 + 16 * 8)
+    assert g.sram_s == pytest.approx(fed / 2e9) and g.seconds == g.sram_s
+    wide = CHIPS["tpuv4"]
+    narrow = wide.replace(tensor_cores=128, array_rows=32, array_cols=32)
+    assert narrow.pes == wide.pes
+    a, b = (gemm_timing(c, 4096, 4096, 4096) for c in (wide, narrow))
+    # the input re-read per column of tiles: 128 times, not 32 (weights and output once each)
+    assert b.sram_s / a.sram_s == pytest.approx((128 + 2) / (32 + 2))

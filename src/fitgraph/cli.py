@@ -51,12 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--threads", type=int, default=1,
                      help="torch threads (1 gives stable timings on small machines)")
     from .cli_bench import add_parser as add_bench
+    from .cli_hw_search import add_parser as add_hw_search
     from .cli_optimize import add_parser
     from .cli_plan_dist import add_parser as add_plan_dist
 
     add_parser(sub)
     add_bench(sub)
     add_plan_dist(sub)
+    add_hw_search(sub)
     sub.add_parser("models", help="list the built-in models")
     return p
 
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     # memory stays mapped for both (opt-in in a user's process: execute/host_memory.py)
     keep_host_memory()
     from .cli_bench import cmd_bench
+    from .cli_hw_search import cmd_hw_search
     from .cli_optimize import cmd_optimize
     from .cli_plan_dist import cmd_plan_dist
     from .solvers import BudgetInfeasible
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"inspect": cmd_inspect, "models": cmd_models,
                 "optimize": cmd_optimize, "bench": cmd_bench,
-                "plan-dist": cmd_plan_dist}[args.command](args)
+                "plan-dist": cmd_plan_dist, "hw-search": cmd_hw_search}[args.command](args)
     except (CaptureError, ValueError, BudgetInfeasible) as e:
         print(f"fitgraph: error: {e}", file=sys.stderr)
         return 2

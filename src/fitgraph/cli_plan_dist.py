@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add_parser", "build_parser", "cmd_plan_dist", "format_plan"]
+__all__ = ["add_parser", "build_parser", "cmd_plan_dist", "format_plan", "gpt_shape"]
 
 GIB = 2**30
 
@@ -34,8 +34,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int, default=51200)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary (default: the preset's; 51,200 for 'gpt')")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (default: the preset's; 2048 for 'gpt')")
     p.add_argument("--devices", type=int, required=True, help="devices in all")
     p.add_argument("--device", default="a100-80gb",
                    help="device kind: a100-80gb, a100-40gb, h100, rtx3090, cpu-generic")
@@ -84,7 +86,7 @@ def _model(args, cluster):
     from .dist.megatron_table import GPT_PRESETS
 
     if args.model == "gpt" or args.model in GPT_PRESETS:
-        return _shape(args)
+        return gpt_shape(args)
     import torch
 
     from . import zoo
@@ -128,18 +130,19 @@ def _batch_shape(batch) -> tuple[int, int]:
     raise SystemExit("plan-dist: the zoo model's batch holds no tensor")
 
 
-def _shape(args):
+def gpt_shape(args):
+    """The GPT shape of `model` (`gpt` with --layers/--hidden/--heads, or a preset)."""
     from .dist.megatron_table import GPT_PRESETS, GptShape
 
-    seq = args.seq or 2048
     if args.model == "gpt":
         missing = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is None]
         if missing:
             raise SystemExit(f"plan-dist gpt needs {', '.join(missing)}")
-        return GptShape(args.layers, args.hidden, args.heads, args.vocab, seq)
+        return GptShape(args.layers, args.hidden, args.heads, args.vocab or 51200,
+                        args.seq or 2048)
     if args.model in GPT_PRESETS:
         s = GPT_PRESETS[args.model]
-        return GptShape(s.layers, s.hidden, s.heads, args.vocab, seq)
+        return GptShape(s.layers, s.hidden, s.heads, args.vocab or s.vocab, args.seq or s.seq)
     raise SystemExit(f"plan-dist: unknown model {args.model!r}: 'gpt' with --layers/--hidden/"
                      f"--heads, one of {', '.join(GPT_PRESETS)}, or a zoo model")
 

@@ -37,8 +37,8 @@ from .cluster import Link
 from .collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from .ops import INPUT, Block, Collective, Op
 
-__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "hull", "op_seconds", "price_block",
-           "price_blocks"]
+__all__ = ["EXACT_OPS", "BlockCost", "MemoryOption", "hull", "op_seconds", "op_times",
+           "price_block", "price_blocks"]
 
 EXACT_OPS = 14
 _COLLECTIVE = {"all_reduce": all_reduce_s, "all_gather": all_gather_s,
@@ -86,6 +86,38 @@ def op_seconds(flops: float, nbytes: float, matmul: bool, device: DeviceSpec,
     return max(compute, nbytes / device.bandwidth, device.kernel_overhead_s)
 
 
+def op_times(op: Op, device: DeviceSpec, dtype: str = "bfloat16") -> tuple[float, float,
+                                                                         float]:
+    """Seconds of ``op``'s forward, backward and the backward's weight-gradient part on
+    ``device``, its collectives apart: as the op gives them, by its GEMMs' shapes on a device
+    that times GEMMs (``fitgraph.hw``), else the roofline of its FLOPs and bytes."""
+    shaped = getattr(device, "gemm_seconds", None) if dtype != "float32" else None
+    shaped = shaped if op.gemms else None
+    if op.seconds is not None:
+        fwd = op.seconds
+    elif shaped:
+        fwd = sum(shaped(m, n, k, b) for m, n, k, b in op.gemms)
+    else:
+        fwd = op_seconds(op.flops + op.vector_flops, op.bytes, op.matmul, device, dtype)
+    if op.bwd_seconds is not None:
+        bwd = op.bwd_seconds
+    elif shaped:
+        # NOTE: dA = dC·Bᵀ ([M, N]·[N, K]) and dB = Aᵀ·dC ([K, M]·[M, N])
+        bwd = sum(shaped(m, k, n, b) + shaped(k, n, m, b) for m, n, k, b in op.gemms)
+    else:
+        bwd = op_seconds(op.bwd_flops + op.bwd_vector_flops, op.bwd_bytes, op.matmul, device,
+                         dtype)
+    if op.bwd_w_seconds is not None:
+        bwd_w = op.bwd_w_seconds
+    elif shaped and op.bwd_w_flops:
+        bwd_w = sum(shaped(k, n, m, b) for m, n, k, b in op.gemms)
+    else:
+        # NOTE: a matmul's weight gradient is a matmul of the same shape class as its input
+        # gradient; its share of the backward is its share of the FLOPs.
+        bwd_w = bwd * (op.bwd_w_flops / op.bwd_flops) if op.bwd_flops else 0.0
+    return fwd, bwd, bwd_w
+
+
 def _comm_seconds(comms: tuple[Collective, ...], tp: int, link: Link) -> float:
     return sum(_COLLECTIVE[c.kind](c.nbytes, tp, link) for c in comms)
 
@@ -93,38 +125,13 @@ def _comm_seconds(comms: tuple[Collective, ...], tp: int, link: Link) -> float:
 def price_block(block: Block, device: DeviceSpec, tp_link: Link,
                 dtype: str = "bfloat16") -> BlockCost:
     """Seconds and memory plans of ``block`` on ``device``, its collectives on ``tp_link``."""
-    shaped = getattr(device, "gemm_seconds", None) if dtype != "float32" else None
-
-    def fwd_s(op: Op) -> float:
-        if op.seconds is not None:
-            return op.seconds
-        if shaped and op.gemms:
-            return sum(shaped(m, n, k, b) for m, n, k, b in op.gemms)
-        return op_seconds(op.flops, op.bytes, op.matmul, device, dtype)
-
-    def bwd_s(op: Op) -> float:
-        if op.bwd_seconds is not None:
-            return op.bwd_seconds
-        if shaped and op.gemms:
-            # NOTE: dA = dC·Bᵀ ([M, N]·[N, K]) and dB = Aᵀ·dC ([K, M]·[M, N])
-            return sum(shaped(m, k, n, b) + shaped(k, n, m, b) for m, n, k, b in op.gemms)
-        return op_seconds(op.bwd_flops, op.bwd_bytes, op.matmul, device, dtype)
-
-    def bwd_w_s(op: Op) -> float:
-        if op.bwd_w_seconds is not None:
-            return op.bwd_w_seconds
-        if shaped and op.gemms and op.bwd_w_flops:
-            return sum(shaped(k, n, m, b) for m, n, k, b in op.gemms)
-        # NOTE: a matmul's weight gradient is a matmul of the same shape class as its input
-        # gradient; its share of the backward is its share of the FLOPs.
-        return bwd_s(op) * (op.bwd_w_flops / op.bwd_flops) if op.bwd_flops else 0.0
-
-    fwd = {op.name: fwd_s(op) + _comm_seconds(op.fwd_comm, block.tp, tp_link)
+    times = {op.name: op_times(op, device, dtype) for op in block.ops}
+    fwd = {op.name: times[op.name][0] + _comm_seconds(op.fwd_comm, block.tp, tp_link)
            for op in block.ops}
     fwd_comm = sum(_comm_seconds(op.fwd_comm, block.tp, tp_link) for op in block.ops)
     bwd_comm = sum(_comm_seconds(op.bwd_comm, block.tp, tp_link) for op in block.ops)
-    bwd = sum(bwd_s(op) for op in block.ops) + bwd_comm
-    bwd_w = sum(bwd_w_s(op) for op in block.ops)
+    bwd = sum(t[1] for t in times.values()) + bwd_comm
+    bwd_w = sum(t[2] for t in times.values())
     options = _curve(block, fwd)
     return BlockCost(block, sum(fwd.values()), bwd, bwd_w, fwd_comm, bwd_comm, options,
                      tuple(hull(options)))

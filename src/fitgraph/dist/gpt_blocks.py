@@ -41,6 +41,18 @@ FLOAT = 4
 # NOTE: the chunked loss (logits and cross-entropy re-made in parts along the tokens) in 8
 # parts: each part's matmul still spans the vocabulary share and 1/8 of the tokens
 LOSS_PARTS = 8
+# NOTE: arithmetic per element of the elementwise kernels (forward, backward), counted from
+# their formulas: layer norm (mean, variance, normalize, scale and shift), the fused
+# scale-mask-softmax (scale, mask, max, subtract, exp, sum, divide), dropout (compare, scale),
+# bias-dropout-add, GeLU (tanh form), cross-entropy (max, subtract, exp, sum, log). Only a chip
+# with few vector lanes is bound by them (fitgraph.hw); a GPU's are memory-bound.
+VECTOR = {"norm": (8, 10), "softmax": (7, 3), "dropout": (2, 1), "dropout_add": (4, 2),
+          "gelu": (10, 14), "cross_entropy": (6, 3)}
+
+
+def _vector(kind: str, elems: float) -> dict:
+    fwd, bwd = VECTOR[kind]
+    return {"vector_flops": fwd * elems, "bwd_vector_flops": bwd * elems}
 
 
 def _tp_input_comm(n_bytes: float, tp: int, sp: bool) -> tuple[tuple, tuple]:
@@ -69,7 +81,8 @@ def _norm(name: str, reads: tuple[str, ...], elems: float, tp: int, sp: bool) ->
     weight gradient reads it), its input is saved by whoever made it."""
     fwd, _ = _tp_input_comm(elems * HALF * (tp if sp else 1), tp, sp)
     return Op(name, bytes=2 * HALF * elems, saved=HALF * elems, reads=reads,
-              bwd_flops=0.0, bwd_bytes=3 * HALF * elems, matmul=False, fwd_comm=fwd)
+              bwd_flops=0.0, bwd_bytes=3 * HALF * elems, matmul=False, fwd_comm=fwd,
+              **_vector("norm", elems))
 
 
 def _dropout_add(name: str, reads: tuple[str, ...], elems: float, keep_output: bool) -> Op:
@@ -77,7 +90,8 @@ def _dropout_add(name: str, reads: tuple[str, ...], elems: float, keep_output: b
     reads it next inside the block)."""
     return Op(name, bytes=(3 * HALF + MASK) * elems,
               saved=MASK * elems + (HALF * elems if keep_output else 0.0), reads=reads,
-              bwd_flops=0.0, bwd_bytes=(3 * HALF + MASK) * elems, matmul=False)
+              bwd_flops=0.0, bwd_bytes=(3 * HALF + MASK) * elems, matmul=False,
+              **_vector("dropout_add", elems))
 
 
 def gpt_layer(shape: GptShape, tp: int, micro_batch: int, sp: bool = False,
@@ -101,9 +115,10 @@ def gpt_layer(shape: GptShape, tp: int, micro_batch: int, sp: bool = False,
         Op("scores", flops=2 * b * s * s * h * r, bytes=HALF * (2 * n * r + att),
            reads=("qkv",), gemms=((s, s, h // a, b * a // tp),), bwd_bytes=HALF * (att + 4 * n * r)),
         Op("softmax", bytes=2 * HALF * att, saved=HALF * att, reads=("scores",),
-           bwd_flops=0.0, bwd_bytes=3 * HALF * att, matmul=False),
+           bwd_flops=0.0, bwd_bytes=3 * HALF * att, matmul=False, **_vector("softmax", att)),
         Op("attn_dropout", bytes=(2 * HALF + MASK) * att, saved=(HALF + MASK) * att,
-           reads=("softmax",), bwd_flops=0.0, bwd_bytes=(2 * HALF + MASK) * att, matmul=False),
+           reads=("softmax",), bwd_flops=0.0, bwd_bytes=(2 * HALF + MASK) * att, matmul=False,
+           **_vector("dropout", att)),
         Op("context", flops=2 * b * s * s * h * r, bytes=HALF * (att + 2 * n * r),
            saved=HALF * n * r, reads=("attn_dropout", "qkv"),
            gemms=((s, h // a, s, b * a // tp),), bwd_bytes=HALF * (2 * att + 3 * n * r)),
@@ -117,7 +132,8 @@ def gpt_layer(shape: GptShape, tp: int, micro_batch: int, sp: bool = False,
            gemms=((b * s, 4 * h // tp, h, 1),),
            bwd_bytes=HALF * (2 * n + 4 * h * h * r + 8 * n * r), bwd_comm=qkv_bwd),
         Op("gelu", bytes=2 * HALF * 4 * n * r, saved=HALF * 4 * n * r, reads=("fc1",),
-           bwd_flops=0.0, bwd_bytes=3 * HALF * 4 * n * r, matmul=False),
+           bwd_flops=0.0, bwd_bytes=3 * HALF * 4 * n * r, matmul=False,
+           **_vector("gelu", 4 * n * r)),
         Op("fc2", flops=8 * n * h * r, bytes=HALF * (4 * n * r + 4 * h * h * r + n),
            reads=("gelu",), bwd_w_flops=8 * n * h * r, gemms=((b * s, h, 4 * h // tp, 1),),
            bwd_bytes=HALF * (n + 8 * n * r + 4 * h * h * r), fwd_comm=out_fwd, bwd_comm=out_bwd),
@@ -149,7 +165,8 @@ def gpt_embedding(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) 
            bwd_bytes=HALF * n + FLOAT * v * h / tp, matmul=False, fwd_comm=out_fwd,
            bwd_comm=out_bwd),
         Op("emb_dropout", bytes=(3 * HALF + MASK) * n * q, saved=MASK * n * q,
-           reads=("lookup",), bwd_flops=0.0, bwd_bytes=(2 * HALF + MASK) * n * q, matmul=False),
+           reads=("lookup",), bwd_flops=0.0, bwd_bytes=(2 * HALF + MASK) * n * q, matmul=False,
+           **_vector("dropout", n * q)),
     )
     return Block("embedding", "gpt-embedding", ops, params=s * h,
                  input_bytes=0.0, output_bytes=HALF * n * q, tp=tp, role="embedding",
@@ -174,7 +191,7 @@ def gpt_head(shape: GptShape, tp: int, micro_batch: int, sp: bool = False) -> Bl
            bwd_bytes=HALF * (2 * n + v * h / tp + logits), bwd_comm=in_bwd),
         Op("cross_entropy", bytes=(HALF + 2 * FLOAT) * logits, saved=FLOAT * logits,
            reads=("logits",), bwd_flops=0.0, bwd_bytes=(FLOAT + HALF) * logits,
-           matmul=False, fwd_comm=ce_comm),
+           matmul=False, fwd_comm=ce_comm, **_vector("cross_entropy", logits)),
     )
     del in_fwd
     return Block("head", "gpt-head", ops, params=2 * h,

@@ -94,4 +94,13 @@ def _billions(b: float) -> str:
 GPT_PRESETS: dict[str, GptShape] = {
     "gpt3-175b": GptShape(96, 12288, 96),
     **{f"gpt-{_billions(row.billions)}": row.shape for row in TABLE1},
+    # NOTE: Phaze's other models at its sequence lengths (msr-fiddle/phaze scripts/*.sh), by
+    # their shapes: GPT-2 XL (48 x 1600, 25 heads, vocabulary 50,257, 1,024 tokens); BERT-large
+    # (24 x 1024, 16 heads, 30,522, 512 tokens: an encoder costs a decoder's FLOPs and bytes);
+    # Llama-2 7B (32 x 4096, 32 heads, 32,000, 4,096 tokens) priced as a GPT layer: its SwiGLU
+    # MLP's three 4096 x 11008 matmuls are 1.008x the two 4096 x 16384 of a GPT's, RMSNorm and
+    # rotary embeddings about a layer norm's and no learned positions
+    "gpt2-xl": GptShape(48, 1600, 25, vocab=50257, seq=1024),
+    "bert-large": GptShape(24, 1024, 16, vocab=30522, seq=512),
+    "llama2-7b": GptShape(32, 4096, 32, vocab=32000, seq=4096),
 }

@@ -75,6 +75,10 @@ class Op:
     # NOTE: the matmuls it runs, (M, N, K, batch) each: a device that times GEMMs by their
     # shapes (``fitgraph.hw``'s chips) prices them so; a roofline by the FLOPs otherwise
     gemms: tuple[tuple[int, int, int, int], ...] = ()
+    # NOTE: an elementwise op's arithmetic on the vector units (forward, backward): bound by
+    # memory on GPUs, not on a chip with few vector lanes; not model FLOPs (MFU counts matmuls)
+    vector_flops: float = 0.0
+    bwd_vector_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bwd_flops is None:

@@ -60,6 +60,10 @@ class Chip:
             (bytes/s); ``link_latency_s`` per message; ``topology``: "torus3d", "torus2d",
             "ring" or "switch" (every pair one hop, as NVSwitch).
         dataflow: "weight-stationary" (TPU MXU) or "output-stationary".
+        sram_bank_bytes, sram_port_bytes: the on-chip memory is banks of this size, each
+            reading or writing ``sram_port_bytes`` per cycle (``sram_bandwidth``): a compiled
+            SRAM macro of 1,024 words of 256 bits, one access per cycle, an assumption (the
+            vendors do not publish their banking), so that more SRAM feeds more arrays.
         description: where the numbers come from.
     """
 
@@ -79,6 +83,8 @@ class Chip:
     link_latency_s: float = 1e-6
     topology: str = "torus3d"
     dataflow: str = "weight-stationary"
+    sram_bank_bytes: int = 32 * KiB
+    sram_port_bytes: int = 32
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -105,6 +111,12 @@ class Chip:
         """The vector units' FP32 peak: an FMA per lane per cycle."""
         return 2.0 * self.vector_cores * self.vector_lanes * (self.vector_clock_hz
                                                               or self.clock_hz)
+
+    @property
+    def sram_bandwidth(self) -> float:
+        """Bytes/s the on-chip memory moves to and from the arrays, all banks at once."""
+        banks = max(1, self.sram_bytes // self.sram_bank_bytes)
+        return banks * self.sram_port_bytes * self.clock_hz
 
     @property
     def injection_bandwidth(self) -> float:

@@ -15,8 +15,13 @@ A GEMM ``C[M, N] = A[M, K] · B[K, N]`` (``batch`` times) runs as:
   partial sums) while slices of ``A`` and ``B`` stream in, double-buffered, one array depth
   of the reduction at a time; each of ``A`` is read from HBM ``⌈N/Nb⌉`` times, ``B`` ``⌈M/Mb⌉``
   times, ``C`` written once. The blocks are the ones that fit and move the least.
-- The GEMM takes the longer of the two (compute and traffic overlap), never less than one
-  tile's pipeline.
+- **Between the SRAM and the arrays.** Weight-stationary: each weight tile is loaded once,
+  ``A`` streams in once per column of tiles (``⌈N/cols⌉`` times: a narrow array re-reads its
+  input often), ``C`` leaves once (partial sums stay in the arrays' accumulators);
+  output-stationary: ``A`` once per column of tiles, ``B`` once per row of tiles
+  (``⌈M/rows⌉``), ``C`` once. Over the SRAM's bandwidth (``Chip.sram_bandwidth``: its banks).
+- The GEMM takes the longest of the three (they overlap), never less than one tile's
+  pipeline.
 
 Example (TPUv4 on a square bf16 GEMM: 8 arrays of 128×128 at 1.05 GHz, near peak):
     >>> from fitgraph.hw.chip import CHIPS
@@ -46,6 +51,7 @@ class Gemm:
     compute_s: float      # on the arrays, tile by tile
     traffic_s: float      # HBM bytes over HBM bandwidth
     hbm_bytes: float
+    sram_s: float         # bytes between the SRAM and the arrays over its bandwidth
     utilization: float    # FLOPs over the arrays' peak over ``seconds``
     block: tuple[int, int]  # the SRAM block of C (Mb, Nb)
 
@@ -61,22 +67,33 @@ def gemm_timing(chip: Chip, m: int, n: int, k: int, batch: int = 1,
     if min(m, n, k, batch) < 1:
         raise ValueError(f"GEMM {batch} x [{m}, {k}] x [{k}, {n}]: every size must be >= 1")
     return _timing(chip.tensor_cores, chip.array_rows, chip.array_cols, chip.dataflow,
-                   chip.sram_bytes, chip.hbm_bandwidth, chip.clock_hz, int(m), int(n), int(k),
-                   int(batch), int(itemsize))
+                   chip.sram_bytes, chip.hbm_bandwidth, chip.clock_hz, chip.sram_bandwidth,
+                   int(m), int(n), int(k), int(batch), int(itemsize))
 
 
 @lru_cache(maxsize=1 << 16)
 def _timing(arrays: int, rows: int, cols: int, dataflow: str, sram: int, hbm_bw: float,
-            clock: float, m: int, n: int, k: int, batch: int, itemsize: int) -> Gemm:
+            clock: float, sram_bw: float, m: int, n: int, k: int, batch: int,
+            itemsize: int) -> Gemm:
     cycles = _compute_cycles(arrays, rows, cols, dataflow, m, n, k, batch)
     compute_s = cycles / clock
     (mb, nb), traffic = _blocks(sram, rows, m, n, k, itemsize)
     traffic *= batch
     traffic_s = traffic / hbm_bw
-    seconds = max(compute_s, traffic_s)
+    sram_s = batch * _feed_bytes(rows, cols, dataflow, m, n, k, itemsize) / sram_bw
+    seconds = max(compute_s, traffic_s, sram_s)
     peak = 2.0 * arrays * rows * cols * clock
-    return Gemm(seconds, compute_s, traffic_s, traffic,
+    return Gemm(seconds, compute_s, traffic_s, traffic, sram_s,
                 2.0 * m * n * k * batch / (seconds * peak), (mb, nb))
+
+
+def _feed_bytes(rows: int, cols: int, dataflow: str, m: int, n: int, k: int,
+                itemsize: int) -> float:
+    """Bytes one GEMM moves between the SRAM and the arrays."""
+    a, b, c = m * k * itemsize, k * n * itemsize, m * n * itemsize
+    if dataflow == "weight-stationary":
+        return float(b + a * math.ceil(n / cols) + c)
+    return float(a * math.ceil(n / cols) + b * math.ceil(m / rows) + c)
 
 
 def _compute_cycles(arrays: int, rows: int, cols: int, dataflow: str, m: int, n: int, k: int,
