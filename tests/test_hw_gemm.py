@@ -103,12 +103,28 @@ def test_the_sram_feed_by_hand_and_narrow_arrays_re_read_their_input():
     # 2 banks of 32 KiB, 1 byte per cycle each: 2 GB/s between the SRAM and the array
     chip = _toy(sram_bytes=64 * 1024, sram_port_bytes=1)
     g = gemm_timing(chip, 16, 8, 8)
-    # weights once (8x8), the input once per column of tiles (2), the output once: bf16
-    fed = 2 * (8 * 8 + 16 * 8 * 2 + 16 * 8)
+    # weights once (8x8, bf16), the input once per column of tiles (2), the float32 partial
+    # sums out after each of the 2 rows of tiles and back in once
+    fed = 2 * (8 * 8 + 16 * 8 * 2) + 4 * 16 * 8 * (2 * 2 - 1)
     assert g.sram_s == pytest.approx(fed / 2e9) and g.seconds == g.sram_s
     wide = CHIPS["tpuv4"]
     narrow = wide.replace(tensor_cores=128, array_rows=32, array_cols=32)
     assert narrow.pes == wide.pes
     a, b = (gemm_timing(c, 4096, 4096, 4096) for c in (wide, narrow))
-    # the input re-read per column of tiles: 128 times, not 32 (weights and output once each)
-    assert b.sram_s / a.sram_s == pytest.approx((128 + 2) / (32 + 2))
+    # the input re-read per column of tiles (128 times, not 32), the partial sums per row of
+    # tiles (2 x 128 - 1 passes, not 2 x 32 - 1, of float32: twice the bf16 bytes); the
+    # weights once; in units of one bf16 matrix
+    assert b.sram_s / a.sram_s == pytest.approx((1 + 128 + 2 * 255) / (1 + 32 + 2 * 63))
+
+
+def test_this_machines_cpu_in_the_template_and_the_sweep_runs():
+    from fitgraph.bench import gemm_sweep
+    from fitgraph.hw.host import host_chip
+
+    chip = host_chip(cores=2)
+    assert chip.tensor_cores == 2 and chip.peak_flops() > 0
+    assert chip.array_rows * chip.array_cols * 2 * chip.clock_hz == chip.peak_flops() / 2
+    res = gemm_sweep.run("cpu", rounds=1, shapes=[(64, 64, 64), (128, 32, 256)])
+    assert [r["m"] for r in res["rows"]] == [64, 128]
+    assert all(r["measured_tflops"] > 0 and r["predicted_tflops"] > 0 for r in res["rows"])
+    assert "predicted / measured" in gemm_sweep.markdown(res)

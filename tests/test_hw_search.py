@@ -113,3 +113,12 @@ def test_the_cli_prints_the_search_as_json_and_plots_it(tmp_path, capsys):
                "--space", "small", "--objective", "perf-per-watt"])
     text = capsys.readouterr().out
     assert rc == 0 and "baseline (TPUv4-like)" in text and "best / baseline" in text
+
+
+def test_the_benchmarks_table_reads_saved_searches(tmp_path):
+    from fitgraph.bench import hw_search
+
+    r = co_search(SHAPE, DEVICES, BATCH, space=SMALL)
+    (tmp_path / "search_gpt2-xl.json").write_text(json.dumps(r.to_json()))
+    table = hw_search.markdown(tmp_path)
+    assert table.count("\n") == 2 and "| gpt2-xl |" in table and "x |" in table

@@ -7,6 +7,8 @@
     fitgraph bench [--models gpt2,unet] [--budgets 0.9,0.7,0.5] [--out DIR]
     fitgraph plan-dist MODEL --devices N --global-batch B [--device a100-80gb]
                              [--gpus-per-node 8] [--fix tp=8,pp=8,...] [--json] [--plot FILE]
+    fitgraph hw-search MODEL --global-batch B [--devices 1024] [--area-budget tpuv4|MM2]
+                             [--objective throughput|perf-per-area|perf-per-watt] [--json]
     fitgraph models
 
 Example:

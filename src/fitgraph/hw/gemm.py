@@ -17,8 +17,8 @@ A GEMM ``C[M, N] = A[M, K] · B[K, N]`` (``batch`` times) runs as:
   times, ``C`` written once. The blocks are the ones that fit and move the least.
 - **Between the SRAM and the arrays.** Weight-stationary: each weight tile is loaded once,
   ``A`` streams in once per column of tiles (``⌈N/cols⌉`` times: a narrow array re-reads its
-  input often), ``C`` leaves once (partial sums stay in the arrays' accumulators);
-  output-stationary: ``A`` once per column of tiles, ``B`` once per row of tiles
+  input often) and ``C``'s float32 partial sums go out after each row of tiles and come back
+  for the next (``2⌈K/rows⌉ − 1`` passes: a short array accumulates often); output-stationary: ``A`` once per column of tiles, ``B`` once per row of tiles
   (``⌈M/rows⌉``), ``C`` once. Over the SRAM's bandwidth (``Chip.sram_bandwidth``: its banks).
 - The GEMM takes the longest of the three (they overlap), never less than one tile's
   pipeline.
@@ -92,7 +92,7 @@ def _feed_bytes(rows: int, cols: int, dataflow: str, m: int, n: int, k: int,
     """Bytes one GEMM moves between the SRAM and the arrays."""
     a, b, c = m * k * itemsize, k * n * itemsize, m * n * itemsize
     if dataflow == "weight-stationary":
-        return float(b + a * math.ceil(n / cols) + c)
+        return float(b + a * math.ceil(n / cols) + m * n * ACC * (2 * math.ceil(k / rows) - 1))
     return float(a * math.ceil(n / cols) + b * math.ceil(m / rows) + c)
 
 
