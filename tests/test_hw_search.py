@@ -113,6 +113,11 @@ def test_the_cli_prints_the_search_as_json_and_plots_it(tmp_path, capsys):
                "--space", "small", "--objective", "perf-per-watt"])
     text = capsys.readouterr().out
     assert rc == 0 and "baseline (TPUv4-like)" in text and "best / baseline" in text
+    # a zoo model: its step captured, re-timed on each chip
+    rc = main(["hw-search", "gpt2", "--devices", "8", "--global-batch", "32", "--space",
+               "small", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["best"]["tokens_per_s"] >= out["baseline"]["tokens_per_s"] > 0
 
 
 def test_the_benchmarks_table_reads_saved_searches(tmp_path):
@@ -122,3 +127,42 @@ def test_the_benchmarks_table_reads_saved_searches(tmp_path):
     (tmp_path / "search_gpt2-xl.json").write_text(json.dumps(r.to_json()))
     table = hw_search.markdown(tmp_path)
     assert table.count("\n") == 2 and "| gpt2-xl |" in table and "x |" in table
+
+
+@pytest.fixture(scope="module")
+def captured():
+    import torch
+
+    import fitgraph
+    from fitgraph.dist.graph_model import GraphModel
+    from fitgraph.hw.area import TPUV4_LIKE
+    from fitgraph.hw.cost_model import ChipCostModel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                                    torch.nn.Linear(512, 256))
+                                for _ in range(4)])
+    g = fitgraph.capture(net, torch.randn(32, 256), lambda m, x: m(x).square().mean())
+    return GraphModel(g, ChipCostModel(TPUV4_LIKE), batch_size=32)
+
+
+@pytest.mark.parametrize("chip", list(_random_chips(4, seed=7)))
+def test_no_plan_of_a_captured_model_beats_its_bound(chip, captured):
+    from fitgraph.hw.bound import graph_step_bounds
+
+    cand = plan_chip(Candidate(chip, 0.0, 1.0, 0.0), captured, DEVICES, 256)
+    assert cand.tokens_per_s > 0, cand.binding
+    assert cand.step_s >= graph_step_bounds([chip], captured, DEVICES, 256)[0]
+
+
+def test_a_captured_model_is_re_timed_on_each_chip(captured):
+    from fitgraph.hw.cost_model import ChipCostModel
+
+    slow, fast = (captured.retimed(ChipCostModel(CHIPS["tpuv4"].replace(tensor_cores=n)))
+                  for n in (1, 8))
+    a, b = (sum(op.seconds for blk in m.blocks(1, 32, False) for op in blk.ops)
+            for m in (slow, fast))
+    assert b < a
+    r = co_search(captured, DEVICES, 256, space=SMALL)
+    assert r.best is not None and r.best.tokens_per_s >= r.baseline.tokens_per_s
+    assert r.unresolved == 0

@@ -19,8 +19,15 @@ __all__ = ["add_parser", "build_parser", "cmd_hw_search", "format_search"]
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads) or a GPT preset: "
-                   "gpt3-175b, llama2-7b, bert-large, gpt2-xl, gpt-1.7b ... gpt-1t")
+    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), a GPT preset "
+                   "(gpt3-175b, llama2-7b, bert-large, gpt2-xl, gpt-1.7b ... gpt-1t), or a zoo "
+                   "model (`fitgraph models`: its step captured, re-timed on each chip)")
+    p.add_argument("--config", default="small", choices=["small", "paper"],
+                   help="zoo model size (paper: built on the meta device)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="zoo model: the batch to capture at (micro-batches scale from it)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="zoo model: the dtype to capture in (default bfloat16)")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
@@ -36,8 +43,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", default="phaze", choices=["phaze", "small"],
                    help="phaze: Phaze's axes (array sides 2-256, 1-4096 tensor and vector "
                         "cores, 2-128 MiB) x HBM bandwidth x links; small: a quick look")
-    p.add_argument("--precision", default="mixed-adam",
-                   choices=["mixed-adam", "fp32-adam", "mixed-sgd"])
+    p.add_argument("--precision", default=None,
+                   choices=["mixed-adam", "fp32-adam", "mixed-sgd"],
+                   help="bytes per parameter (default mixed-adam; fp32-adam for a zoo model "
+                        "captured in float32)")
     p.add_argument("--time-limit", type=float, default=540.0,
                    help="seconds for the whole search; configurations left unplanned whose "
                         "bound still beats the best are counted as unresolved")
@@ -59,26 +68,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_hw_search(args) -> int:
-    from .cli_plan_dist import gpt_shape
     from .dist.memory import PRECISIONS
     from .hw.search import co_search
     from .hw.space import SPACES
 
-    shape = gpt_shape(args)
+    model = _model(args)
 
     def progress(i, n, cand, best):
         if not args.json and i % 50 == 0:
             print(f"  planned {i} (of {n} bounded), best {best.tokens_per_s:,.0f} tokens/s"
                   if best else f"  planned {i}", file=sys.stderr, flush=True)
 
-    result = co_search(shape, args.devices, args.global_batch, space=SPACES[args.space],
-                       area=args.area_budget,
-                       objective=args.objective, precision=PRECISIONS[args.precision],
+    result = co_search(model, args.devices, args.global_batch, space=SPACES[args.space],
+                       area=args.area_budget, objective=args.objective,
+                       precision=PRECISIONS[args.precision or "mixed-adam"],
                        time_limit_s=args.time_limit, progress=progress)
     if args.plot:
         _plot(result, args.plot)
     print(json.dumps(result.to_json(), indent=1) if args.json else format_search(result))
     return 0 if result.best is not None else 2
+
+
+def _model(args):
+    """A GPT by its shape, or a zoo model's captured step (timed per chip by
+    ``hw.cost_model``: the capture's times are replaced)."""
+    from .cli_plan_dist import captured_model, gpt_shape
+    from .dist.megatron_table import GPT_PRESETS
+
+    if args.model == "gpt" or args.model in GPT_PRESETS:
+        return gpt_shape(args)
+    from .hw.area import TPUV4_LIKE
+    from .hw.cost_model import ChipCostModel
+
+    return captured_model(args, ChipCostModel(TPUV4_LIKE), "bfloat16", "hw-search")
 
 
 def _row(c) -> str:

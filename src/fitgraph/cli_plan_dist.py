@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["add_parser", "build_parser", "cmd_plan_dist", "format_plan", "gpt_shape"]
+__all__ = ["add_parser", "build_parser", "captured_model", "cmd_plan_dist", "format_plan",
+           "gpt_shape"]
 
 GIB = 2**30
 
@@ -83,31 +84,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model(args, cluster):
     """A GPT by its shape, or a zoo model's captured step (timed on the cluster's device)."""
+    from .cost import RooflineCostModel
     from .dist.megatron_table import GPT_PRESETS
 
     if args.model == "gpt" or args.model in GPT_PRESETS:
         return gpt_shape(args)
+    cpu = cluster.device.name.startswith("cpu")
+    return captured_model(args, RooflineCostModel(cluster.device),
+                          "float32" if cpu else "bfloat16", "plan-dist")
+
+
+def captured_model(args, cost_model, default_dtype: str, command: str):
+    """A zoo model's captured step as the planner's ``GraphModel`` timed by ``cost_model``
+    (``args``: model, config, batch, dtype; sets ``args.precision`` where unset)."""
     import torch
 
     from . import zoo
     from .capture.api import capture
-    from .cost import RooflineCostModel
     from .dist.graph_model import GraphModel
+    from .dist.megatron_table import GPT_PRESETS
 
-    dtype = args.dtype or ("float32" if cluster.device.name.startswith("cpu") else "bfloat16")
+    dtype = args.dtype or default_dtype
     try:
         case = zoo.build(args.model, args.config, batch_size=args.batch,
                          device="meta" if args.config == "paper" else "cpu",
                          dtype=getattr(torch, dtype))
     except (KeyError, ValueError) as e:
-        raise SystemExit(f"plan-dist: {e}; or 'gpt' with --layers/--hidden/--heads, or one of "
+        raise SystemExit(f"{command}: {e}; or 'gpt' with --layers/--hidden/--heads, or one of "
                          f"{', '.join(GPT_PRESETS)}") from None
     graph = capture(case.model, case.batch, case.loss_fn, None)
     batch, seq = _batch_shape(case.batch)
     if args.precision is None:
         args.precision = "fp32-adam" if dtype == "float32" else "mixed-adam"
     # NOTE: a plan for --emit-script is one the runtime runs: no loss in parts
-    return GraphModel(graph, RooflineCostModel(cluster.device), batch_size=batch,
+    return GraphModel(graph, cost_model, batch_size=batch,
                       name=f"{args.model} ({args.config}, {dtype})", seq=seq,
                       loss_in_parts=not getattr(args, "emit_script", None))
 

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from dataclasses import replace
@@ -117,6 +118,19 @@ class GraphModel:
     def model_flops(self, samples: int) -> float:
         return self._flops * samples / self.batch_size
 
+    def retimed(self, cost_model: CostModel) -> GraphModel:
+        """The same model timed by another cost model (a candidate chip, ``fitgraph.hw``):
+        its chain, cuts and memory kept, each unit's seconds re-made from its nodes."""
+        new = copy.copy(self)
+        new._chain = self._chain.retimed(cost_model)
+        new._at = {}
+        return new
+
+    def timed_nodes(self) -> list[int]:
+        """The nodes whose times make the blocks' forward and backward seconds."""
+        ch = self._chain
+        return [m for u in sorted({*ch.fstage, *ch.bstage}) for m in ch.sg.units[u].members]
+
     def op_signature(self, block: str) -> list[list]:
         """The ops of ``block`` as the runtime finds them (``dist.runtime.op_recompute``): per
         op ``o{i}``, the ATen ops of its unit and whether the block's plan keeps its output
@@ -177,6 +191,14 @@ class _Chain:
         self.bwd_peak = list(chain.model.b_peak) if chain else [0] * len(names)
         self.loss_parts = _loss_parts(graph, sg, fstage, node_block, len(names) - 1)
         self.tied_add = _tied_grad_adds(graph, sg, bstage, len(names))
+
+    def retimed(self, cost_model: CostModel) -> _Chain:
+        new = copy.copy(self)
+        g = self.graph
+        new.sg = replace(self.sg, units=tuple(
+            replace(u, seconds=sum(cost_model.node_cost(g, g.nodes[m]).seconds
+                                   for m in u.members)) for u in self.sg.units))
+        return new
 
     def tp_map(self, tp: int) -> TensorParallelMap:
         if tp not in self._maps:

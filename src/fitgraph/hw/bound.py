@@ -11,6 +11,12 @@ never takes away, so its step is never shorter (for the widths and micro-batches
 may use: ``widths``, by default every width up to ``MAX_TP`` that divides the devices, and
 ``micro_batches``).
 
+A captured model (``dist.GraphModel``) is bounded the same way: the planner times its blocks
+by its units' nodes, scaled linearly with the micro-batch and split, not re-timed, over a
+tensor-parallel group — so no plan's busiest device computes less than the whole step's
+nodes (``GraphModel.timed_nodes``, on the chip: ``hw.cost_model``) times ``B`` over the
+captured batch, over ``devices``.
+
 Example:
     >>> from fitgraph.dist import GptShape
     >>> from fitgraph.hw.chip import CHIPS
@@ -29,7 +35,7 @@ from ..dist.search import MICRO_BATCHES
 from .chip import Chip
 from .device import chip_device
 
-__all__ = ["MAX_TP", "step_bound", "step_bounds"]
+__all__ = ["MAX_TP", "graph_step_bounds", "step_bound", "step_bounds"]
 
 # NOTE: Phaze's widest tensor parallelism (its --phaze_max_tmp_width 8); the co-search plans
 # with the same limit
@@ -98,3 +104,29 @@ def _sums(ops, device, dtype: str) -> tuple[float, float]:
         else:
             vector += n * (fwd + bwd)
     return gemm, vector
+
+
+def graph_step_bounds(chips: list[Chip], model, devices: int, global_batch: int) -> list[float]:
+    """``step_bound`` of each chip for a captured model (a ``dist.GraphModel``): its timed
+    nodes' seconds on the chip, the GEMMs summed once per distinct arrays and the rest once
+    per distinct vector units, peak and HBM."""
+    from .cost_model import ChipCostModel, node_gemms
+
+    graph = model._chain.graph
+    nodes = [graph.nodes[m] for m in model.timed_nodes()]
+    gemm_nodes = [n for n in nodes if node_gemms(graph, n)]
+    other_nodes = [n for n in nodes if not node_gemms(graph, n)]
+    arrays: dict[tuple, float] = {}
+    others: dict[tuple, float] = {}
+    out = []
+    for chip in chips:
+        a_key = (chip.tensor_cores, chip.array_rows, chip.array_cols, chip.dataflow,
+                 chip.sram_bytes, chip.hbm_bandwidth, chip.clock_hz)
+        o_key = (chip.vector_flops(), chip.peak_flops(), chip.hbm_bandwidth)
+        if a_key not in arrays or o_key not in others:
+            cm = ChipCostModel(chip)
+            arrays.setdefault(a_key, sum(cm.node_cost(graph, n).seconds for n in gemm_nodes))
+            others.setdefault(o_key, sum(cm.node_cost(graph, n).seconds for n in other_nodes))
+        seconds = arrays[a_key] + others[o_key]
+        out.append(seconds * global_batch / (model.batch_size * devices))
+    return out

@@ -31,7 +31,7 @@ from ..dist.memory import MIXED_ADAM, Precision
 from ..dist.model import GptModel
 from ..dist.search import search
 from .area import TPUV4_LIKE, area_budget, chip_area, chip_power
-from .bound import MAX_TP, step_bounds
+from .bound import MAX_TP, graph_step_bounds, step_bounds
 from .chip import Chip
 from .device import chip_cluster
 from .space import Space, configurations
@@ -119,11 +119,22 @@ class CoSearch:
                 "pareto": [c.to_json() for c in self.pareto()]}
 
 
-def plan_chip(candidate: Candidate, shape: GptShape, devices: int, global_batch: int,
+def _spec(model, chip: Chip):
+    """The planner's model of ``model`` (a GPT shape or a captured ``GraphModel``) on ``chip``."""
+    if isinstance(model, GptShape):
+        return GptModel(model)
+    from .cost_model import ChipCostModel
+
+    return model.retimed(ChipCostModel(chip))
+
+
+def plan_chip(candidate: Candidate, model, devices: int, global_batch: int,
               precision: Precision = MIXED_ADAM, fix: dict | None = None) -> Candidate:
-    """Plan ``shape`` on ``devices`` of the candidate's chip (1F1B unless ``fix`` says
-    otherwise; tensor parallelism up to 8 wide); fills in its throughput."""
-    found = search(GptModel(shape), chip_cluster(candidate.chip, devices), global_batch,
+    """Plan ``model`` (a ``GptShape`` or a captured ``dist.GraphModel``) on ``devices`` of the
+    candidate's chip (1F1B unless ``fix`` says otherwise; tensor parallelism up to 8 wide);
+    fills in its throughput."""
+    found = search(_spec(model, candidate.chip), chip_cluster(candidate.chip, devices),
+                   global_batch,
                    fixed={"schedule": "1f1b", **(fix or {})}, precision=precision, top=1,
                    max_tp=MAX_TP)
     if found.best is None:
@@ -138,29 +149,31 @@ def plan_chip(candidate: Candidate, shape: GptShape, devices: int, global_batch:
     return candidate
 
 
-def _candidates(chips: list[Chip], shape: GptShape, devices: int,
+def _candidates(chips: list[Chip], model, devices: int,
                 global_batch: int) -> list[Candidate]:
-    tokens = global_batch * shape.seq
-    bounds = step_bounds(chips, shape, devices, global_batch)
+    tokens = global_batch * model.seq
+    bounds = (step_bounds(chips, model, devices, global_batch) if isinstance(model, GptShape)
+              else graph_step_bounds(chips, model, devices, global_batch))
     return [Candidate(c, chip_area(c).total, chip_power(c), tokens / b)
             for c, b in zip(chips, bounds)]
 
 
-def co_search(shape: GptShape, devices: int, global_batch: int, *, space: Space | None = None,
+def co_search(model, devices: int, global_batch: int, *, space: Space | None = None,
               area: str | float = "tpuv4", objective: str = "throughput",
               precision: Precision = MIXED_ADAM, time_limit_s: float = 540.0,
               fix: dict | None = None, progress=None) -> CoSearch:
-    """Search ``space`` for the chip whose best plan of ``shape`` on ``devices`` chips at
-    ``global_batch`` samples per step scores best on ``objective``."""
+    """Search ``space`` for the chip whose best plan of ``model`` (a ``GptShape``, or a captured
+    step as a ``dist.GraphModel``) on ``devices`` chips at ``global_batch`` samples per step
+    scores best on ``objective``."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
     start = time.perf_counter()
     space = space or Space()
     budget = area_budget(area)
-    cands = _candidates(list(configurations(space, budget)), shape, devices, global_batch)
+    cands = _candidates(list(configurations(space, budget)), model, devices, global_batch)
     bound_s = time.perf_counter() - start
     cands.sort(key=lambda c: -c.score(objective, bound=True))
-    baseline = plan_chip(_candidates([TPUV4_LIKE], shape, devices, global_batch)[0], shape,
+    baseline = plan_chip(_candidates([TPUV4_LIKE], model, devices, global_batch)[0], model,
                          devices, global_batch, precision, fix)
     best: Candidate | None = None
     evaluated: list[Candidate] = []
@@ -175,7 +188,7 @@ def co_search(shape: GptShape, devices: int, global_batch: int, *, space: Space 
                              or c.score(objective, bound=True) > best.score(objective))
             pruned = len(rest) - unresolved
             break
-        plan_chip(cand, shape, devices, global_batch, precision, fix)
+        plan_chip(cand, model, devices, global_batch, precision, fix)
         evaluated.append(cand)
         if cand.tokens_per_s and (best is None
                                   or cand.score(objective) > best.score(objective)):
