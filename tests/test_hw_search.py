@@ -52,8 +52,13 @@ def test_the_batched_bounds_are_the_single_ones():
 
 
 def test_the_space_keeps_what_fits_the_budget():
+    import dataclasses
+
     budget = area_budget("tpuv4")
     chips = list(configurations(SMALL, budget))
+    assert {c.hbm_bytes for c in chips} == {CHIPS["tpuv4"].hbm_bytes}
+    big = list(configurations(dataclasses.replace(SMALL, hbm_gib=80), budget))
+    assert len(big) == len(chips) and {c.hbm_bytes for c in big} == {80 * 2**30}
     assert 0 < len(chips) < SMALL.size()
     assert all(chip_area(c).total <= budget for c in chips)
     assert len({c.name for c in chips}) == len(chips)
@@ -110,7 +115,7 @@ def test_the_cli_prints_the_search_as_json_and_plots_it(tmp_path, capsys):
     assert rc == 0 and out["configs_evaluated"] > 0 and out["best"]["tokens_per_s"] > 0
     assert out["gain"] >= 1.0 and plot.stat().st_size > 0
     rc = main(["hw-search", "bert-large", "--devices", "16", "--global-batch", "64",
-               "--space", "small", "--objective", "perf-per-watt"])
+               "--space", "small", "--objective", "perf-per-watt", "--hbm-gib", "80"])
     text = capsys.readouterr().out
     assert rc == 0 and "baseline (TPUv4-like)" in text and "best / baseline" in text
     # a zoo model: its step captured, re-timed on each chip

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -43,6 +44,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", default="phaze", choices=["phaze", "small"],
                    help="phaze: Phaze's axes (array sides 2-256, 1-4096 tensor and vector "
                         "cores, 2-128 MiB) x HBM bandwidth x links; small: a quick look")
+    p.add_argument("--hbm-gib", type=int, default=None,
+                   help="HBM capacity of every chip searched, the baseline's too (default "
+                        "TPUv4's 32; Phaze sweeps 32, 64, 80)")
     p.add_argument("--precision", default=None,
                    choices=["mixed-adam", "fp32-adam", "mixed-sgd"],
                    help="bytes per parameter (default mixed-adam; fp32-adam for a zoo model "
@@ -79,7 +83,10 @@ def cmd_hw_search(args) -> int:
             print(f"  planned {i} (of {n} bounded), best {best.tokens_per_s:,.0f} tokens/s"
                   if best else f"  planned {i}", file=sys.stderr, flush=True)
 
-    result = co_search(model, args.devices, args.global_batch, space=SPACES[args.space],
+    space = SPACES[args.space]
+    if args.hbm_gib:
+        space = dataclasses.replace(space, hbm_gib=args.hbm_gib)
+    result = co_search(model, args.devices, args.global_batch, space=space,
                        area=args.area_budget, objective=args.objective,
                        precision=PRECISIONS[args.precision or "mixed-adam"],
                        time_limit_s=args.time_limit, progress=progress)

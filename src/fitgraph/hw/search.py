@@ -173,7 +173,9 @@ def co_search(model, devices: int, global_batch: int, *, space: Space | None = N
     cands = _candidates(list(configurations(space, budget)), model, devices, global_batch)
     bound_s = time.perf_counter() - start
     cands.sort(key=lambda c: -c.score(objective, bound=True))
-    baseline = plan_chip(_candidates([TPUV4_LIKE], model, devices, global_batch)[0], model,
+    base_chip = (TPUV4_LIKE.replace(hbm_bytes=space.hbm_gib * 2**30) if space.hbm_gib
+                 else TPUV4_LIKE)
+    baseline = plan_chip(_candidates([base_chip], model, devices, global_batch)[0], model,
                          devices, global_batch, precision, fix)
     best: Candidate | None = None
     evaluated: list[Candidate] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .chip import Chip, MiB, get_chip
+from .chip import Chip, GiB, MiB, get_chip
 
 __all__ = ["SPACES", "Space", "configurations"]
 
@@ -43,6 +43,9 @@ class Space:
     # NOTE: (links, bytes/s each way per link): TPUv4's 6 x 50 GB/s ICI and a doubled one
     links: tuple[tuple[int, float], ...] = ((6, 50e9), (6, 100e9))
     base: str = "tpuv4"
+    # NOTE: HBM capacity costs no die area here (it sits in the stacks): a search takes one,
+    # as Phaze sweeps its 32/64/80 GB outside the search (None: the base chip's)
+    hbm_gib: int | None = None
     # NOTE: Phaze keeps a configuration of at least 30% of the budget's area unless it has one
     # tensor or one vector core (its architecture.py): a chip far under budget is not a
     # candidate to build when more of the same fits
@@ -86,6 +89,8 @@ def configurations(space: Space, budget_mm2: float,
                                     tensor_cores=n, array_rows=rows, array_cols=cols,
                                     vector_cores=m, vector_lanes=space.vector_lanes,
                                     sram_bytes=sram * MiB, hbm_bandwidth=bw, links=links,
+                                    hbm_bytes=(space.hbm_gib * GiB if space.hbm_gib
+                                               else base.hbm_bytes),
                                     link_bandwidth=link_bw, description="searched")
                                 area = area_of(chip)
                                 floor = (0.0 if n == 1 or m == 1
