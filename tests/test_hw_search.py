@@ -118,6 +118,12 @@ def test_the_cli_prints_the_search_as_json_and_plots_it(tmp_path, capsys):
                "--space", "small", "--objective", "perf-per-watt", "--hbm-gib", "80"])
     text = capsys.readouterr().out
     assert rc == 0 and "baseline (TPUv4-like)" in text and "best / baseline" in text
+
+
+@pytest.mark.slow
+def test_the_cli_searches_for_a_zoo_model(capsys):
+    from fitgraph.cli import main
+
     # a zoo model: its step captured, re-timed on each chip
     rc = main(["hw-search", "gpt2", "--devices", "8", "--global-batch", "32", "--space",
                "small", "--json"])
@@ -168,6 +174,10 @@ def test_a_captured_model_is_re_timed_on_each_chip(captured):
     a, b = (sum(op.seconds for blk in m.blocks(1, 32, False) for op in blk.ops)
             for m in (slow, fast))
     assert b < a
+
+
+@pytest.mark.slow
+def test_the_co_search_takes_a_captured_model(captured):
     r = co_search(captured, DEVICES, 256, space=SMALL)
     assert r.best is not None and r.best.tokens_per_s >= r.baseline.tokens_per_s
     assert r.unresolved == 0

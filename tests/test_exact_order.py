@@ -1,0 +1,65 @@
+"""The exact scheduler (issue 30): on random graphs its order is a topological order of the
+dependencies, its peak never above the greedy order's (with and without a remat drop set), and
+on small graphs, with one window over the whole graph, the least of every topological order's."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_graph_plan_sim import random_graphs
+
+from fitgraph.graph.deps import dependencies
+from fitgraph.plan.exact_order import exact_order, order_peak
+from fitgraph.plan.reorder import memory_aware_order
+
+
+def _topological(g, order) -> bool:
+    deps = dependencies(g)
+    at = {n: i for i, n in enumerate(order)}
+    return sorted(order) == [n.id for n in g.nodes] and all(
+        at[d] < at[n] for n, ds in deps.items() for d in ds)
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_graphs(), st.integers(2, 12), st.randoms(use_true_random=False))
+def test_never_above_the_greedy_and_always_topological(case, window, rnd):
+    g, _ = case
+    fwd = [n.id for n in g.nodes if n.phase.name == "FORWARD"]
+    for drop in ([], [n for n in fwd if rnd.random() < 0.4]):
+        order = exact_order(g, drop, window=window)
+        assert _topological(g, order)
+        greedy = memory_aware_order(g, "strict", drop)
+        assert order_peak(g, order, drop) <= order_peak(g, greedy, drop)
+
+
+@settings(max_examples=120, deadline=None)
+@given(random_graphs())
+def test_one_window_over_a_small_graph_is_the_least_of_all_orders(case):
+    g, _ = case
+    if len(g.nodes) > 8:
+        return
+    deps = dependencies(g)
+    best = min(order_peak(g, list(p)) for p in itertools.permutations(range(len(g.nodes)))
+               if all(p.index(d) < p.index(n) for n, ds in deps.items() for d in ds))
+    assert order_peak(g, exact_order(g, window=len(g.nodes))) == best
+
+
+def test_a_window_too_wide_to_search_keeps_the_greedy_order():
+    from fitgraph.graph.ir import GraphBuilder, Role
+
+    b = GraphBuilder()
+    x = b.add_input("x", (16,), "float32", Role.INPUT)
+    # twelve independent branches: 2^12 sets of them run so far
+    outs = [b.add_node("aten.op.default", [x], [((16 * (i + 1),), "float32")])[0]
+            for i in range(12)]
+    total = b.add_node("aten.op.default", outs[:3], [((1,), "float32")])[0]
+    for o in outs[3:]:
+        total = b.add_node("aten.op.default", [total, o], [((1,), "float32")])[0]
+    g = b.finish({"loss": total})
+    greedy = memory_aware_order(g, "strict")
+    assert exact_order(g, window=len(g.nodes), max_states=100) == greedy
+    assert order_peak(g, exact_order(g, window=len(g.nodes))) <= order_peak(g, greedy)
+    random.Random(0)
