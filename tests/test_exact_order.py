@@ -1,11 +1,11 @@
 """The exact scheduler (issue 30): on random graphs its order is a topological order of the
-dependencies, its peak never above the greedy order's (with and without a remat drop set), and
+dependencies, its peak never above the greedy order's or eager's (with and without a remat
+drop set), and
 on small graphs, with one window over the whole graph, the least of every topological order's."""
 
 from __future__ import annotations
 
 import itertools
-import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,6 +33,7 @@ def test_never_above_the_greedy_and_always_topological(case, window, rnd):
         assert _topological(g, order)
         greedy = memory_aware_order(g, "strict", drop)
         assert order_peak(g, order, drop) <= order_peak(g, greedy, drop)
+        assert order_peak(g, order, drop) <= order_peak(g, [n.id for n in g.nodes], drop)
 
 
 @settings(max_examples=120, deadline=None)
@@ -60,6 +61,6 @@ def test_a_window_too_wide_to_search_keeps_the_greedy_order():
         total = b.add_node("aten.op.default", [total, o], [((1,), "float32")])[0]
     g = b.finish({"loss": total})
     greedy = memory_aware_order(g, "strict")
-    assert exact_order(g, window=len(g.nodes), max_states=100) == greedy
+    kept = exact_order(g, window=len(g.nodes), max_states=100)
+    assert kept in (greedy, [n.id for n in g.nodes])       # one base order, unsearched
     assert order_peak(g, exact_order(g, window=len(g.nodes))) <= order_peak(g, greedy)
-    random.Random(0)
