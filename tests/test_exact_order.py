@@ -64,3 +64,12 @@ def test_a_window_too_wide_to_search_keeps_the_greedy_order():
     kept = exact_order(g, window=len(g.nodes), max_states=100)
     assert kept in (greedy, [n.id for n in g.nodes])       # one base order, unsearched
     assert order_peak(g, exact_order(g, window=len(g.nodes))) <= order_peak(g, greedy)
+
+
+def test_the_benchmark_table():
+    from fitgraph.bench.exact_order import markdown
+
+    row = {"model": "m", "nodes": 3, "eager": 2 * 2**20, "strict": 2**20,
+           "conservative": 2 * 2**20, "exact": 2**20, "exact_s": 0.25}
+    table = markdown([row])
+    assert "| m | 3 | 2.00 MiB | 1.00 MiB | 2.00 MiB | 1.00 MiB | 1.0000 | 0.2 s |" in table
