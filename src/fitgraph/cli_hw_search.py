@@ -20,21 +20,9 @@ __all__ = ["add_parser", "build_parser", "cmd_hw_search", "format_search"]
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), a GPT preset "
-                   "(gpt3-175b, llama2-7b, bert-large, gpt2-xl, gpt-1.7b ... gpt-1t), or a zoo "
-                   "model (`fitgraph models`: its step captured, re-timed on each chip)")
-    p.add_argument("--config", default="small", choices=["small", "paper"],
-                   help="zoo model size (paper: built on the meta device)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="zoo model: the batch to capture at (micro-batches scale from it)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="zoo model: the dtype to capture in (default bfloat16)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None,
-                   help="sequence length (default: the preset's; Phaze's lengths)")
+    from .cli_plan_dist import model_arguments
+
+    model_arguments(p, "re-timed on each chip", "bfloat16")
     p.add_argument("--devices", type=int, default=1024, help="chips in the cluster")
     p.add_argument("--global-batch", type=int, required=True, help="samples per step")
     p.add_argument("--area-budget", default="tpuv4",

@@ -16,22 +16,25 @@ import argparse
 import json
 
 __all__ = ["add_parser", "build_parser", "captured_model", "cmd_plan_dist", "format_plan",
-           "gpt_shape"]
+           "gpt_shape", "model_arguments"]
 
 GIB = 2**30
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
+def model_arguments(p: argparse.ArgumentParser, model_help: str, dtype_default: str) -> None:
+    """The model options ``plan-dist`` and ``hw-search`` share (see ``gpt_shape``,
+    ``captured_model``)."""
     p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), a GPT preset "
-                   "(gpt3-175b, gpt-1.7b ... gpt-1t: Megatron-LM's Table 1 models), or a zoo "
-                   "model (`fitgraph models`: its step captured, planned with tp=1)")
+                   "(gpt3-175b, llama2-7b, bert-large, gpt2-xl, gpt-1.7b ... gpt-1t: "
+                   "Megatron-LM's Table 1 models), or a zoo model (`fitgraph models`: its step "
+                   f"captured, {model_help})")
     p.add_argument("--config", default="small", choices=["small", "paper"],
                    help="zoo model size (paper: built on the meta device)")
     p.add_argument("--batch", type=int, default=None,
                    help="zoo model: the batch to capture at (micro-batches scale from it)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="zoo model: the dtype to capture in (default bfloat16, float32 on "
-                        "cpu-generic); float32 plans with --precision fp32-adam")
+                   help=f"zoo model: the dtype to capture in (default {dtype_default}); "
+                        f"float32 plans with --precision fp32-adam")
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--heads", type=int)
@@ -39,6 +42,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="vocabulary (default: the preset's; 51,200 for 'gpt')")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the preset's; 2048 for 'gpt')")
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    model_arguments(p, "planned with tp=1", "bfloat16, float32 on cpu-generic")
     p.add_argument("--devices", type=int, required=True, help="devices in all")
     p.add_argument("--device", default="a100-80gb",
                    help="device kind: a100-80gb, a100-40gb, h100, rtx3090, cpu-generic")

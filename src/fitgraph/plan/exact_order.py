@@ -34,7 +34,7 @@ from ..graph.analysis import new_storages, output_storages
 from ..graph.deps import dependencies
 from ..graph.ir import Graph
 from .remat import split_drop
-from .reorder import _split_dropped, memory_aware_order
+from .reorder import _split_dropped, memory_aware_order, touch_tables
 
 __all__ = ["exact_order", "order_peak"]
 
@@ -57,15 +57,7 @@ def _model(graph: Graph, dropped: Iterable[int]) -> _Model:
     deps = {k: set(v) for k, v in dependencies(graph).items()}
     fresh = new_storages(graph)
     nbytes = [s.nbytes for s in graph.storages]
-    touches: dict[int, set[int]] = {}
-    for n in graph.nodes:
-        st = {graph.values[v].storage for v in n.inputs}
-        st |= {graph.values[o].storage for o in n.outputs if o is not None}
-        touches[n.id] = st
-    touchers: dict[int, list[int]] = {}
-    for nid, st in touches.items():
-        for s in st:
-            touchers.setdefault(s, []).append(nid)
+    touches, touchers = touch_tables(graph)
     again = _split_dropped(graph, split_drop(graph, dropped)[0], fresh, touches, touchers,
                            nbytes)
     made = {nid: set(fresh.get(nid, ())) for nid in touches}

@@ -37,7 +37,7 @@ from ..graph.deps import dependencies
 from ..graph.ir import Graph, Phase
 from .remat import split_drop
 
-__all__ = ["STRATEGIES", "memory_aware_order"]
+__all__ = ["STRATEGIES", "memory_aware_order", "touch_tables"]
 
 STRATEGIES = ("strict", "conservative")
 _LATE = (Phase.BACKWARD, Phase.OPTIMIZER)
@@ -52,15 +52,7 @@ def memory_aware_order(graph: Graph, strategy: str = "strict",
     fresh = new_storages(graph)
     keep = output_storages(graph)
     nbytes = [s.nbytes for s in graph.storages]
-    touches: dict[int, set[int]] = {}
-    for n in graph.nodes:
-        st = {graph.values[v].storage for v in n.inputs}
-        st |= {graph.values[o].storage for o in n.outputs if o is not None}
-        touches[n.id] = st
-    touchers: dict[int, list[int]] = {}
-    for nid, st in touches.items():
-        for s in st:
-            touchers.setdefault(s, []).append(nid)
+    touches, touchers = touch_tables(graph)
     # NOTE: a per-use entry (plan.remat.per_use) orders like its node dropped
     again = _split_dropped(graph, split_drop(graph, dropped)[0], fresh, touches, touchers,
                            nbytes)
@@ -134,6 +126,20 @@ def memory_aware_order(graph: Graph, strategy: str = "strict",
     if len(order) != len(graph.nodes):
         raise RuntimeError("dependency cycle: the graph's dependencies are not a DAG")
     return order
+
+
+def touch_tables(graph: Graph) -> tuple[dict[int, set[int]], dict[int, list[int]]]:
+    """(node -> storages it reads or writes, storage -> nodes touching it in node order)."""
+    touches: dict[int, set[int]] = {}
+    for n in graph.nodes:
+        st = {graph.values[v].storage for v in n.inputs}
+        st |= {graph.values[o].storage for o in n.outputs if o is not None}
+        touches[n.id] = st
+    touchers: dict[int, list[int]] = {}
+    for nid, st in touches.items():
+        for s in st:
+            touchers.setdefault(s, []).append(nid)
+    return touches, touchers
 
 
 def _split_dropped(graph: Graph, dropped: set[int], fresh: dict[int, list[int]],
