@@ -218,7 +218,8 @@ def _curve(block: Block, fwd: dict[str, float]) -> tuple[MemoryOption, ...]:
         subsets = [frozenset(c) for k in range(len(droppable) + 1)
                    for c in combinations(droppable, k)]
     else:
-        subsets = _greedy_subsets(block, droppable, fwd) + list(named)
+        # NOTE: the named plans may be among the greedy's steps: each subset once
+        subsets = list(dict.fromkeys(_greedy_subsets(block, droppable, fwd) + list(named)))
     subsets, drops, reruns = _structure(block, subsets)
     saved = np.array([op.saved for op in block.ops])
     times = np.array([fwd[op.name] for op in block.ops])

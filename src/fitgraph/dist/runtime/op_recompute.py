@@ -6,14 +6,16 @@ tensor arguments, as references to the records that made them (tensors made outs
 block — its inputs, parameters — are held as they are). The ops that make new tensors are
 matched, in order, to the plan's units (each unit's ATen ops and whether the block's
 backward reads it: ``DistPlan.stages[i]["block_ops"]``); ops whose outputs alias an input
-(views) are not units. Autograd's saved-tensor hooks then leave every tensor as it is except a
+(views) are not units, and the plan's constants eager does not dispatch (a tensor made from
+Python data, lifted in the capture) are passed. Autograd's saved-tensor hooks then leave every tensor as it is except a
 dropped unit's (or a view of one), which they swap for a handle. At the block's first unpack
 in the backward, every handle's tensor is re-made at once, under ``no_grad``: the dropped ops
 re-run, with the ops they read that the backward does not keep (``block_cost._rerun``), from
 the kept tensors. The block keeps what the plan keeps and re-runs what it re-runs.
 
-Never a wrong value: a random op is not re-run, nor an op from another library (a
-collective), nor one that writes in place; a tensor read after it was changed in place is not
+Never a wrong value: an op that drew random numbers is not re-run (one that may but did not,
+attention at dropout 0, is), nor an op from another library (a collective), nor one that
+writes in place; a tensor read after it was changed in place is not
 re-made from the op that made it. Where a dropped tensor cannot be re-made from tensors that
 are alive, it is kept (the rank keeps more than planned) and a note says so; where the ops do
 not match the plan, later calls re-make the whole block and a note says so.
@@ -160,13 +162,18 @@ class _Recorder(TorchDispatchMode):
     # --- forward: record -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        before = _rng_states() if seeded else None
         out = func(*args, **kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if outs:
-            self._record(func, args, kwargs, out, outs)
+            # NOTE: an op that may draw random numbers (dropout, attention with dropout) drew
+            # none if the generators did not move (attention at dropout 0): it re-runs alike
+            drew = seeded and not _same(before, _rng_states())
+            self._record(func, args, kwargs, out, outs, drew)
         return out
 
-    def _record(self, func, args, kwargs, out, outs) -> None:
+    def _record(self, func, args, kwargs, out, outs, drew: bool = False) -> None:
         flat, spec = tree_flatten((args, kwargs))
         leaves = []
         storages = {}
@@ -185,6 +192,7 @@ class _Recorder(TorchDispatchMode):
         name = str(func)
         base = None
         aliases = all(_storage(t) in storages for t in outs)
+        self._skip_constants(name)
         if self.pos < len(self.ops) and not self.mismatch and name == self.ops[self.pos][0]:
             decision = self.ops[self.pos][1]
             self.pos += 1
@@ -192,6 +200,10 @@ class _Recorder(TorchDispatchMode):
             decision = VIEW
             hit = self.made.get(storages[_storage(outs[0])])
             base = hit[0] if hit is not None else None
+        elif not storages and _constant(name):
+            # NOTE: a constant the capture lifted out of the graph (made from no tensor): not
+            # a unit of the plan; made again where a re-made op reads it
+            decision = UNSAVED
         else:
             decision = OPAQUE
             if not self.mismatch:
@@ -200,7 +212,11 @@ class _Recorder(TorchDispatchMode):
                         if self.pos < len(self.ops) else "the plan's last op")
                 self.notes.append(f"{self.block}: op {name} at run time is not {want}: later "
                                   f"calls re-make the whole block")
-        if not _replayable(func):
+        if drew or not _replayable(func):
+            if decision == DROP:
+                self.notes.append(f"{self.block}: {name} (a unit the plan re-makes) "
+                                  f"{'draws random numbers' if drew else 'writes in place'}: "
+                                  f"kept")
             decision = OPAQUE
         record = _Record(func, spec, leaves, [weakref.ref(t) for t in outs], decision, base)
         writes = func._schema.is_mutable
@@ -267,8 +283,16 @@ class _Recorder(TorchDispatchMode):
         need.extend(sub)
         return True
 
+    def _skip_constants(self, name: str | None) -> None:
+        """Pass the plan's constants that eager does not dispatch (a tensor made from Python
+        data is lifted in the capture, made outside any op at run time)."""
+        while (self.pos < len(self.ops) and not self.mismatch and self.ops[self.pos][0] != name
+               and _constant(self.ops[self.pos][0])):
+            self.pos += 1
+
     def finish(self) -> None:
         """The forward is over: keep only what the handles need."""
+        self._skip_constants(None)
         if self.pos < len(self.ops) and not self.mismatch:
             self.mismatch = True
             self.notes.append(f"{self.block}: the ops at run time stop before the plan's op "
@@ -351,11 +375,30 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
+def _constant(name: str) -> bool:
+    """An op that makes a tensor from no other (a lifted constant, a factory)."""
+    if name.split(".")[1:2] in (["lift_fresh_copy"], ["lift_fresh"]):
+        return True
+    try:
+        ns, op, overload = name.split(".")
+        schema = getattr(getattr(getattr(torch.ops, ns), op), overload)._schema
+    except (AttributeError, ValueError, RuntimeError):
+        return False
+    return not any("Tensor" in str(a.type) for a in schema.arguments)
+
+
 def _replayable(func) -> bool:
-    """An ATen op that writes nothing in place and draws no random numbers."""
-    if getattr(func, "namespace", "") != "aten":
-        return False
-    schema = func._schema
-    if schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
+    """An ATen op that writes nothing in place (whether it drew random numbers is seen when
+    it runs)."""
+    return getattr(func, "namespace", "") == "aten" and not func._schema.is_mutable
+
+
+def _rng_states() -> list[torch.Tensor]:
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
