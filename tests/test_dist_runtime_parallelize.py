@@ -118,7 +118,7 @@ def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_planned_run_has_one_process_results(name, config, graphs, references, tmp_path):
     if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1", "pp2-recompute",
-                                               "dp2-zero2"):
+                                               "dp2-zero2", "pp2-drop"):
         pytest.skip("the decoder's run covers this schedule / ZeRO stage")
     p = make_plan(graphs[name], CONFIGS[config])
     world = p.parallelism.devices
