@@ -73,3 +73,11 @@ def test_the_benchmark_table():
            "conservative": 2 * 2**20, "exact": 2**20, "exact_s": 0.25}
     table = markdown([row])
     assert "| m | 3 | 2.00 MiB | 1.00 MiB | 2.00 MiB | 1.00 MiB | 1.0000 | 0.2 s |" in table
+
+
+def test_the_remat_benchmark_table():
+    from fitgraph.bench.exact_order import markdown_remat
+
+    row = {"model": "m", "budget": 0.8, "hotspot_peak": 2 * 2**20, "hotspot_latency_s": 1.0,
+           "exact_peak": 2**20, "exact_latency_s": 1.0, "exact_s": 0.5}
+    assert "| m | 0.8 | 2.00 MiB | 1.00 MiB | 0.5000 | 1.0000 | 0.5 s |" in markdown_remat([row])
