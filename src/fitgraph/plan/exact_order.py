@@ -67,24 +67,27 @@ def _model(graph: Graph, dropped: Iterable[int]) -> _Model:
 def order_peak(graph: Graph, order: list[int], dropped: Iterable[int] = ()) -> int:
     """The most bytes live while ``order`` runs, in the reordering's memory model (relative
     to what is live before the first node)."""
-    return _walk(_model(graph, dropped), order, set())[0]
+    return max((peak for peak, _ in _trace(_model(graph, dropped), order)), default=0)
 
 
-def _walk(m: _Model, order: list[int], done: set[int]) -> tuple[int, int]:
-    """(peak, live after) of running ``order`` after the nodes ``done``, from 0 live."""
-    remaining = {s: sum(1 for t in ts if t not in done) for s, ts in m.touchers.items()}
-    allocated = {s for s in m.again if any(t in done for t in m.touchers[s])}
-    live = peak = 0
+def _trace(m: _Model, order: list[int]) -> list[tuple[int, int]]:
+    """Per node of ``order`` (the whole graph, from 0 live): (bytes live while it runs,
+    bytes live after it)."""
+    remaining = {s: len(ts) for s, ts in m.touchers.items()}
+    allocated: set[int] = set()
+    live = 0
+    out = []
     for nid in order:
         new = m.made[nid] | {s for s in m.touches[nid] & m.again if s not in allocated}
         allocated |= new
         live += sum(m.nbytes[s] for s in new)
-        peak = max(peak, live)
+        during = live
         for s in m.touches[nid]:
             remaining[s] -= 1
             if remaining[s] == 0 and s not in m.keep:
                 live -= m.nbytes[s]
-    return peak, live
+        out.append((during, live))
+    return out
 
 
 def exact_order(graph: Graph, dropped: Iterable[int] = (), *, window: int = WINDOW,
@@ -104,7 +107,7 @@ def exact_order(graph: Graph, dropped: Iterable[int] = (), *, window: int = WIND
         for part in _windows(m, base, window):
             out.extend(_best_order(m, part, done, max_states))
             done.update(part)
-        peak = _walk(m, out, set())[0]
+        peak = max((p for p, _ in _trace(m, out)), default=0)
         if best is None or peak < best[0]:
             best = (peak, out)
     return best[1]
@@ -113,19 +116,7 @@ def exact_order(graph: Graph, dropped: Iterable[int] = (), *, window: int = WIND
 def _windows(m: _Model, order: list[int], window: int) -> list[list[int]]:
     """The order cut into windows of at most ``window`` nodes, each cut where the fewest bytes
     are live among the window's second half (a narrow waist)."""
-    live_after = []
-    remaining = {s: len(ts) for s, ts in m.touchers.items()}
-    allocated: set[int] = set()
-    live = 0
-    for nid in order:
-        new = m.made[nid] | {s for s in m.touches[nid] & m.again if s not in allocated}
-        allocated |= new
-        live += sum(m.nbytes[s] for s in new)
-        for s in m.touches[nid]:
-            remaining[s] -= 1
-            if remaining[s] == 0 and s not in m.keep:
-                live -= m.nbytes[s]
-        live_after.append(live)
+    live_after = [after for _, after in _trace(m, order)]
     cuts, start = [], 0
     while start < len(order):
         end = min(len(order), start + window)

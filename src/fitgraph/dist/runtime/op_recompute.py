@@ -140,10 +140,10 @@ class _Record:
 class _Handle:
     """What autograd holds for a dropped tensor until the backward needs it."""
 
-    __slots__ = ("ref", "value", "owner", "__weakref__")
+    __slots__ = ("ref", "value", "__weakref__")
 
-    def __init__(self, ref: _Ref, owner: _Recorder) -> None:
-        self.ref, self.value, self.owner = ref, None, owner
+    def __init__(self, ref: _Ref) -> None:
+        self.ref, self.value = ref, None
 
 
 class _Recorder(TorchDispatchMode):
@@ -170,10 +170,10 @@ class _Recorder(TorchDispatchMode):
             # NOTE: an op that may draw random numbers (dropout, attention with dropout) drew
             # none if the generators did not move (attention at dropout 0): it re-runs alike
             drew = seeded and not _same(before, _rng_states())
-            self._record(func, args, kwargs, out, outs, drew)
+            self._record(func, args, kwargs, outs, drew)
         return out
 
-    def _record(self, func, args, kwargs, out, outs, drew: bool = False) -> None:
+    def _record(self, func, args, kwargs, outs, drew: bool = False) -> None:
         flat, spec = tree_flatten((args, kwargs))
         leaves = []
         storages = {}
@@ -239,7 +239,7 @@ class _Recorder(TorchDispatchMode):
         if closure is None:
             self.kept_bytes += t.untyped_storage().nbytes()
             return t
-        handle = _Handle(_Ref(record, index), self)
+        handle = _Handle(_Ref(record, index))
         self.handles.append(handle)
         return handle
 
