@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from ...plan.exact_order import exact_order
 from ...plan.remat import remat_plan, remat_tables
 from ...plan.reorder import STRATEGIES, memory_aware_order
 from ...sim.remat_eval import RematEvaluator
@@ -88,19 +89,22 @@ BISECT_TOL = 0.01
 
 
 @register("hotspot")
-def solve_hotspot(problem: Problem, *, reorder: bool = True, per_use: bool = True) -> Solution:
+def solve_hotspot(problem: Problem, *, reorder: bool = True, per_use: bool = True,
+                  exact: bool = False) -> Solution:
     """Plan ``problem`` (see the module doc); ``reorder=False`` keeps the captured order;
-    ``per_use=False`` recomputes each node at most once (``fitgraph.backend`` needs that)."""
+    ``per_use=False`` recomputes each node at most once (``fitgraph.backend`` needs that);
+    ``exact=True`` re-plans the drop set over the exact scheduler's order too
+    (``plan.exact_order``: seconds more on the zoo; the coordinated search asks for it)."""
     if problem.latency_limit is None:
-        return _solve(problem, reorder, per_use)
+        return _solve(problem, reorder, per_use, exact)
     t0 = time.perf_counter()
     sol = _solve(dataclasses.replace(problem, time_budget_s=DESCENT_SHARE
-                                     * problem.time_budget_s), reorder, per_use)
-    return _bisect_budgets(problem, sol, t0, reorder, per_use)
+                                     * problem.time_budget_s), reorder, per_use, exact)
+    return _bisect_budgets(problem, sol, t0, reorder, per_use, exact)
 
 
 def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
-                    per_use: bool) -> Solution:
+                    per_use: bool, exact: bool) -> Solution:
     """Latency mode: lower budgets searched in budget mode below ``sol``'s peak — galloping
     down (``GALLOP_FIRST`` below it, then twice as far each time) until one is over the
     limit, then bisecting to ``BISECT_TOL`` — at most ``BISECT_STEPS`` searches; the least
@@ -130,7 +134,7 @@ def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
         try:
             cand = _solve(dataclasses.replace(problem, latency_limit=None, budget_bytes=mid,
                                               time_budget_s=left / (BISECT_STEPS - tried + 1)),
-                          reorder, per_use)
+                          reorder, per_use, exact)
         except BudgetInfeasible:
             lo = mid
             continue
@@ -143,7 +147,7 @@ def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
     return Solution(best.plan, best.sim, "hotspot", time.perf_counter() - t0, notes=notes)
 
 
-def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
+def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool = False) -> Solution:
     """One search (see the module doc): budget mode, or latency mode's greedy descent."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
@@ -200,7 +204,7 @@ def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
         if search.better(run.result, best.result):
             best = run
     if reorder:
-        best = _reorder(g, search, moves, blocks, best)
+        best = _reorder(g, search, moves, blocks, best, exact)
     r = best.result
     plan = remat_plan(g, r.drop, best.ev.order, tables=tables)
     sim = simulate(g, plan, cm)
@@ -221,14 +225,16 @@ def _solve(problem: Problem, reorder: bool, per_use: bool) -> Solution:
     return sol
 
 
-def _reorder(g, search: Search, moves, blocks, best: Run) -> Run:
-    """Re-plan the best drop set over memory-aware orders that know what it drops; where that
-    peaks no higher, grow and prune again; keep what the simulator says is better."""
+def _reorder(g, search: Search, moves, blocks, best: Run, exact: bool = False) -> Run:
+    """Re-plan the best drop set over memory-aware orders that know what it drops (with
+    ``exact``, the exact scheduler's too); where that peaks no higher, grow and prune again;
+    keep what the simulator says is better."""
     captured = best.ev.order
-    for strategy in STRATEGIES:
+    for strategy in STRATEGIES + (("exact",) if exact else ()):
         if search.out_of_time():
             break
-        order = memory_aware_order(g, strategy, best.result.drop)
+        order = (exact_order(g, best.result.drop) if strategy == "exact"
+                 else memory_aware_order(g, strategy, best.result.drop))
         if order == captured:
             continue
         ev = best.ev.reordered(order)
