@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import pickle
 import statistics
 import time
@@ -36,6 +35,7 @@ from .execute.executor import Executor
 from .execute.meter import MemoryMeter
 from .execute.optimizer_ops import has_step_pre_hooks, init_missing_state
 from .execute.slots import ModelSlots
+from .graph.analysis import graph_fingerprint
 from .graph.ir import Graph
 from .measure import _sync
 from .plan.instructions import Plan
@@ -110,17 +110,6 @@ class OptimizeReport:
                  f"{ms(self.measured_step_s):>14s}"
                  f"{ratio(self.planned_step_s, self.eager_step_s):>15s}"]
         return "\n".join(lines)
-
-
-def graph_fingerprint(graph: Graph) -> str:
-    """A hash of what a plan depends on: ops, their constant arguments, shapes, dtypes, inputs."""
-    h = hashlib.sha256()
-    h.update(repr(graph.input_names).encode())
-    for v in graph.values:
-        h.update(f"{v.shape}{v.stride}{v.dtype}{v.storage}".encode())
-    for n in graph.nodes:
-        h.update(f"{n.target}{n.args!r}{sorted(n.kwargs.items())!r}{n.inputs}{n.outputs}".encode())
-    return h.hexdigest()
 
 
 @dataclass

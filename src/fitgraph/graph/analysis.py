@@ -12,11 +12,14 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+
 from .ir import Graph, Node, ValueRef
 
 __all__ = [
     "GraphError",
     "flatten_refs",
+    "graph_fingerprint",
     "new_storages",
     "node_storages_read",
     "output_storages",
@@ -168,3 +171,14 @@ def verify_graph(graph: Graph) -> None:
     for key, v in graph.outputs.items():
         if v not in defined:
             raise GraphError(f"graph output {key!r} refers to a value never produced")
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    """A hash of what a plan depends on: ops, their constant arguments, shapes, dtypes, inputs."""
+    h = hashlib.sha256()
+    h.update(repr(graph.input_names).encode())
+    for v in graph.values:
+        h.update(f"{v.shape}{v.stride}{v.dtype}{v.storage}".encode())
+    for n in graph.nodes:
+        h.update(f"{n.target}{n.args!r}{sorted(n.kwargs.items())!r}{n.inputs}{n.outputs}".encode())
+    return h.hexdigest()

@@ -6,11 +6,12 @@
 - ``offload/``: offloading to host memory with prefetch, weighed against remat (``joint``);
 - ``peers/``: what the systems fitgraph succeeds do (DTR, Rotor/Rockmate's chain, per-block
   checkpointing), as baselines;
-- here: the problem and solution types (``base``), ``auto`` (``portfolio``), the smallest peak
+- here: the problem and solution types (``base``), ``auto`` (``portfolio``), ``search``
+  (``coordinated``: rewrite rules composed with auto's plans, best first), the smallest peak
   (``smallest``), and what every solver shares.
 """
 
-from . import eager, portfolio  # noqa: F401  (each module registers its solvers)
+from . import coordinated, eager, portfolio  # noqa: F401  (each module registers its solvers)
 from .base import SOLVERS, BudgetInfeasible, EvaluatorMismatch, Problem, Solution, register, solve
 from .fission import search, splits  # noqa: F401
 from .offload import remat_offload  # noqa: F401

@@ -1,0 +1,217 @@
+"""``search``: the coordinated search — rewrite rules, then remat, offloading, fission and the
+exact scheduler on each rewritten graph, best first (issue 30, MAGIS's "coordinated graph
+transformation and scheduling").
+
+MAGIS mutates the graph with rules, schedules each candidate for memory, simulates it and keeps
+the best, in a relaxed best-first search under a time budget. Here a candidate is a graph made
+from the captured one by composing rewrite rules (``transform.rules.RULES``: each rewrites all
+its matches at once), planned by ``auto`` (which itself composes hotspot's remat and reordering,
+masks as bits, offloading and operator fission) and judged by the simulator. The first
+candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time
+budget: ``search`` is never worse than that plan. The frontier is expanded best first (budget
+mode: the fastest plan within the budget; latency mode: the least peak within the limit;
+an infeasible candidate ranks by the least peak it reached); each expansion applies every rule
+not yet applied on that path, a graph seen before (``graph_fingerprint``) is skipped. Last, the
+best plan's drop set is re-planned over the exact scheduler's order (``hotspot(exact=True)``,
+``plan.exact_order``), where that plan is hotspot's. ``notes["candidates"]`` lists every
+candidate (its rules, what each rule's matches change, its peak and latency or why it failed),
+``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.
+
+Deterministic as its parts: only the deadline (``time_budget_s``) cuts it short.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> from fitgraph.solvers import Problem, solve
+    >>> class Scores(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__(); self.w = torch.nn.Parameter(torch.randn(8, 4))
+    ...     def forward(self, x):
+    ...         q = x @ self.w
+    ...         return ((q @ q.T) * 0.5).softmax(-1).sum()
+    >>> g = fitgraph.capture(Scores(), torch.randn(256, 8))
+    >>> cm = RooflineCostModel(get_device("cpu-generic"))
+    >>> s = solve(Problem(g, cm, latency_limit=1.0, time_budget_s=20), "search")
+    >>> s.notes["rules"], s.sim.peak_bytes < solve(Problem(g, cm, latency_limit=1.0), "auto").sim.peak_bytes
+    (['scale_across_matmul'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from ..graph.analysis import graph_fingerprint
+from ..graph.ir import Graph
+from ..plan.eager import eager_plan
+from ..sim.simulate import simulate
+from ..transform.rules import RULES, Rule
+from .base import BudgetInfeasible, Problem, Solution, register
+from .portfolio import solve_auto
+from .remat.hotspot import solve_hotspot
+
+__all__ = ["solve_search"]
+
+# NOTE: the first candidate (the captured graph planned by auto) gets this share of the time
+# budget; every later candidate at most as much (auto stops well before on the zoo's graphs)
+AUTO_SHARE = 1 / 3
+# NOTE: a candidate planned in less than this only gets hotspot's first moves
+MIN_CANDIDATE_S = 1.0
+
+
+@dataclass(order=True)
+class _Candidate:
+    rank: tuple
+    graph: Graph = field(compare=False)
+    rules: tuple[str, ...] = field(compare=False)
+    solution: Solution | None = field(compare=False)
+    error: str | None = field(compare=False)
+    changes: dict = field(compare=False, default_factory=dict)
+
+    def summary(self) -> dict:
+        out: dict = {"rules": list(self.rules), "changes": self.changes}
+        if self.solution is not None:
+            out.update(peak_bytes=self.solution.sim.peak_bytes,
+                       latency_s=self.solution.sim.latency_s,
+                       winner=self.solution.notes.get("winner", self.solution.solver))
+        else:
+            out["failed"] = self.error
+        return out
+
+
+def _rank(sol: Solution | None, least: int | None, budget_mode: bool) -> tuple:
+    """Lower is better: a plan within the budget (limit) by time (peak), then an infeasible
+    candidate by the least peak it reached."""
+    if sol is None:
+        return (1, least if least is not None else float("inf"), 0.0)
+    if budget_mode:
+        return (0, sol.sim.latency_s, sol.sim.peak_bytes)
+    return (0, sol.sim.peak_bytes, sol.sim.latency_s)
+
+
+@register("search")
+def solve_search(problem: Problem) -> Solution:
+    """Plan ``problem`` by the coordinated search (see the module doc)."""
+    t0 = time.perf_counter()
+    deadline = t0 + problem.time_budget_s
+    each_s = AUTO_SHARE * problem.time_budget_s
+    budget_mode = problem.budget_bytes is not None
+    rules = [r for r in RULES.values() if r.exact or not problem.exact]
+    cm = problem.cost_model
+    cm.prepare(problem.graph)
+    limit_s = None
+    if not budget_mode:
+        limit_s = problem.latency_limit * simulate(problem.graph, eager_plan(problem.graph),
+                                                   cm).latency_s
+    first = _plan(problem, problem.graph, (), {}, each_s, limit_s, budget_mode)
+    seen = {graph_fingerprint(problem.graph)}
+    frontier, tried, best = [first], [first], first
+    while frontier and deadline - time.perf_counter() > MIN_CANDIDATE_S:
+        parent = heapq.heappop(frontier)
+        for rule in rules:
+            left = deadline - time.perf_counter()
+            if left <= MIN_CANDIDATE_S:
+                break
+            if rule.name in parent.rules:
+                continue
+            child = _child(problem, parent, rule, seen, min(each_s, left), limit_s, budget_mode)
+            if child is None:
+                continue
+            tried.append(child)
+            heapq.heappush(frontier, child)
+            if child < best:
+                best = child
+    best = _schedule_exactly(problem, best, deadline, limit_s, budget_mode)
+    if best.solution is None:
+        raise BudgetInfeasible(problem.budget_bytes, int(best.rank[1]),
+                               f"{len(tried)} candidate graph(s) searched; the captured one's: "
+                               f"{first.error}", "search")
+    sol = best.solution
+    notes = dict(sol.notes, winner=sol.notes.get("winner", sol.solver), rules=list(best.rules),
+                 candidates=[c.summary() for c in tried], auto=first.summary())
+    sol.plan.meta["solver"] = "search"
+    return Solution(sol.plan, sol.sim, "search", time.perf_counter() - t0, sol.optimal, sol.gap,
+                    notes, sol.graph_for(best.graph) if best.rules or sol.graph else None)
+
+
+def _child(problem: Problem, parent: _Candidate, rule: Rule, seen: set[str], time_s: float,
+           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
+    """``rule`` applied to ``parent``'s graph and the result planned; None where the rule
+    does not match or makes a graph seen before."""
+    matches = rule.find(parent.graph)
+    if not matches:
+        return None
+    graph = rule.rewrite(parent.graph)
+    key = graph_fingerprint(graph)
+    if key in seen:
+        return None
+    seen.add(key)
+    changes = dict(parent.changes)
+    changes[rule.name] = {"matches": len(matches),
+                          "bytes_saved": sum(m.bytes_saved for m in matches),
+                          "flops_saved": sum(getattr(m, "flops_saved", 0.0) for m in matches)}
+    return _plan(problem, graph, parent.rules + (rule.name,), changes, time_s, limit_s,
+                 budget_mode)
+
+
+def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict, time_s: float,
+          limit_s: float | None, budget_mode: bool) -> _Candidate:
+    """``graph`` planned by ``auto`` for ``problem``'s budget or latency limit (the limit in
+    seconds of the captured graph's eager step, as a factor of this graph's own)."""
+    cm = problem.cost_model
+    sub = dataclasses.replace(problem, graph=graph, time_budget_s=time_s)
+    if not budget_mode:
+        cm.prepare(graph)
+        own = simulate(graph, eager_plan(graph), cm).latency_s
+        if limit_s < own:
+            return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
+                              "its eager step is over the latency limit", changes)
+        sub = dataclasses.replace(sub, latency_limit=limit_s / own)
+    try:
+        sol = solve_auto(sub)
+    except BudgetInfeasible as e:
+        return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
+                          str(e), changes)
+    if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
+        return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
+                          "over the latency limit", changes)
+    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
+
+
+def _remat_plan(sol: Solution) -> bool:
+    """Whether ``sol``'s plan is hotspot's on its graph (fission's split graphs are planned by
+    hotspot too; offloading plans are not: re-planning would drop their copies)."""
+    winner = str(sol.notes.get("winner", ""))
+    return winner.startswith("hotspot") or (winner == "fission" and not sol.plan.counts().get(
+        "offload", 0))
+
+
+def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
+                      limit_s: float | None, budget_mode: bool) -> _Candidate:
+    """``best`` re-planned by hotspot over the exact scheduler's order too, where its plan is
+    hotspot's (on its graph: masks as bits, fission's splits); the better of the two."""
+    sol = best.solution
+    left = deadline - time.perf_counter()
+    if sol is None or left <= MIN_CANDIDATE_S or not _remat_plan(sol):
+        return best
+    graph = sol.graph_for(best.graph)
+    sub = dataclasses.replace(problem, graph=graph, time_budget_s=left)
+    if not budget_mode:
+        sub = dataclasses.replace(sub, latency_limit=limit_s / simulate(
+            graph, eager_plan(graph), problem.cost_model).latency_s)
+        if sub.latency_limit < 1.0:
+            return best
+    try:
+        again = solve_hotspot(sub, exact=True)
+    except BudgetInfeasible:
+        return best
+    if not budget_mode and again.sim.latency_s > limit_s * (1 + 1e-9):
+        return best
+    # NOTE: the plan runs on auto's rewrite of the candidate where auto made one
+    again = dataclasses.replace(again, graph=None if graph is best.graph else graph,
+                                notes=dict(again.notes, winner="hotspot (exact order)"))
+    cand = _Candidate(_rank(again, None, budget_mode), best.graph, best.rules, again, None,
+                      best.changes)
+    return cand if cand < best else best
