@@ -109,7 +109,7 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
     for c in constraints:
         pair = {}
         for solver, budget_s in (("auto", time_budget), ("search", SEARCH_FACTOR * time_budget)):
-            pair[solver] = system(solver, lambda m, o, solver=solver, budget_s=budget_s:
+            pair[solver] = system(solver, lambda m, o, solver=solver, budget_s=budget_s, c=c:
                                   _planned(m, batch, loss_fn, o, c, solver, budget_s))
             progress(f"  {name} {c[0]} {c[1]:g}: {solver} planned in "
                      f"{pair[solver].prepare_s:.1f} s")
