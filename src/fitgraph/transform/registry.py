@@ -26,6 +26,7 @@ from .optimizer_in_backward import optimizer_in_backward, why_not
 from .per_operand_convolution import convolutions_per_operand
 from .products_into_sums import products_into_sums
 from .rewrite import Transform
+from .rules import RULES
 from .saved_views import copy_saved_views
 from .scatter_sums import stack_scatter_sums
 from .sums_in_place import sums_in_place
@@ -49,6 +50,8 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("products_into_sums", products_into_sums, exact=False),
     Transform("sums_in_place", sums_in_place, exact=False),
     Transform("separate_input_grads", separate_input_grads, exact=False),
+    # NOTE: the rewrite rules the coordinated search composes (solvers.coordinated)
+    *(rule.transform for rule in RULES.values()),
 )}
 
 # NOTE: the graph fission's searches read (solvers.fission: search, split_backward), in order:

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from ..graph.ir import Graph, Node, ValueRef
+from ..graph.ir import Graph, Node, Value, ValueRef, contiguous_strides
 from .fission_meta import VIEW_TARGETS, Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
 
@@ -72,18 +72,30 @@ def copy_relaid(w: GraphWriter, graph: Graph, node: Node) -> int:
     return len(w.nodes) - 1
 
 
+def _rows_alike(old: Value, new: Meta) -> bool:
+    """Whether any op reading ``old`` laid out as ``new`` lays its outputs out as before:
+    ``new`` is contiguous and ``old`` row-major in order (ATen's elementwise ops order their
+    outputs' strides as their inputs', so both make contiguous outputs)."""
+    dims = [i for i, n in enumerate(new.shape) if n != 1]
+    if [new.stride[i] for i in dims] != [contiguous_strides(new.shape)[i] for i in dims]:
+        return False
+    strides = [old.stride[i] for i in dims]
+    return all(a >= b for a, b in zip(strides, strides[1:]))
+
+
 def relaid_views_ok(graph: Graph, value: int, meta: Meta, readers: dict[int, list[int]],
                     any_reader: bool = False) -> bool:
     """Whether every view read (transitively) from ``value``, laid out as ``meta``, is one ATen
-    can make, and every other reader of them is ``layout_free`` (``any_reader``: any op may
-    read them — only the offset moved, the strides are the captured ones)."""
+    can make, and every other reader of them is ``layout_free`` or reads a contiguous tensor
+    where it read a row-major one (``any_reader``: any op may read them — only the offset
+    moved, the strides are the captured ones)."""
     todo = [(value, meta)]
     while todo:
         vid, m = todo.pop()
         for r in readers.get(vid, []):
             node = graph.nodes[r]
             if node.target not in VIEW_TARGETS:
-                if not (any_reader or layout_free(node)):
+                if not (any_reader or layout_free(node) or _rows_alike(graph.values[vid], m)):
                     return False
                 continue
             if node.inputs[0] != vid or any(isinstance(a, ValueRef) for a in node.args[1:]):

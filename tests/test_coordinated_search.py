@@ -1,0 +1,93 @@
+"""The coordinated search (solver ``search``) and hotspot over the exact scheduler's order."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from helpers import assert_split_like_eager
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_graph_plan_sim import random_graphs
+from test_rewrite_rules import Packed, Scaled
+
+import fitgraph
+from fitgraph.cost import RooflineCostModel, get_device
+from fitgraph.plan.verify import verify_plan
+from fitgraph.sim.simulate import simulate
+from fitgraph.solvers import BudgetInfeasible, Problem, solve
+from fitgraph.solvers.coordinated import AUTO_SHARE
+from fitgraph.solvers.remat.hotspot import solve_hotspot
+
+CPU = RooflineCostModel(get_device("cpu-generic"))
+
+
+def _eager(g, cm):
+    return simulate(g, fitgraph.eager_plan(g), cm)
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_graphs(), st.floats(0.3, 1.0))
+def test_search_is_never_worse_than_auto_on_random_graphs(case, frac):
+    """Its first candidate is auto's plan (the same time budget): the search's plan is within
+    the budget, valid, and no slower; where auto finds none, neither is it asked to."""
+    g, cost = case
+    budget = int(frac * _eager(g, cost).peak_bytes)
+    try:
+        auto = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=AUTO_SHARE * 30), "auto")
+    except BudgetInfeasible:
+        auto = None
+    try:
+        found = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=30), "search")
+    except BudgetInfeasible:
+        assert auto is None
+        return
+    graph = found.graph_for(g)
+    verify_plan(graph, found.plan)
+    sim = simulate(graph, found.plan, cost)
+    assert (sim.peak_bytes, sim.latency_s) == (found.sim.peak_bytes, found.sim.latency_s)
+    assert sim.peak_bytes <= budget
+    if auto is not None:
+        assert found.sim.latency_s <= auto.sim.latency_s * (1 + 1e-12)
+    assert found.notes["candidates"][0]["rules"] == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_graphs(), st.floats(0.3, 1.0))
+def test_hotspot_over_the_exact_order_is_never_worse(case, frac):
+    g, cost = case
+    budget = int(frac * _eager(g, cost).peak_bytes)
+    try:
+        plain = solve_hotspot(Problem(g, cost, budget_bytes=budget))
+    except BudgetInfeasible:
+        return
+    exact = solve_hotspot(Problem(g, cost, budget_bytes=budget), exact=True)
+    assert exact.sim.peak_bytes <= budget
+    assert (exact.sim.latency_s, exact.sim.peak_bytes) <= (plain.sim.latency_s,
+                                                           plain.sim.peak_bytes)
+
+
+def test_search_plans_a_rewritten_graph_that_runs_like_eager():
+    """Attention scores scaled after the product: the search keeps the rule's graph (a
+    score-sized pass fewer: at the same least peak, a faster step), and its plan runs with
+    eager's results (allclose: the scaling rounds first)."""
+    torch.manual_seed(0)
+    model = Scaled(8, 4, 2, 0.125, divide=False)
+    batch = torch.randn(2, 64, 8)
+    g = fitgraph.capture(copy.deepcopy(model), batch)
+    auto = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=10), "auto")
+    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
+    assert s.notes["rules"] == ["scale_across_matmul"]
+    assert s.sim.peak_bytes <= auto.sim.peak_bytes and s.sim.latency_s < auto.sim.latency_s
+    assert s.sim.latency_s <= 1.0 * _eager(g, CPU).latency_s
+    tried = {tuple(c["rules"]): c for c in s.notes["candidates"]}
+    assert tried[("scale_across_matmul",)]["changes"]["scale_across_matmul"]["matches"] == 1
+    assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)
+
+
+def test_search_keeps_to_bitwise_rewrites_when_asked():
+    torch.manual_seed(0)
+    model = Packed(4, [4, 4], True, heads=2)
+    g = fitgraph.capture(model, torch.randn(2, 6, 4))
+    s = solve(Problem(g, CPU, latency_limit=1.05, time_budget_s=10, exact=True), "search")
+    assert s.notes["rules"] == [] and len(s.notes["candidates"]) == 1

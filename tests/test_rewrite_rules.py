@@ -1,0 +1,214 @@
+"""The rewrite rules (transform.rules): each proved on real tensors on random shapes, each refused
+where its rewrite would not keep the values or the layouts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_split_like_eager
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fitgraph
+from fitgraph.cost import RooflineCostModel, get_device
+from fitgraph.graph.analysis import verify_graph
+from fitgraph.sim.simulate import simulate
+from fitgraph.transform.registry import TRANSFORMS
+from fitgraph.transform.rules import RULES
+
+CPU = RooflineCostModel(get_device("cpu-generic"))
+
+
+def _rewritten(rule: str, model, batch, loss_fn=None):
+    """The captured step, the rule's rewrite of it (checked), and its matches."""
+    g = fitgraph.capture(model, batch, loss_fn)
+    matches = RULES[rule].find(g)
+    g2 = RULES[rule].rewrite(g)
+    if matches:
+        assert g2 is not g
+        verify_graph(g2)
+    else:
+        assert g2 is g
+    return g, g2, matches
+
+
+def _eager_seconds(g) -> float:
+    return simulate(g, fitgraph.eager_plan(g), CPU).latency_s
+
+
+class Scaled(torch.nn.Module):
+    """Attention-like scores ``(q @ k^T) * c`` (or ``/ c``), 2-D or batched 4-D."""
+
+    def __init__(self, d_in, d, heads, scale, divide):
+        super().__init__()
+        self.q = torch.nn.Linear(d_in, d * heads)
+        self.k = torch.nn.Linear(d_in, d * heads)
+        self.heads, self.scale, self.divide = heads, scale, divide
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, t, self.heads, -1).transpose(1, 2)
+        s = q @ k.transpose(-2, -1)
+        s = s / self.scale if self.divide else s * self.scale
+        return s.softmax(-1).sum()
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(4, 24), st.integers(2, 8), st.integers(1, 3),
+       st.sampled_from([0.125, 0.3, 3.0]), st.booleans())
+def test_scale_across_matmul_keeps_the_values_on_random_shapes(b, t, d, heads, scale, divide):
+    torch.manual_seed(0)
+    model = Scaled(6, d, heads, scale, divide)
+    batch = torch.randn(b, t, 6)
+    g, g2, matches = _rewritten("scale_across_matmul", model, batch)
+    # NOTE: an operand smaller than the product carries the scaling: always here when d < t
+    assert bool(matches) == (d < t)
+    # NOTE: the scaling rounds before the product: gradients of unit size agree to ~1e-6
+    assert_split_like_eager(g, g2, model, batch, atol=1e-5)
+    if matches:
+        assert all(m.bytes_saved > 0 for m in matches)
+        assert _eager_seconds(g2) < _eager_seconds(g)   # one score-sized pass fewer
+
+
+def test_scale_across_matmul_leaves_a_product_read_elsewhere():
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 2))
+
+        def forward(self, x):
+            q = x @ self.w
+            p = q @ q.T
+            return (p * 0.5).softmax(-1).sum() + p.sum()   # the product read twice
+
+    _, g2, matches = _rewritten("scale_across_matmul", Both(), torch.randn(16, 4))
+    assert not matches
+
+
+class Packed(torch.nn.Module):
+    """A packed projection split into parts of random widths, each used by a matmul after
+    views (as GPT-2's attention does)."""
+
+    def __init__(self, d_in, widths, bias, heads):
+        super().__init__()
+        self.proj = torch.nn.Linear(d_in, sum(widths), bias=bias)
+        self.widths, self.heads = list(widths), heads
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        parts = self.proj(x).split(self.widths, dim=-1)
+        out = 0
+        for p in parts:
+            h = p.view(b, t, self.heads, -1).transpose(1, 2)
+            out = out + (h @ h.transpose(-2, -1)).softmax(-1).mean()
+        return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 12), st.lists(st.sampled_from([2, 4, 6]), min_size=2,
+                                                       max_size=4), st.booleans())
+def test_split_packed_matmuls_keeps_the_values_on_random_shapes(b, t, widths, bias):
+    torch.manual_seed(0)
+    model = Packed(5, widths, bias, heads=2)
+    batch = torch.randn(b, t, 5)
+    g, g2, matches = _rewritten("split_packed_matmuls", model, batch)
+    assert [m.parts for m in matches] == [len(widths)]
+    target = "aten.addmm.default" if bias else "aten.mm.default"
+    forward = [n for n in g2.nodes if n.target == target and n.phase.value == "forward"]
+    assert len(forward) == len(widths)
+    assert_split_like_eager(g, g2, model, batch)
+
+
+def test_split_packed_matmuls_lets_each_part_die_alone():
+    """``v`` read only at the end: the packed tensor lived until then, the split's ``q`` and
+    ``k`` die at once (the eager peak is lower)."""
+    class Late(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 3 * 256)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(256, dim=-1)
+            s = (q @ k.T).softmax(-1)
+            big = torch.tanh(s.repeat(1, 8))      # a large tensor while v waits
+            return (big.sum() * v).sum()
+
+    g, g2, matches = _rewritten("split_packed_matmuls", Late(), torch.randn(64, 16))
+    assert matches
+    peak = lambda graph: simulate(graph, fitgraph.eager_plan(graph), CPU).peak_bytes  # noqa: E731
+    assert peak(g2) < peak(g)
+
+
+def test_split_packed_matmuls_refuses_a_reader_whose_layout_follows_its_input():
+    """A part read by an elementwise op after a transpose: its output's strides follow the
+    input's, which the split changes — no match."""
+    class Elementwise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 8)
+
+        def forward(self, x):
+            a, b = self.proj(x).split(4, dim=-1)
+            return (a.t() * 2).sum() + b.sum()
+
+    _, _, matches = _rewritten("split_packed_matmuls", Elementwise(), torch.randn(6, 4))
+    assert not matches
+
+
+class Shared(torch.nn.Module):
+    """``k`` projections of one input, as BERT's q/k/v or Llama's gate/up."""
+
+    def __init__(self, d_in, d_out, k, bias):
+        super().__init__()
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(d_in, d_out, bias=bias)
+                                         for _ in range(k))
+
+    def forward(self, x):
+        ys = [p(x) for p in self.projs]
+        out = ys[0]
+        for y in ys[1:]:
+            out = out * torch.sigmoid(y)
+        return out.sum()
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(2, 8), st.integers(2, 8),
+       st.integers(2, 4), st.booleans())
+def test_merge_shared_matmuls_keeps_the_values_on_random_shapes(b, t, d_in, d_out, k, bias):
+    torch.manual_seed(0)
+    model = Shared(d_in, d_out, k, bias)
+    batch = torch.randn(b, t, d_in)
+    g, g2, matches = _rewritten("merge_shared_matmuls", model, batch)
+    assert [len(m.matmuls) for m in matches] == [k]
+    merged = "aten.baddbmm.default" if bias else "aten.bmm.default"
+    assert sum(n.target == merged for n in g2.nodes) == 1
+    # NOTE: the stacked weights are a temporary the rewrite adds every step
+    assert matches[0].bytes_saved == -k * d_in * d_out * 4
+    assert_split_like_eager(g, g2, model, batch)
+
+
+def test_merge_shared_matmuls_leaves_projections_of_other_widths_apart():
+    class Widths(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 6)
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x).sum()
+
+    _, _, matches = _rewritten("merge_shared_matmuls", Widths(), torch.randn(3, 4))
+    assert not matches
+
+
+@pytest.mark.parametrize("name", ["scale_across_matmul", "split_packed_matmuls",
+                                  "merge_shared_matmuls"])
+def test_every_rule_is_a_registered_transform(name):
+    rule = RULES[name]
+    assert TRANSFORMS[name].exact == rule.exact and rule.changes
+    model = Packed(4, [4, 4], True, heads=1)
+    g = fitgraph.capture(copy.deepcopy(model), torch.randn(1, 3, 4))
+    out = TRANSFORMS[name](g)
+    assert out.applied == (name,)
