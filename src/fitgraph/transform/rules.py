@@ -13,8 +13,8 @@ checked, with what changed).
 
 Example:
     >>> from fitgraph.transform.rules import RULES
-    >>> sorted(RULES)[:1], RULES["scale_across_matmul"].exact
-    (['merge_shared_matmuls'], False)
+    >>> sorted(RULES)[:2], RULES["scale_across_matmul"].exact, RULES["inverse_pairs"].exact
+    (['inverse_pairs', 'merge_shared_matmuls'], False, True)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..graph.ir import Graph
+from .inverse_pairs import find_inverse_pairs, remove_inverse_pairs
 from .merge_matmuls import find_shared_matmuls, merge_shared_matmuls
 from .rewrite import Transform
 from .scale_across_matmul import find_scaled_products, scale_across_matmul
@@ -52,6 +53,10 @@ RULES: dict[str, Rule] = {r.name: r for r in (
     Rule("scale_across_matmul", find_scaled_products, scale_across_matmul, exact=False,
          changes="a product scaled by a number is made from its smaller operand scaled: one "
                  "product-sized tensor and its elementwise pass fewer"),
+    Rule("inverse_pairs", find_inverse_pairs, remove_inverse_pairs, exact=True,
+         changes="a concatenation of a split's parts, a split of a concatenation, a "
+                 "permutation undone: the copy (or the views) no longer made, readers read "
+                 "the original"),
     Rule("split_packed_matmuls", find_packed_matmuls, split_packed_matmuls, exact=False,
          changes="a packed projection (q, k, v in one matmul) made as one matmul per part "
                  "on slices of its weight: each part a tensor of its own, dying (or "

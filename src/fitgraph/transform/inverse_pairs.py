@@ -1,0 +1,180 @@
+"""Pairs of ops that undo each other removed: a concatenation of a split's parts, a split of a
+concatenation, a permutation of a permutation.
+
+``cat(x.split(...))`` in order along the split's dimension is ``x``: the copy it makes (``x``'s
+bytes, a pass over them) goes, and its readers read ``x``. ``cat([a, b]).split(...)`` at the
+pieces' sizes gives back ``a`` and ``b``: the readers of the parts read the pieces, and the
+concatenation goes where nothing else reads it. ``permute(permute(x, p), q)`` with ``q`` undoing
+``p`` (``t(t(w))``, ``transpose`` twice) is ``x``: views cost no bytes, but each is a node to run.
+A piece laid out otherwise than the part it replaces is only taken where every view read from
+it can be made and every other reader lays its outputs out alike (``relayout``). Nothing is
+computed differently: the values are bitwise the same.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.transform.inverse_pairs import find_inverse_pairs, remove_inverse_pairs
+    >>> class Halves(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__(); self.w = torch.nn.Parameter(torch.randn(4, 8))
+    ...     def forward(self, x):
+    ...         a, b = (x @ self.w).split(4, dim=1)
+    ...         return torch.cat([a, b], dim=1).tanh().sum()
+    >>> g = fitgraph.capture(Halves(), torch.randn(3, 4))
+    >>> [m.kind for m in find_inverse_pairs(g) if m.kind != "permutations"]
+    ['cat of a split']
+    >>> "aten.cat.default" in {n.target for n in remove_inverse_pairs(g).nodes if n.phase.value == "forward"}
+    False
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..graph.analysis import users, verify_graph
+from ..graph.ir import Graph, ValueRef
+from .fission_meta import Meta
+from .fission_writer import GraphWriter
+from .relayout import copy_relaid, relaid_views_ok
+
+__all__ = ["InversePair", "find_inverse_pairs", "remove_inverse_pairs"]
+
+_SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+_PERMUTES = ("aten.permute.default", "aten.transpose.int", "aten.t.default")
+
+
+@dataclass(frozen=True)
+class InversePair:
+    """One pair to remove: its ``kind``, the nodes that go (where nothing else reads them), the
+    values read in place of others (old value -> the value it equals), the bytes no longer
+    made."""
+
+    kind: str
+    nodes: tuple[int, ...]
+    replaced: tuple[tuple[int, int], ...]
+    bytes_saved: int
+    flops_saved: float = 0.0
+
+
+def _dim(node) -> int:
+    """The dimension a split or a concatenation works along (as written)."""
+    at = 2 if node.target in _SPLITS else 1
+    return node.args[at] if len(node.args) > at else 0
+
+
+def _norm(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _axes(node, rank: int) -> list[int]:
+    """The permutation a permuting view applies."""
+    if node.target == "aten.permute.default":
+        return [_norm(d, rank) for d in node.args[1]]
+    order = list(range(rank))
+    if node.target == "aten.t.default":
+        return order[::-1]
+    a, b = _norm(node.args[1], rank), _norm(node.args[2], rank)
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def find_inverse_pairs(graph: Graph) -> list[InversePair]:
+    """Every pair of ops undoing each other that can be removed (module doc)."""
+    readers = users(graph)
+    written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
+    outputs = set(graph.outputs.values())
+    found = []
+
+    def meta(v):
+        val = graph.values[v]
+        return Meta(val.shape, val.stride, val.storage_offset)
+
+    def takes(old: int, new: int) -> bool:
+        """Whether ``old``'s readers can read ``new`` in its place."""
+        if old in outputs or graph.values[old].storage in written:
+            return False
+        if graph.values[new].storage in written:
+            return False
+        return relaid_views_ok(graph, old, meta(new), readers)
+
+    for n in graph.nodes:
+        if n.target == "aten.cat.default" and not n.kwargs and n.outputs[0] is not None:
+            parts = [a.id for a in n.args[0]]
+            src = graph.values[parts[0]].producer
+            node = graph.nodes[src] if src is not None else None
+            if node is not None and node.target in _SPLITS and list(node.outputs) == parts:
+                rank = len(graph.values[parts[0]].shape)
+                if (_norm(_dim(n), rank) == _norm(_dim(node), rank)
+                        and takes(n.outputs[0], node.inputs[0])):
+                    found.append(InversePair("cat of a split", (n.id,),
+                                             ((n.outputs[0], node.inputs[0]),),
+                                             graph.values[n.outputs[0]].nbytes))
+        elif n.target in _SPLITS and isinstance(n.args[0], ValueRef):
+            src = graph.values[n.args[0].id].producer
+            cat = graph.nodes[src] if src is not None else None
+            if cat is None or cat.target != "aten.cat.default" or cat.kwargs:
+                continue
+            pieces = [a.id for a in cat.args[0]]
+            rank = len(graph.values[pieces[0]].shape)
+            d = _norm(_dim(n), rank)
+            if d != _norm(_dim(cat), rank) or len(pieces) != len(n.outputs):
+                continue
+            if any(graph.values[p].shape != graph.values[o].shape
+                   for p, o in zip(pieces, n.outputs)):
+                continue
+            if not all(takes(o, p) for o, p in zip(n.outputs, pieces)):
+                continue
+            alone = readers.get(cat.outputs[0], []) == [n.id]
+            found.append(InversePair(
+                "split of a cat", (n.id, cat.id) if alone else (n.id,),
+                tuple(zip(n.outputs, pieces)),
+                graph.values[cat.outputs[0]].nbytes if alone else 0))
+        elif n.target in _PERMUTES and isinstance(n.args[0], ValueRef):
+            src = graph.values[n.args[0].id].producer
+            first = graph.nodes[src] if src is not None else None
+            if first is None or first.target not in _PERMUTES:
+                continue
+            rank = len(graph.values[first.inputs[0]].shape)
+            p, q = _axes(first, rank), _axes(n, rank)
+            if [p[i] for i in q] != list(range(rank)):
+                continue
+            if n.outputs[0] in outputs or graph.values[n.outputs[0]].storage in written:
+                continue
+            alone = readers.get(first.outputs[0], []) == [n.id]
+            found.append(InversePair("permutations", (n.id, first.id) if alone else (n.id,),
+                                     ((n.outputs[0], first.inputs[0]),), 0))
+    return _disjoint(found)
+
+
+def _disjoint(found: list[InversePair]) -> list[InversePair]:
+    """Pairs sharing no node or value (a chain of three permutations: the first pair only)."""
+    nodes: set[int] = set()
+    values: set[int] = set()
+    out = []
+    for m in found:
+        vals = {v for pair in m.replaced for v in pair}
+        if nodes & set(m.nodes) or values & vals:
+            continue
+        nodes |= set(m.nodes)
+        values |= vals
+        out.append(m)
+    return out
+
+
+def remove_inverse_pairs(graph: Graph) -> Graph:
+    """A copy of ``graph`` without the pairs of ``find_inverse_pairs`` (module doc); ``graph``
+    itself where there is none."""
+    found = find_inverse_pairs(graph)
+    if not found:
+        return graph
+    gone = {nid for m in found for nid in m.nodes}
+    replaced = {old: new for m in found for old, new in m.replaced}
+    w = GraphWriter(graph)
+    for n in graph.nodes:
+        if n.id not in gone:
+            copy_relaid(w, graph, n)
+        for o in n.outputs:
+            if o in replaced:
+                w.whole[o] = w.whole[replaced[o]]
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
