@@ -196,8 +196,11 @@ def _split_backward(problem: Problem, least: Solution | None) -> Solution | None
 
 
 @register("auto")
-def solve_auto(problem: Problem) -> Solution:
-    """Plan ``problem`` with hotspot, and fission where it may win (see the module doc)."""
+def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
+    """Plan ``problem`` with hotspot, and fission where it may win (see the module doc).
+    ``fallback=False``: where every option misses the budget, raise at once (no least-peak
+    search, no ``split_backward``: the coordinated search's rewritten graphs, which must keep
+    to its deadline)."""
     t0 = time.perf_counter()
     cm, budget = problem.cost_model, problem.budget_bytes
     cm.prepare(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
@@ -295,6 +298,9 @@ def solve_auto(problem: Problem) -> Solution:
     else:
         errors = [e for e in (hot_err, fis_err) if e is not None]
         best = min(errors, key=lambda e: e.smallest_peak_bytes)
+        if not fallback:
+            raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
+                                   best.dominated_by, "auto")
         least = _least_peak(problem, t0)
         # NOTE: below the bytes that exist before the step starts no plan fits: the least
         # peak is then hotspot's, not searched further
