@@ -91,3 +91,19 @@ def test_search_keeps_to_bitwise_rewrites_when_asked():
     g = fitgraph.capture(model, torch.randn(2, 6, 4))
     s = solve(Problem(g, CPU, latency_limit=1.05, time_budget_s=10, exact=True), "search")
     assert s.notes["rules"] == [] and len(s.notes["candidates"]) == 1
+
+
+def test_an_infeasible_budget_is_reported_as_auto_reports_it():
+    """Below what any candidate reaches: auto's error on the captured graph, with the plan at
+    its least peak (what a budget of "smallest" takes), unless a rewrite reached lower."""
+    torch.manual_seed(0)
+    model = Scaled(8, 4, 2, 0.125, divide=False)
+    g = fitgraph.capture(model, torch.randn(2, 64, 8))
+    budget = g.resident_bytes + 1
+    try:   # NOTE: exact: auto's split_backward (minutes) is not tried
+        solve(Problem(g, CPU, budget_bytes=budget, time_budget_s=10, exact=True), "search")
+    except BudgetInfeasible as e:
+        assert e.smallest_peak_bytes > budget
+        assert e.solution is None or e.solution.sim.peak_bytes == e.smallest_peak_bytes
+    else:
+        raise AssertionError("a budget of the resident bytes was met")

@@ -79,6 +79,8 @@ class _Candidate:
     solution: Solution | None = field(compare=False)
     error: str | None = field(compare=False)
     changes: dict = field(compare=False, default_factory=dict)
+    # NOTE: auto's own error where it missed the budget (its least-peak plan rides on it)
+    infeasible: BudgetInfeasible | None = field(compare=False, default=None)
 
     def summary(self) -> dict:
         out: dict = {"rules": list(self.rules), "changes": self.changes}
@@ -143,9 +145,13 @@ def solve_search(problem: Problem) -> Solution:
                 best = child
     best = _schedule_exactly(problem, best, deadline, limit_s, budget_mode)
     if best.solution is None:
+        # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
+        # of "smallest" takes it: solvers.smallest), unless a rewritten graph reached lower
+        if first.infeasible is not None and first.rank[1] <= best.rank[1]:
+            raise first.infeasible
         raise BudgetInfeasible(problem.budget_bytes, int(best.rank[1]),
-                               f"{len(tried)} candidate graph(s) searched; the captured one's: "
-                               f"{first.error}", "search")
+                               f"{len(tried)} candidate graph(s) searched; on the captured "
+                               f"one: {first.error}", "search")
     sol = best.solution
     notes = dict(sol.notes, winner=sol.notes.get("winner", sol.solver), rules=list(best.rules),
                  candidates=[c.summary() for c in tried], auto=first.summary())
@@ -193,7 +199,7 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
         sol = solve_auto(sub, fallback=fallback)
     except BudgetInfeasible as e:
         return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
-                          str(e), changes)
+                          str(e), changes, infeasible=e)
     if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
                           "over the latency limit", changes)
