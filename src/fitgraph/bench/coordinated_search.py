@@ -8,13 +8,15 @@ For each zoo model (small configuration, AdamW in the step, torch on one thread,
 machine's measured op costs) and each constraint — a budget (a fraction of the eager plan's
 simulated peak; least time) or a latency limit (a factor of the eager step; least peak) —
 ``fitgraph.optimize`` plans with ``auto`` (``--time-budget`` seconds) and with ``search``
-(three times as long: its first candidate is auto's plan with a third of it). Both plans and
+(three times as long: its first candidate is auto's plan with a third of it), both on one
+measured cost model (so that the search's first candidate is auto's very plan). Both plans and
 eager run in one process: the peak once under the allocator meter (resident bytes included),
 the step time in interleaved rounds, each plan's step between two eager steps
 (``harness._time_rounds``). A row gives both plans' measured peak and step time (as fractions
 of eager's), the search's over auto's (paired: the median over rounds of each one's step over
 the eager steps around it), the rules of the search's plan and what they changed
-(``notes["candidates"]``), and its winner.
+(``notes["candidates"]``), and its winner; where the search returns auto's very plan (same
+graph, same instructions) the gain is 0 by definition, whatever the rounds measured.
 
 Example:
     >>> gain({"kind": "budget", "auto_step": 1.10, "search_step": 1.05,
@@ -40,7 +42,9 @@ SEARCH_FACTOR = 3.0
 
 def gain(row: dict) -> float:
     """What the search's plan gains over auto's, measured: the step time in budget mode, the
-    peak in latency mode (a fraction: 0.05 = 5% less)."""
+    peak in latency mode (a fraction: 0.05 = 5% less); 0 where it is auto's very plan."""
+    if row.get("same_plan"):
+        return 0.0
     what = "step" if row["kind"] == "budget" else "peak"
     return 1 - row[f"search_{what}"] / row[f"auto_{what}"]
 
@@ -64,7 +68,7 @@ def rule_effects(row: dict) -> str:
 
 
 def _planned(model, batch, loss_fn, opt, constraint: tuple[str, float], solver: str,
-             time_budget: float):
+             time_budget: float, cost_model):
     from ..api import optimize
     from .harness import _eager_step
 
@@ -73,7 +77,7 @@ def _planned(model, batch, loss_fn, opt, constraint: tuple[str, float], solver: 
     kind, value = constraint
     kw = {"budget": value} if kind == "budget" else {"latency_limit": value}
     train_step = optimize(model, batch, loss_fn, opt, time_budget=time_budget, solver=solver,
-                          **kw)
+                          cost_model=cost_model, **kw)
 
     def step():
         return train_step(batch)
@@ -87,10 +91,14 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
     import torch
 
     from .. import zoo
+    from ..cost.profiler import ProfiledCostModel
     from .harness import _eager_step, _measure_memory, _System, _time_rounds
 
     case = zoo.build(name, "small")
     batch, loss_fn = case.batch, case.loss_fn
+    # NOTE: one cost model for both solvers: the search's first candidate is then auto's very
+    # plan (each optimize() measuring ops in its step anew would plan on other numbers)
+    cost_model = ProfiledCostModel(progress=False)
 
     def system(label, make):
         model = copy.deepcopy(case.model)
@@ -110,7 +118,8 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
         pair = {}
         for solver, budget_s in (("auto", time_budget), ("search", SEARCH_FACTOR * time_budget)):
             pair[solver] = system(solver, lambda m, o, solver=solver, budget_s=budget_s, c=c:
-                                  _planned(m, batch, loss_fn, o, c, solver, budget_s))
+                                  _planned(m, batch, loss_fn, o, c, solver, budget_s,
+                                           cost_model))
             progress(f"  {name} {c[0]} {c[1]:g}: {solver} planned in "
                      f"{pair[solver].prepare_s:.1f} s")
         _measure_memory(list(pair.values()), batch)
@@ -128,6 +137,9 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
             row[f"{k}_solve_s"] = sols[k].solve_s
         row["paired_search_over_auto"] = statistics.median(
             a / b for a, b in zip(pair["search"].times, pair["auto"].times))
+        # NOTE: the same plan on the same graph: any measured difference is the machine's
+        row["same_plan"] = (sols["search"].plan.instructions == sols["auto"].plan.instructions
+                            and not notes.get("rules"))
         row.update(rules=notes.get("rules", []), winner=notes.get("winner"),
                    candidates=notes.get("candidates", []))
         row["gain"] = gain(row)
@@ -143,9 +155,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         what = (f"budget {r['value']:g}" if r["kind"] == "budget" else f"latency ≤ {r['value']:g}×")
         unit = "time" if r["kind"] == "budget" else "peak"
+        won = "auto's plan" if r.get("same_plan") else f"{100 * r['gain']:+.1f}% {unit}"
         lines.append(f"| {r['model']} | {what} | {r['auto_peak']:.3f} / {r['auto_step']:.3f} | "
                      f"{r['search_peak']:.3f} / {r['search_step']:.3f} | "
-                     f"{100 * r['gain']:+.1f}% {unit} | {', '.join(r['rules']) or '—'} | "
+                     f"{won} | {', '.join(r['rules']) or '—'} | "
                      f"{r['winner']} | {rule_effects(r)} |")
     return "\n".join(lines)
 
