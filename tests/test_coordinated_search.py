@@ -107,3 +107,23 @@ def test_an_infeasible_budget_is_reported_as_auto_reports_it():
         assert e.solution is None or e.solution.sim.peak_bytes == e.smallest_peak_bytes
     else:
         raise AssertionError("a budget of the resident bytes was met")
+
+
+def test_auto_without_fallbacks_gives_up_at_once():
+    """The search's rewritten graphs are planned without auto's least-peak search and
+    split_backward (minutes): a missed budget is an error at once."""
+    import time
+
+    from fitgraph.solvers.portfolio import solve_auto
+
+    torch.manual_seed(0)
+    g = fitgraph.capture(Scaled(8, 4, 2, 0.125, divide=False), torch.randn(2, 64, 8))
+    t0 = time.perf_counter()
+    try:
+        solve_auto(Problem(g, CPU, budget_bytes=g.resident_bytes + 1, time_budget_s=10),
+                   fallback=False)
+    except BudgetInfeasible as e:
+        assert e.solver == "auto" and e.smallest_peak_bytes > g.resident_bytes
+    else:
+        raise AssertionError("a budget of the resident bytes was met")
+    assert time.perf_counter() - t0 < 30   # NOTE: split_backward alone takes at least 240 s
