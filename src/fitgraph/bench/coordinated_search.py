@@ -2,7 +2,8 @@
 
     python -m fitgraph.bench.coordinated_search [--models gpt2,bert-base,...]
         [--budgets 0.8,0.6,0.4] [--limits 1.05,1.10] [--time-budget 10] [--repeats 7]
-        [--out docs/bench/coordinated_search.json]
+        [--out docs/bench/coordinated_search.json] [--resume]
+    python -m fitgraph.bench.coordinated_search --rules [--out docs/bench/rules.json]
 
 For each zoo model (small configuration, AdamW in the step, torch on one thread, this
 machine's measured op costs) and each constraint — a budget (a fraction of the eager plan's
@@ -18,7 +19,8 @@ the step time in interleaved rounds, each plan's step between two eager steps
 of eager's), the search's over auto's (paired: the median over rounds of each one's step over
 the eager steps around it), the rules of the search's plan and what they changed
 (``notes["candidates"]``), and its winner; where the search returns auto's very plan (same
-graph, same instructions) the gain is 0 by definition, whatever the rounds measured.
+graph, same instructions) the gain is 0 by definition, whatever the rounds measured. With
+``--rules``: each rule alone on each captured step, its eager plan simulated (``rule_rows``).
 
 Example:
     >>> round(gain({"kind": "budget", "auto_step": 1.10, "search_step": 1.05,
@@ -36,17 +38,21 @@ import statistics
 import time
 from pathlib import Path
 
-__all__ = ["gain", "main", "markdown", "rule_effects", "run_model"]
+__all__ = ["gain", "main", "markdown", "rule_effects", "rule_markdown", "rule_rows", "run_model",
+           "wins"]
 
 MODELS = ("gpt2", "bert-base", "llama", "vit-b16", "resnet50", "unet")
 SEARCH_FACTOR = 3.0
 
 
-def gain(row: dict) -> float:
+def gain(row: dict) -> float | None:
     """What the search's plan gains over auto's, measured: the step time in budget mode, the
-    peak in latency mode (a fraction: 0.05 = 5% less); 0 where it is auto's very plan."""
+    peak in latency mode (a fraction: 0.05 = 5% less); 0 where it is auto's very plan; None
+    where either found no plan within the budget."""
     if row.get("same_plan"):
         return 0.0
+    if "search_peak" not in row or "auto_peak" not in row:
+        return None
     what = "step" if row["kind"] == "budget" else "peak"
     return 1 - row[f"search_{what}"] / row[f"auto_{what}"]
 
@@ -54,8 +60,11 @@ def gain(row: dict) -> float:
 def rule_effects(row: dict) -> str:
     """Each rule alone on the captured graph, simulated against auto's plan there: "rule
     -1.2%" (time in budget mode, peak in latency mode; negative: better), "rule ✗" where its
-    candidate found no plan within the constraint."""
-    cands = row["candidates"]
+    candidate found no plan within the constraint; "not recorded" for a row without the
+    search's candidates."""
+    cands = row.get("candidates") or []
+    if not cands:
+        return "not recorded"
     what = "latency_s" if row["kind"] == "budget" else "peak_bytes"
     base = cands[0].get(what) if cands else None
     out = []
@@ -91,12 +100,13 @@ def _planned(model, batch, loss_fn, opt, constraint: tuple[str, float], solver: 
 
 
 def run_model(name: str, constraints: list[tuple[str, float]], time_budget: float,
-              repeats: int, progress=print) -> list[dict]:
-    """One row per constraint (module doc)."""
+              repeats: int, progress=print, skip: frozenset = frozenset()) -> list[dict]:
+    """One row per constraint (module doc), but those in ``skip`` ((model, kind, value))."""
     import torch
 
     from .. import zoo
     from ..cost.profiler import ProfiledCostModel
+    from ..solvers.base import BudgetInfeasible
     from .harness import _eager_step, _measure_memory, _System, _time_rounds
 
     case = zoo.build(name, "small")
@@ -120,37 +130,67 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
     _measure_memory([eager], batch)
     rows = []
     for c in constraints:
-        pair = {}
+        if (name, *c) in skip:
+            continue
+        pair, least = {}, {}
         for solver, budget_s in (("auto", time_budget), ("search", SEARCH_FACTOR * time_budget)):
-            pair[solver] = system(solver, lambda m, o, solver=solver, budget_s=budget_s, c=c:
-                                  _planned(m, batch, loss_fn, o, c, solver, budget_s,
-                                           cost_model))
+            try:
+                pair[solver] = system(solver, lambda m, o, solver=solver, budget_s=budget_s, c=c:
+                                      _planned(m, batch, loss_fn, o, c, solver, budget_s,
+                                               cost_model))
+            except BudgetInfeasible as e:
+                least[solver] = e.smallest_peak_bytes
+                progress(f"  {name} {c[0]} {c[1]:g}: {solver}: {e}")
+                continue
             progress(f"  {name} {c[0]} {c[1]:g}: {solver} planned in "
                      f"{pair[solver].prepare_s:.1f} s")
-        _measure_memory(list(pair.values()), batch)
-        _time_rounds([eager, *pair.values()], repeats, reference=eager)
-        eager_s = statistics.median(eager.times)
+        row = {"model": name, "kind": c[0], "value": c[1], "eager_peak": eager.peak}
+        for k, nbytes in least.items():
+            row[f"{k}_infeasible"] = nbytes / eager.peak   # NOTE: of the measured eager peak
+        if pair:
+            _measure_memory(list(pair.values()), batch)
+            _time_rounds([eager, *pair.values()], repeats, reference=eager)
+            row["eager_step_s"] = statistics.median(eager.times)
         sols = {k: s.step.solution for k, s in pair.items()}
-        notes = sols["search"].notes
-        row = {"model": name, "kind": c[0], "value": c[1], "eager_peak": eager.peak,
-               "eager_step_s": eager_s}
         for k, s in pair.items():
             row[f"{k}_peak"] = s.peak / eager.peak
             row[f"{k}_step"] = statistics.median(s.ratios)
             row[f"{k}_sim_peak"] = sols[k].sim.peak_bytes
             row[f"{k}_sim_latency_s"] = sols[k].sim.latency_s
             row[f"{k}_solve_s"] = sols[k].solve_s
-        row["paired_search_over_auto"] = statistics.median(
-            a / b for a, b in zip(pair["search"].times, pair["auto"].times))
-        # NOTE: the same plan on the same graph: any measured difference is the machine's
-        row["same_plan"] = (sols["search"].plan.instructions == sols["auto"].plan.instructions
-                            and not notes.get("rules"))
-        row.update(rules=notes.get("rules", []), winner=notes.get("winner"),
-                   candidates=notes.get("candidates", []))
+        if len(pair) == 2:
+            row["paired_search_over_auto"] = statistics.median(
+                a / b for a, b in zip(pair["search"].times, pair["auto"].times))
+            # NOTE: the same plan on the same graph: any measured difference is the machine's
+            row["same_plan"] = (sols["search"].plan.instructions
+                                == sols["auto"].plan.instructions
+                                and not sols["search"].notes.get("rules"))
+        if "search" in sols:
+            notes = sols["search"].notes
+            row.update(rules=notes.get("rules", []), winner=notes.get("winner"),
+                       candidates=notes.get("candidates", []))
         row["gain"] = gain(row)
         rows.append(row)
-        progress(json.dumps({k: v for k, v in row.items() if k != "candidates"}))
+        progress(json.dumps(row))
     return rows
+
+
+def _cell(row: dict, solver: str) -> str:
+    if f"{solver}_peak" in row:
+        return f"{row[f'{solver}_peak']:.3f} / {row[f'{solver}_step']:.3f}"
+    return f"no plan (least peak {row[f'{solver}_infeasible']:.3f})"
+
+
+def _outcome(row: dict) -> str:
+    if "search_peak" in row:
+        return "fits where auto does not"
+    return "neither fits" if "auto_peak" not in row else "auto fits, the search does not"
+
+
+def wins(rows: list[dict]) -> int:
+    """Cases where the search gains at least 3%, or fits where auto does not."""
+    return sum(r["gain"] >= 0.03 if r["gain"] is not None else "search_peak" in r
+               and "auto_peak" not in r for r in rows)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -160,11 +200,53 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         what = (f"budget {r['value']:g}" if r["kind"] == "budget" else f"latency ≤ {r['value']:g}×")
         unit = "time" if r["kind"] == "budget" else "peak"
-        won = "auto's plan" if r.get("same_plan") else f"{100 * r['gain']:+.1f}% {unit}"
-        lines.append(f"| {r['model']} | {what} | {r['auto_peak']:.3f} / {r['auto_step']:.3f} | "
-                     f"{r['search_peak']:.3f} / {r['search_step']:.3f} | "
-                     f"{won} | {', '.join(r['rules']) or '—'} | "
-                     f"{r['winner']} | {rule_effects(r)} |")
+        won = ("auto's plan" if r.get("same_plan") else _outcome(r) if r["gain"] is None
+               else f"{100 * r['gain']:+.1f}% {unit}")
+        lines.append(f"| {r['model']} | {what} | {_cell(r, 'auto')} | {_cell(r, 'search')} | "
+                     f"{won} | {', '.join(r.get('rules', [])) or '—'} | "
+                     f"{r.get('winner') or '—'} | {rule_effects(r)} |")
+    return "\n".join(lines)
+
+
+def rule_rows(models: list[str]) -> list[dict]:
+    """Each rule alone on each model's captured step (small configuration, no optimizer):
+    its matches, the bytes they no longer make (the rule's own count), and the eager plan of
+    the rewrite against the captured one's, simulated on the roofline of cpu-generic."""
+    from .. import capture, zoo
+    from ..cost import RooflineCostModel, get_device
+    from ..plan.eager import eager_plan
+    from ..sim.simulate import simulate
+    from ..transform.rules import RULES
+
+    cost = RooflineCostModel(get_device("cpu-generic"))
+    rows = []
+    for name in models:
+        case = zoo.build(name, "small")
+        g = capture(case.model, case.batch, case.loss_fn)
+        base = simulate(g, eager_plan(g), cost)
+        for rule in RULES.values():
+            matches = rule.find(g)
+            row = {"model": name, "rule": rule.name, "matches": len(matches),
+                   "bytes_saved": sum(m.bytes_saved for m in matches)}
+            if matches:
+                g2 = rule.rewrite(g)
+                sim = simulate(g2, eager_plan(g2), cost)
+                row.update(nodes=len(g2.nodes) - len(g.nodes),
+                           peak=sim.peak_bytes / base.peak_bytes,
+                           latency=sim.latency_s / base.latency_s)
+            rows.append(row)
+    return rows
+
+
+def rule_markdown(rows: list[dict]) -> str:
+    lines = ["| model | rule | matches | bytes no longer made | nodes | eager peak | eager step |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r["matches"]:
+            continue
+        lines.append(f"| {r['model']} | {r['rule']} | {r['matches']} | "
+                     f"{r['bytes_saved'] / 2**20:+.2f} MiB | {r['nodes']:+d} | {r['peak']:.4f} | "
+                     f"{r['latency']:.4f} |")
     return "\n".join(lines)
 
 
@@ -177,27 +259,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows already in --out and run only the missing cases")
+    p.add_argument("--rules", action="store_true",
+                   help="each rule alone on each model (simulated, roofline): nothing planned")
     args = p.parse_args(argv)
+    if args.rules:
+        rows = rule_rows(args.models.split(","))
+        print(rule_markdown(rows))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0
     import torch
 
     torch.set_num_threads(1)
     constraints = ([("budget", float(b)) for b in args.budgets.split(",") if b]
                    + [("latency", float(x)) for x in args.limits.split(",") if x])
     rows = []
+    if args.resume and args.out and Path(args.out).exists():
+        rows = json.loads(Path(args.out).read_text())["rows"]
     for name in args.models.split(","):
-        rows += run_model(name, constraints, args.time_budget, args.repeats)
-    wins = sum(r["gain"] >= 0.03 for r in rows)
-    worse = sum(r["gain"] < -0.01 for r in rows)
-    summary = (f"{len(rows)} cases: the search gains ≥ 3% on {wins}, loses more than 1% on "
-               f"{worse} (measured)")
+        done = frozenset((r["model"], r["kind"], r["value"]) for r in rows)
+        rows += run_model(name, constraints, args.time_budget, args.repeats, skip=done)
+        summary = write(args, rows, torch.__version__)   # NOTE: after each model: resumable
     print(markdown(rows))
     print(summary)
+    return 0
+
+
+def write(args, rows: list[dict], torch_version: str) -> str:
+    """The summary line; the rows and it written to ``args.out`` (where given)."""
+    worse = sum(r["gain"] is not None and r["gain"] < -0.01 for r in rows)
+    summary = (f"{len(rows)} cases: the search gains ≥ 3% (or fits where auto does not) on "
+               f"{wins(rows)}, loses more than 1% on {worse} (measured)")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(), "torch": torch_version,
             "threads": 1, "time_budget_s": args.time_budget, "repeats": args.repeats,
             "summary": summary, "rows": rows}, indent=1))
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
