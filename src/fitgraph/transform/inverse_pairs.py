@@ -29,12 +29,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from ..graph.analysis import users, verify_graph
+from ..graph.analysis import users
 from ..graph.ir import Graph, ValueRef
 from .fission_meta import Meta
 from .fission_writer import GraphWriter
-from .relayout import copy_relaid, relaid_views_ok
+from .relayout import relaid_views_ok, rewrite_nodes
 
 __all__ = ["InversePair", "find_inverse_pairs", "remove_inverse_pairs"]
 
@@ -166,15 +167,14 @@ def remove_inverse_pairs(graph: Graph) -> Graph:
     found = find_inverse_pairs(graph)
     if not found:
         return graph
-    gone = {nid for m in found for nid in m.nodes}
     replaced = {old: new for m in found for old, new in m.replaced}
-    w = GraphWriter(graph)
-    for n in graph.nodes:
-        if n.id not in gone:
-            copy_relaid(w, graph, n)
-        for o in n.outputs:
+
+    def read_instead(w: GraphWriter, node) -> None:
+        for o in node.outputs:
             if o in replaced:
                 w.whole[o] = w.whole[replaced[o]]
-    out = w.finish(dict(graph.meta))
-    verify_graph(out)
-    return out
+
+    # NOTE: every node a pair removes goes; its outputs the pair replaces are read as what
+    # they equal (made earlier: a split's input, a cat's pieces, a permutation's input)
+    return rewrite_nodes(graph, {nid: partial(read_instead, node=graph.nodes[nid])
+                                 for m in found for nid in m.nodes}, set())

@@ -36,12 +36,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from ..graph.analysis import users, verify_graph
+from ..graph.analysis import users
 from ..graph.ir import Graph, Node, Phase, Role, ValueRef, contiguous_strides
 from .fission_meta import VIEW_TARGETS, Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
-from .relayout import copy_relaid, relaid_views_ok
+from .relayout import relaid_views_ok, rewrite_nodes
 
 __all__ = ["SharedMatmuls", "find_shared_matmuls", "merge_shared_matmuls"]
 
@@ -110,18 +111,11 @@ def merge_shared_matmuls(graph: Graph) -> Graph:
     groups = find_shared_matmuls(graph)
     if not groups:
         return graph
-    first = {g.matmuls[0]: g for g in groups}
-    merged = {m for g in groups for m in g.matmuls}
-    w = GraphWriter(graph)
-    early: set[int] = set()   # NOTE: weight views copied ahead, where the merged matmul runs
-    for n in graph.nodes:
-        if n.id in first:
-            _write_merged(w, graph, first[n.id], early)
-        elif n.id not in merged and n.id not in early:
-            copy_relaid(w, graph, n)
-    out = w.finish(dict(graph.meta))
-    verify_graph(out)
-    return out
+    # NOTE: the merged matmuls go, and the weight views copied ahead, where the merged matmul
+    # runs (its writer adds them)
+    skipped = {m for g in groups for m in g.matmuls}
+    return rewrite_nodes(graph, {g.matmuls[0]: partial(_write_merged, graph=graph, group=g,
+                                                       early=skipped) for g in groups}, skipped)
 
 
 def _ahead(w: GraphWriter, graph: Graph, vid: int, early: set[int]) -> int:
@@ -147,7 +141,7 @@ def _node(w: GraphWriter, name: str, target: str, args: tuple, meta: Meta, dtype
                       device=device, flops=flops)[0]
 
 
-def _write_merged(w: GraphWriter, graph: Graph, group: SharedMatmuls, early: set[int]) -> None:
+def _write_merged(w: GraphWriter, *, graph: Graph, group: SharedMatmuls, early: set[int]) -> None:
     """The stacked weights (and biases), the expanded input, the batched matmul, one select per
     projection read in its place."""
     nodes = [graph.nodes[m] for m in group.matmuls]

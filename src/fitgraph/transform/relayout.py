@@ -18,11 +18,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Value, ValueRef, contiguous_strides
 from .fission_meta import VIEW_TARGETS, Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["LAYOUT_FREE", "copy_relaid", "layout_free", "relaid_views_ok"]
+__all__ = ["LAYOUT_FREE", "copy_relaid", "layout_free", "relaid_views_ok", "rewrite_nodes"]
 
 # NOTE: ops whose outputs are laid out the same whatever their inputs' strides (a matmul's
 # result is dense row-major; a clone to contiguous_format is contiguous): where a rule changes
@@ -39,6 +42,23 @@ def layout_free(node: Node) -> bool:
         fmt = node.kwargs.get("memory_format")
         return fmt is not None and str(fmt) == "torch.contiguous_format"
     return False
+
+
+def rewrite_nodes(graph: Graph, at: dict[int, Callable[[GraphWriter], None]],
+                  skipped: set[int]) -> Graph:
+    """A copy of ``graph`` (checked): at each node of ``at`` its writer runs in the node's
+    place; the nodes in ``skipped`` (which a writer may add to: nodes it copied ahead) go;
+    every other node is copied, its views laid out again (``copy_relaid``). The one loop of
+    every rewrite rule."""
+    w = GraphWriter(graph)
+    for n in graph.nodes:
+        if n.id in at:
+            at[n.id](w)
+        elif n.id not in skipped:
+            copy_relaid(w, graph, n)
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
 
 
 def copy_relaid(w: GraphWriter, graph: Graph, node: Node) -> int:

@@ -35,11 +35,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from ..graph.analysis import storage_accesses, users, verify_graph
+from ..graph.analysis import storage_accesses, users
 from ..graph.ir import Graph, Node, Value, ValueRef, contiguous_strides
 from .fission_meta import Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
+from .relayout import rewrite_nodes
 
 __all__ = ["ScaledProduct", "find_scaled_products", "scale_across_matmul"]
 
@@ -121,18 +123,11 @@ def scale_across_matmul(graph: Graph) -> Graph:
     if not matches:
         return graph
     skipped = {m.scaling for m in matches.values()} | {v for m in matches.values() for v in m.views}
-    w = GraphWriter(graph)
-    for n in graph.nodes:
-        if n.id in matches:
-            _write(w, graph, matches[n.id])
-        elif n.id not in skipped:
-            w.copy_node(n)
-    out = w.finish(dict(graph.meta))
-    verify_graph(out)
-    return out
+    return rewrite_nodes(graph, {k: partial(_write, graph=graph, m=m) for k, m in matches.items()},
+                         skipped)
 
 
-def _write(w: GraphWriter, graph: Graph, m: ScaledProduct) -> None:
+def _write(w: GraphWriter, *, graph: Graph, m: ScaledProduct) -> None:
     """The scaled operand, the product of it, the views again; the scaling's output mapped to
     the last view."""
     prod, scaling = graph.nodes[m.product], graph.nodes[m.scaling]

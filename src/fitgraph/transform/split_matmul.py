@@ -35,12 +35,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from ..graph.analysis import storage_accesses, users, verify_graph
+from ..graph.analysis import storage_accesses, users
 from ..graph.ir import Graph, ValueRef, contiguous_strides
 from .fission_meta import Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
-from .relayout import copy_relaid, relaid_views_ok
+from .relayout import relaid_views_ok, rewrite_nodes
 
 __all__ = ["PackedMatmul", "find_packed_matmuls", "split_packed_matmuls"]
 
@@ -125,15 +126,8 @@ def split_packed_matmuls(graph: Graph) -> Graph:
     if not matches:
         return graph
     skipped = {m.split for m in matches.values()} | {v for m in matches.values() for v in m.views}
-    w = GraphWriter(graph)
-    for n in graph.nodes:
-        if n.id in matches:
-            _write_parts(w, graph, matches[n.id])
-        elif n.id not in skipped:
-            copy_relaid(w, graph, n)
-    out = w.finish(dict(graph.meta))
-    verify_graph(out)
-    return out
+    return rewrite_nodes(graph, {k: partial(_write_parts, graph=graph, m=m)
+                                 for k, m in matches.items()}, skipped)
 
 
 def _slice(w: GraphWriter, value: int, dim: int, lo: int, hi: int, name: str, node) -> int:
@@ -146,7 +140,7 @@ def _slice(w: GraphWriter, value: int, dim: int, lo: int, hi: int, name: str, no
                       phase=node.phase, module=node.module, device=w.device_of(value))[0]
 
 
-def _write_parts(w: GraphWriter, graph: Graph, m: PackedMatmul) -> None:
+def _write_parts(w: GraphWriter, *, graph: Graph, m: PackedMatmul) -> None:
     """Per part: the weight's (and bias's) columns sliced, the matmul, the views again with the
     part's width; the split's outputs mapped to them."""
     mm, split = graph.nodes[m.matmul], graph.nodes[m.split]
