@@ -175,7 +175,7 @@ def _child(problem: Problem, parent: _Candidate, rule: Rule, seen: set[str], tim
     changes = dict(parent.changes)
     changes[rule.name] = {"matches": len(matches),
                           "bytes_saved": sum(m.bytes_saved for m in matches),
-                          "flops_saved": sum(getattr(m, "flops_saved", 0.0) for m in matches)}
+                          "flops_saved": sum(m.flops_saved for m in matches)}
     return _plan(problem, graph, parent.rules + (rule.name,), changes, time_s, limit_s,
                  budget_mode)
 

@@ -62,6 +62,8 @@ class ScaledProduct:
     scaling: int
     operand: int
     bytes_saved: int
+    # NOTE: elementwise ops count no FLOPs here (their time is their bytes: cost.roofline)
+    flops_saved: float = 0.0
 
 
 def find_scaled_products(graph: Graph) -> list[ScaledProduct]:
