@@ -23,7 +23,7 @@ from __future__ import annotations
 from math import prod
 from typing import NamedTuple
 
-__all__ = ["VIEW_TARGETS", "Meta", "dense_like", "narrow", "view_meta"]
+__all__ = ["VIEW_TARGETS", "Meta", "dense_like", "is_dense", "narrow", "view_meta"]
 
 
 class Meta(NamedTuple):
@@ -37,6 +37,18 @@ def narrow(m: Meta, dim: int, start: int, length: int) -> Meta:
     shape = list(m.shape)
     shape[dim] = length
     return Meta(tuple(shape), m.stride, m.offset + start * m.stride[dim])
+
+
+def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a tensor laid out so covers its elements without gaps or overlaps, in any order
+    of its dims (a clone keeps such strides; an elementwise op's output takes them)."""
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
+    expected = 1
+    for st, size in dims:
+        if st != expected:
+            return False
+        expected *= size
+    return True
 
 
 def dense_like(shape: tuple[int, ...], like: tuple[int, ...]) -> tuple[int, ...]:

@@ -40,9 +40,9 @@ from functools import partial
 
 from ..graph.analysis import users
 from ..graph.ir import Graph, Node, Phase, Role, ValueRef, contiguous_strides
-from .fission_meta import VIEW_TARGETS, Meta, view_meta
+from .fission_meta import VIEW_TARGETS, Meta
 from .fission_writer import GraphWriter, OutSpec
-from .relayout import relaid_views_ok, rewrite_nodes
+from .relayout import add_view, relaid_views_ok, rewrite_nodes
 
 __all__ = ["SharedMatmuls", "find_shared_matmuls", "merge_shared_matmuls"]
 
@@ -131,12 +131,11 @@ def _ahead(w: GraphWriter, graph: Graph, vid: int, early: set[int]) -> int:
 
 
 def _node(w: GraphWriter, name: str, target: str, args: tuple, meta: Meta, dtype: str,
-          like: Node, device: str, *, view_of: int | None = None, flops: float = 0.0) -> int:
-    """One new node of one output laid out as ``meta``, in ``like``'s phase and module (a view:
-    in ``view_of``'s storage)."""
-    storage = None if view_of is None else w.values[view_of].storage
+          like: Node, device: str, *, flops: float = 0.0) -> int:
+    """One new node of one fresh output laid out as ``meta``, in ``like``'s phase and
+    module."""
     role = Role.ACTIVATION if like.phase in (Phase.FORWARD, Phase.LOSS) else Role.TEMPORARY
-    spec = OutSpec(name, meta, dtype, storage=storage, role=role)
+    spec = OutSpec(name, meta, dtype, role=role)
     return w.add_node(name, target, args, {}, [spec], phase=like.phase, module=like.module,
                       device=device, flops=flops)[0]
 
@@ -157,15 +156,9 @@ def _write_merged(w: GraphWriter, *, graph: Graph, group: SharedMatmuls, early: 
     shape = (k, cin, cout)
     stacked = _node(w, f"{name}.w", "aten.stack.default", ([ValueRef(v) for v in ws], 0),
                     Meta(shape, contiguous_strides(shape), 0), wv.dtype, lead, dev)
-    x1 = _node(w, f"{name}.x1", "aten.unsqueeze.default", (ValueRef(x), 0),
-               view_meta("aten.unsqueeze.default", (None, 0), [Meta(xv.shape, xv.stride,
-                                                                    xv.storage_offset)]),
-               xv.dtype, lead, dev, view_of=x)
+    x1 = add_view(w, "aten.unsqueeze.default", x, (0,), f"{name}.x1", lead)
     n_rows = xv.shape[0]
-    xe = _node(w, f"{name}.x", "aten.expand.default", (ValueRef(x1), [k, n_rows, cin]),
-               view_meta("aten.expand.default", (None, [k, n_rows, cin]), [Meta(
-                   w.values[x1].shape, w.values[x1].stride, w.values[x1].storage_offset)]),
-               xv.dtype, lead, dev, view_of=x1)
+    xe = add_view(w, "aten.expand.default", x1, ([k, n_rows, cin],), f"{name}.x", lead)
     out_shape = (k, n_rows, cout)
     out_meta = Meta(out_shape, contiguous_strides(out_shape), 0)
     flops = sum(n.flops for n in nodes)
@@ -174,16 +167,12 @@ def _write_merged(w: GraphWriter, *, graph: Graph, group: SharedMatmuls, early: 
         bshape = (k, cout)
         bstack = _node(w, f"{name}.b", "aten.stack.default", ([ValueRef(v) for v in bs], 0),
                        Meta(bshape, contiguous_strides(bshape), 0), wv.dtype, lead, dev)
-        b3 = _node(w, f"{name}.b3", "aten.unsqueeze.default", (ValueRef(bstack), 1),
-                   Meta((k, 1, cout), (cout, cout, 1), 0), wv.dtype, lead, dev, view_of=bstack)
+        b3 = add_view(w, "aten.unsqueeze.default", bstack, (1,), f"{name}.b3", lead)
         y = _node(w, name, "aten.baddbmm.default", (ValueRef(b3), ValueRef(xe),
                                                     ValueRef(stacked)),
                   out_meta, wv.dtype, lead, dev, flops=flops)
     else:
         y = _node(w, name, "aten.bmm.default", (ValueRef(xe), ValueRef(stacked)), out_meta,
                   wv.dtype, lead, dev, flops=flops)
-    for i, n in enumerate(nodes):
-        part = _node(w, f"{n.name}.part", "aten.select.int", (ValueRef(y), 0, i),
-                     Meta((n_rows, cout), (cout, 1), i * n_rows * cout), wv.dtype, n, dev,
-                     view_of=y)
-        w.whole[n.outputs[0]] = part
+    for i, n in enumerate(nodes):   # NOTE: each laid out as its matmul's, at another offset
+        w.whole[n.outputs[0]] = add_view(w, "aten.select.int", y, (0, i), f"{n.name}.part", n)

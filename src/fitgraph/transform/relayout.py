@@ -25,7 +25,8 @@ from ..graph.ir import Graph, Node, Value, ValueRef, contiguous_strides
 from .fission_meta import VIEW_TARGETS, Meta, view_meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["LAYOUT_FREE", "copy_relaid", "layout_free", "relaid_views_ok", "rewrite_nodes"]
+__all__ = ["LAYOUT_FREE", "add_view", "copy_relaid", "layout_free", "relaid_views_ok",
+           "rewrite_nodes"]
 
 # NOTE: ops whose outputs are laid out the same whatever their inputs' strides (a matmul's
 # result is dense row-major; a clone to contiguous_format is contiguous): where a rule changes
@@ -59,6 +60,16 @@ def rewrite_nodes(graph: Graph, at: dict[int, Callable[[GraphWriter], None]],
     out = w.finish(dict(graph.meta))
     verify_graph(out)
     return out
+
+
+def add_view(w: GraphWriter, target: str, src: int, rest: tuple, name: str, like: Node) -> int:
+    """A new view ``target(src, *rest)`` in ``src``'s storage, laid out as ATen lays it out,
+    in ``like``'s phase and module; its value id."""
+    v = w.values[src]
+    meta = view_meta(target, (None, *rest), [Meta(v.shape, v.stride, v.storage_offset)])
+    spec = OutSpec(name, meta, v.dtype, storage=v.storage, role=v.role)
+    return w.add_node(name, target, (ValueRef(src), *rest), {}, [spec], phase=like.phase,
+                      module=like.module, device=w.device_of(src))[0]
 
 
 def copy_relaid(w: GraphWriter, graph: Graph, node: Node) -> int:

@@ -36,7 +36,7 @@ import dataclasses
 
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Phase, Value, ValueRef
-from .fission_meta import Meta
+from .fission_meta import Meta, is_dense
 from .fission_writer import GraphWriter, OutSpec
 
 __all__ = ["copy_saved_views"]
@@ -103,23 +103,12 @@ def _saved_views(graph: Graph) -> set[int]:
         # NOTE: only views: the tensor the storage's maker returns is read whole otherwise
         if any(graph.values[v].producer == maker for v in views):
             continue
-        if any(v in outputs or not _dense(graph.values[v]) for v in views):
+        if any(v in outputs or not is_dense(graph.values[v].shape, graph.values[v].stride) for v in views):
             continue
         if sum(graph.values[v].nbytes for v in views) > MAX_SHARE * graph.storages[st].nbytes:
             continue
         chosen |= views
     return chosen
-
-
-def _dense(v: Value) -> bool:
-    """Whether ``v`` covers its elements without gaps or overlaps (a clone keeps its strides)."""
-    dims = sorted((s, n) for s, n in zip(v.stride, v.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _write_clone(w: GraphWriter, graph: Graph, v: Value) -> int:

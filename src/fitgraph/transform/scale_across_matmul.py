@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..graph.analysis import storage_accesses, users
-from ..graph.ir import Graph, Node, Value, ValueRef, contiguous_strides
-from .fission_meta import Meta, view_meta
+from ..graph.ir import Graph, Node, ValueRef, contiguous_strides
+from .fission_meta import Meta, is_dense
 from .fission_writer import GraphWriter, OutSpec
 from .relayout import rewrite_nodes
 
@@ -85,7 +85,7 @@ def find_scaled_products(graph: Graph) -> list[ScaledProduct]:
             chain.append(nxt.id)
             cur = graph.values[nxt.outputs[0]]
         rd = readers.get(cur.id, [])
-        if len(rd) != 1 or _scale_of(graph.nodes[rd[0]], cur.id) is None:
+        if len(rd) != 1 or not _scales(graph.nodes[rd[0]], cur.id):
             continue
         scaling = graph.nodes[rd[0]]
         y = graph.values[scaling.outputs[0]]
@@ -107,15 +107,13 @@ def find_scaled_products(graph: Graph) -> list[ScaledProduct]:
     return found
 
 
-def _scale_of(node: Node, reads: int) -> float | None:
-    """The number ``node`` multiplies or divides ``reads`` by; None where ``node`` is not such
-    a scaling."""
-    if node.target not in _SCALINGS or node.kwargs:
-        return None
-    if len(node.args) != 2 or not isinstance(node.args[0], ValueRef) or node.args[0].id != reads:
-        return None
-    c = node.args[1]
-    return c if isinstance(c, (int, float)) and not isinstance(c, bool) else None
+def _scales(node: Node, reads: int) -> bool:
+    """Whether ``node`` multiplies or divides ``reads`` by a Python number."""
+    if node.target not in _SCALINGS or node.kwargs or len(node.args) != 2:
+        return False
+    a, c = node.args
+    return (isinstance(a, ValueRef) and a.id == reads and isinstance(c, (int, float))
+            and not isinstance(c, bool))
 
 
 def scale_across_matmul(graph: Graph) -> Graph:
@@ -124,18 +122,28 @@ def scale_across_matmul(graph: Graph) -> Graph:
     matches = {m.product: m for m in find_scaled_products(graph)}
     if not matches:
         return graph
-    skipped = {m.scaling for m in matches.values()} | {v for m in matches.values() for v in m.views}
-    return rewrite_nodes(graph, {k: partial(_write, graph=graph, m=m) for k, m in matches.items()},
-                         skipped)
+    at = {k: partial(_write, graph=graph, m=m) for k, m in matches.items()}
+    # NOTE: the views between product and scaling are copied as they are (the new product is
+    # laid out as the old); the scaling's output is read as the last of them
+    for m in matches.values():
+        last = graph.nodes[m.views[-1]].outputs[0] if m.views else graph.nodes[
+            m.product].outputs[0]
+        at[m.scaling] = partial(_read_as, y=graph.nodes[m.scaling].outputs[0], last=last)
+    return rewrite_nodes(graph, at, set())
+
+
+def _read_as(w: GraphWriter, *, y: int, last: int) -> None:
+    w.whole[y] = w.whole[last]
 
 
 def _write(w: GraphWriter, *, graph: Graph, m: ScaledProduct) -> None:
-    """The scaled operand, the product of it, the views again; the scaling's output mapped to
-    the last view."""
+    """The scaled operand and the product of it, read in place of the old product."""
     prod, scaling = graph.nodes[m.product], graph.nodes[m.scaling]
     operands = [w.whole[r.id] for r in prod.args[:2]]
     small = w.values[operands[m.operand]]
-    meta = Meta(small.shape, _elementwise_strides(small), 0)
+    strides = small.stride if is_dense(small.shape, small.stride) else contiguous_strides(
+        small.shape)   # NOTE: an elementwise op's output keeps a dense input's strides
+    meta = Meta(small.shape, tuple(strides), 0)
     spec = OutSpec(f"{scaling.name}.operand", meta, small.dtype, role=graph.values[
         scaling.outputs[0]].role)
     operands[m.operand] = w.add_node(
@@ -143,30 +151,8 @@ def _write(w: GraphWriter, *, graph: Graph, m: ScaledProduct) -> None:
                                                     scaling.args[1]), {}, [spec],
         phase=scaling.phase, module=scaling.module, device=w.device_of(operands[m.operand]))[0]
     p = graph.values[prod.outputs[0]]
-    y = graph.values[scaling.outputs[0]]
-    spec = OutSpec(y.name, Meta(p.shape, p.stride, 0), p.dtype, role=y.role)
-    cur = w.add_node(prod.name, prod.target, tuple(ValueRef(o) for o in operands), {}, [spec],
-                     phase=prod.phase, module=prod.module, device=w.device_of(operands[0]),
-                     flops=prod.flops)[0]
-    for vid in m.views:
-        view = graph.nodes[vid]
-        src = w.values[cur]
-        out = graph.values[view.outputs[0]]
-        meta = view_meta(view.target, view.args, [Meta(src.shape, src.stride, src.storage_offset)])
-        spec = OutSpec(out.name, meta, out.dtype, storage=src.storage, role=out.role)
-        cur = w.add_node(view.name, view.target, (ValueRef(cur), *view.args[1:]),
-                         dict(view.kwargs), [spec], phase=view.phase, module=view.module,
-                         device=w.device_of(cur))[0]
-    w.whole[y.id] = cur
-
-
-def _elementwise_strides(v: Value) -> tuple[int, ...]:
-    """The strides ATen gives an elementwise op's output on ``v`` alone: ``v``'s where it is
-    dense (no gaps, no overlaps, any dim order), else contiguous."""
-    dims = sorted((s, n) for s, n in zip(v.stride, v.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return contiguous_strides(v.shape)
-        expected *= size
-    return tuple(v.stride)
+    spec = OutSpec(p.name, Meta(p.shape, p.stride, 0), p.dtype,
+                   role=graph.values[scaling.outputs[0]].role)
+    w.whole[p.id] = w.add_node(prod.name, prod.target, tuple(ValueRef(o) for o in operands), {},
+                               [spec], phase=prod.phase, module=prod.module,
+                               device=w.device_of(operands[0]), flops=prod.flops)[0]

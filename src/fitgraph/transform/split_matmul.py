@@ -39,9 +39,9 @@ from functools import partial
 
 from ..graph.analysis import storage_accesses, users
 from ..graph.ir import Graph, ValueRef, contiguous_strides
-from .fission_meta import Meta, view_meta
+from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
-from .relayout import relaid_views_ok, rewrite_nodes
+from .relayout import add_view, relaid_views_ok, rewrite_nodes
 
 __all__ = ["PackedMatmul", "find_packed_matmuls", "split_packed_matmuls"]
 
@@ -130,16 +130,6 @@ def split_packed_matmuls(graph: Graph) -> Graph:
                                  for k, m in matches.items()}, skipped)
 
 
-def _slice(w: GraphWriter, value: int, dim: int, lo: int, hi: int, name: str, node) -> int:
-    """``slice(value, dim, lo, hi)``: a view, in ``value``'s storage."""
-    v = w.values[value]
-    meta = view_meta("aten.slice.Tensor", (None, dim, lo, hi), [Meta(v.shape, v.stride,
-                                                                     v.storage_offset)])
-    spec = OutSpec(name, meta, v.dtype, storage=v.storage, role=v.role)
-    return w.add_node(name, "aten.slice.Tensor", (ValueRef(value), dim, lo, hi), {}, [spec],
-                      phase=node.phase, module=node.module, device=w.device_of(value))[0]
-
-
 def _write_parts(w: GraphWriter, *, graph: Graph, m: PackedMatmul) -> None:
     """Per part: the weight's (and bias's) columns sliced, the matmul, the views again with the
     part's width; the split's outputs mapped to them."""
@@ -149,26 +139,20 @@ def _write_parts(w: GraphWriter, *, graph: Graph, m: PackedMatmul) -> None:
     for i, ((lo, hi), part) in enumerate(zip(m.ranges, split.outputs)):
         name = f"{mm.name}.part{i}"
         args = list(refs)
-        args[-1] = _slice(w, refs[-1], 1, lo, hi, f"{name}.w", mm)
+        args[-1] = add_view(w, "aten.slice.Tensor", refs[-1], (1, lo, hi), f"{name}.w", mm)
         if mm.target == "aten.addmm.default":
             bias = w.values[refs[0]]
             if bias.shape and bias.shape[-1] == p.shape[-1]:
-                args[0] = _slice(w, refs[0], len(bias.shape) - 1, lo, hi, f"{name}.b", mm)
+                args[0] = add_view(w, "aten.slice.Tensor", refs[0], (len(bias.shape) - 1, lo, hi),
+                                   f"{name}.b", mm)
         shape = (p.shape[0], hi - lo)
         out = graph.values[part]
         spec = OutSpec(name, Meta(shape, contiguous_strides(shape), 0), p.dtype, role=out.role)
         cur = w.add_node(name, mm.target, tuple(ValueRef(a) for a in args), {}, [spec],
                          phase=mm.phase, module=mm.module, device=w.device_of(refs[1]),
                          flops=mm.flops * (hi - lo) / p.shape[-1])[0]
-        for vid in m.views:
+        for vid in m.views:   # NOTE: the same views, at the part's width
             view = graph.nodes[vid]
-            size = list(view.args[1][:-1]) + [hi - lo]
-            src = w.values[cur]
-            meta = view_meta(view.target, (None, size), [Meta(src.shape, src.stride, 0)])
-            vout = graph.values[view.outputs[0]]
-            spec = OutSpec(f"{view.name}.part{i}", meta, vout.dtype, storage=src.storage,
-                           role=vout.role)
-            cur = w.add_node(f"{view.name}.part{i}", view.target, (ValueRef(cur), size), {},
-                             [spec], phase=view.phase, module=view.module,
-                             device=w.device_of(cur))[0]
+            cur = add_view(w, view.target, cur, (list(view.args[1][:-1]) + [hi - lo],),
+                           f"{view.name}.part{i}", view)
         w.whole[part] = cur
