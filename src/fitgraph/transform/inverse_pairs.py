@@ -33,7 +33,7 @@ from functools import partial
 
 from ..graph.analysis import users
 from ..graph.ir import Graph, ValueRef
-from .fission_meta import Meta
+from .fission_meta import Meta, _norm
 from .fission_writer import GraphWriter
 from .relayout import relaid_views_ok, rewrite_nodes
 
@@ -62,10 +62,6 @@ def _dim(node) -> int:
     return node.args[at] if len(node.args) > at else 0
 
 
-def _norm(d: int, rank: int) -> int:
-    return d + rank if d < 0 else d
-
-
 def _axes(node, rank: int) -> list[int]:
     """The permutation a permuting view applies."""
     if node.target == "aten.permute.default":
@@ -80,70 +76,94 @@ def _axes(node, rank: int) -> list[int]:
 
 def find_inverse_pairs(graph: Graph) -> list[InversePair]:
     """Every pair of ops undoing each other that can be removed (module doc)."""
-    readers = users(graph)
-    written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
-    outputs = set(graph.outputs.values())
+    ctx = _Context(graph)
     found = []
-
-    def meta(v):
-        val = graph.values[v]
-        return Meta(val.shape, val.stride, val.storage_offset)
-
-    def takes(old: int, new: int) -> bool:
-        """Whether ``old``'s readers can read ``new`` in its place."""
-        if old in outputs or graph.values[old].storage in written:
-            return False
-        if graph.values[new].storage in written:
-            return False
-        return relaid_views_ok(graph, old, meta(new), readers)
-
     for n in graph.nodes:
-        if n.target == "aten.cat.default" and not n.kwargs and n.outputs[0] is not None:
-            parts = [a.id for a in n.args[0]]
-            src = graph.values[parts[0]].producer
-            node = graph.nodes[src] if src is not None else None
-            if node is not None and node.target in _SPLITS and list(node.outputs) == parts:
-                rank = len(graph.values[parts[0]].shape)
-                if (_norm(_dim(n), rank) == _norm(_dim(node), rank)
-                        and takes(n.outputs[0], node.inputs[0])):
-                    found.append(InversePair("cat of a split", (n.id,),
-                                             ((n.outputs[0], node.inputs[0]),),
-                                             graph.values[n.outputs[0]].nbytes))
+        if n.target == "aten.cat.default" and not n.kwargs:
+            pair = _cat_of_split(ctx, n)
         elif n.target in _SPLITS and isinstance(n.args[0], ValueRef):
-            src = graph.values[n.args[0].id].producer
-            cat = graph.nodes[src] if src is not None else None
-            if cat is None or cat.target != "aten.cat.default" or cat.kwargs:
-                continue
-            pieces = [a.id for a in cat.args[0]]
-            rank = len(graph.values[pieces[0]].shape)
-            d = _norm(_dim(n), rank)
-            if d != _norm(_dim(cat), rank) or len(pieces) != len(n.outputs):
-                continue
-            if any(graph.values[p].shape != graph.values[o].shape
-                   for p, o in zip(pieces, n.outputs)):
-                continue
-            if not all(takes(o, p) for o, p in zip(n.outputs, pieces)):
-                continue
-            alone = readers.get(cat.outputs[0], []) == [n.id]
-            found.append(InversePair(
-                "split of a cat", (n.id, cat.id) if alone else (n.id,),
-                tuple(zip(n.outputs, pieces)),
-                graph.values[cat.outputs[0]].nbytes if alone else 0))
+            pair = _split_of_cat(ctx, n)
         elif n.target in _PERMUTES and isinstance(n.args[0], ValueRef):
-            src = graph.values[n.args[0].id].producer
-            first = graph.nodes[src] if src is not None else None
-            if first is None or first.target not in _PERMUTES:
-                continue
-            rank = len(graph.values[first.inputs[0]].shape)
-            p, q = _axes(first, rank), _axes(n, rank)
-            if [p[i] for i in q] != list(range(rank)):
-                continue
-            if n.outputs[0] in outputs or graph.values[n.outputs[0]].storage in written:
-                continue
-            alone = readers.get(first.outputs[0], []) == [n.id]
-            found.append(InversePair("permutations", (n.id, first.id) if alone else (n.id,),
-                                     ((n.outputs[0], first.inputs[0]),), 0))
+            pair = _permutations(ctx, n)
+        else:
+            continue
+        if pair is not None:
+            found.append(pair)
     return _disjoint(found)
+
+
+class _Context:
+    """What every pattern asks of the graph: its readers, written storages, outputs."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.readers = users(graph)
+        self.written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
+        self.outputs = set(graph.outputs.values())
+
+    def producer(self, vid: int):
+        p = self.graph.values[vid].producer
+        return None if p is None else self.graph.nodes[p]
+
+    def takes(self, old: int, new: int) -> bool:
+        """Whether ``old``'s readers can read ``new`` in its place."""
+        g = self.graph
+        if old in self.outputs or {g.values[old].storage, g.values[new].storage} & self.written:
+            return False
+        v = g.values[new]
+        return relaid_views_ok(g, old, Meta(v.shape, v.stride, v.storage_offset), self.readers)
+
+
+def _cat_of_split(ctx: _Context, n) -> InversePair | None:
+    """``cat(x.split(...))`` in order, along the split's dim: ``x``."""
+    g = ctx.graph
+    parts = [a.id for a in n.args[0]]
+    split = ctx.producer(parts[0])
+    if split is None or split.target not in _SPLITS or list(split.outputs) != parts:
+        return None
+    rank = len(g.values[parts[0]].shape)
+    if _norm(_dim(n), rank) != _norm(_dim(split), rank) or not ctx.takes(n.outputs[0],
+                                                                           split.inputs[0]):
+        return None
+    return InversePair("cat of a split", (n.id,), ((n.outputs[0], split.inputs[0]),),
+                       g.values[n.outputs[0]].nbytes)
+
+
+def _split_of_cat(ctx: _Context, n) -> InversePair | None:
+    """``cat(pieces).split(...)`` at the pieces' sizes, along the cat's dim: the pieces."""
+    g = ctx.graph
+    cat = ctx.producer(n.args[0].id)
+    if cat is None or cat.target != "aten.cat.default" or cat.kwargs:
+        return None
+    pieces = [a.id for a in cat.args[0]]
+    rank = len(g.values[pieces[0]].shape)
+    if _norm(_dim(n), rank) != _norm(_dim(cat), rank) or len(pieces) != len(n.outputs):
+        return None
+    if any(g.values[p].shape != g.values[o].shape for p, o in zip(pieces, n.outputs)):
+        return None
+    if not all(ctx.takes(o, p) for o, p in zip(n.outputs, pieces)):
+        return None
+    alone = ctx.readers.get(cat.outputs[0], []) == [n.id]
+    return InversePair("split of a cat", (n.id, cat.id) if alone else (n.id,),
+                       tuple(zip(n.outputs, pieces)),
+                       g.values[cat.outputs[0]].nbytes if alone else 0)
+
+
+def _permutations(ctx: _Context, n) -> InversePair | None:
+    """A permutation of a permutation it undoes: the first one's input."""
+    g = ctx.graph
+    first = ctx.producer(n.args[0].id)
+    if first is None or first.target not in _PERMUTES:
+        return None
+    rank = len(g.values[first.inputs[0]].shape)
+    p, q = _axes(first, rank), _axes(n, rank)
+    if [p[i] for i in q] != list(range(rank)):
+        return None
+    if n.outputs[0] in ctx.outputs or g.values[n.outputs[0]].storage in ctx.written:
+        return None
+    alone = ctx.readers.get(first.outputs[0], []) == [n.id]
+    return InversePair("permutations", (n.id, first.id) if alone else (n.id,),
+                       ((n.outputs[0], first.inputs[0]),), 0)
 
 
 def _disjoint(found: list[InversePair]) -> list[InversePair]:
