@@ -81,22 +81,16 @@ def rule_effects(row: dict) -> str:
 def _planned(model, batch, loss_fn, opt, constraint: tuple[str, float], solver: str,
              time_budget: float, cost_model):
     from ..api import optimize
-    from .harness import _eager_step
+    from .harness import _fitgraph_step
 
-    _eager_step(model, batch, loss_fn, opt)()   # NOTE: AdamW's state exists: the steady plan
-    opt.zero_grad(set_to_none=True)
     kind, value = constraint
-    kw = {"budget": value} if kind == "budget" else {"latency_limit": value}
     # NOTE: the solvers' own plans: optimize's latency check (time the plan, plan again for a
     # tighter limit where it runs over) acts on any solver's plan after it, and on this shared
     # machine it re-planned one of two equal plans on noise (GPT-2 at 1.05: 0.589 vs 0.659)
-    train_step = optimize(model, batch, loss_fn, opt, time_budget=time_budget, solver=solver,
-                          cost_model=cost_model, measure_latency=False, **kw)
-
-    def step():
-        return train_step(batch)
-    step.solution = train_step.plan_for(batch).solution
-    return step
+    return _fitgraph_step(model, batch, loss_fn, opt, value if kind == "budget" else None,
+                          time_budget, optimize, solver, cost_model=cost_model,
+                          measure_latency=False,
+                          latency_limit=value if kind == "latency" else None)
 
 
 def run_model(name: str, constraints: list[tuple[str, float]], time_budget: float,

@@ -503,13 +503,15 @@ def _fitgraph_compiled_step(model, batch, loss_fn, opt, budget, time_budget: flo
     return _eager_step(torch.compile(model, backend=be), batch, loss_fn, opt)
 
 
-def _fitgraph_step(model, batch, loss_fn, opt, budget: float, time_budget: float, optimize,
-                   solver: str):
+def _fitgraph_step(model, batch, loss_fn, opt, budget: float | None, time_budget: float,
+                   optimize, solver: str, **options):
+    """``optimize``'s step after one eager step (``options``: more of its arguments), with its
+    solution on it."""
     # NOTE: one eager step first so AdamW state exists and the plan is the steady-state one
     _eager_step(model, batch, loss_fn, opt)()
     opt.zero_grad(set_to_none=True)
     train_step = optimize(model, batch, loss_fn, opt, budget=budget, time_budget=time_budget,
-                          solver=solver)
+                          solver=solver, **options)
 
     def step():
         return train_step(batch)

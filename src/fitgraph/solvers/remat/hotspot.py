@@ -147,7 +147,7 @@ def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
     return Solution(best.plan, best.sim, "hotspot", time.perf_counter() - t0, notes=notes)
 
 
-def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool = False) -> Solution:
+def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool) -> Solution:
     """One search (see the module doc): budget mode, or latency mode's greedy descent."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
@@ -225,7 +225,7 @@ def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool = False) 
     return sol
 
 
-def _reorder(g, search: Search, moves, blocks, best: Run, exact: bool = False) -> Run:
+def _reorder(g, search: Search, moves, blocks, best: Run, exact: bool) -> Run:
     """Re-plan the best drop set over memory-aware orders that know what it drops (with
     ``exact``, the exact scheduler's too); where that peaks no higher, grow and prune again;
     keep what the simulator says is better."""
