@@ -127,3 +127,21 @@ def test_auto_without_fallbacks_gives_up_at_once():
     else:
         raise AssertionError("a budget of the resident bytes was met")
     assert time.perf_counter() - t0 < 30   # NOTE: split_backward alone takes at least 240 s
+
+
+def test_the_search_plan_measures_the_peak_it_simulates():
+    """Law 2 on the search's plan (a rewritten graph, remat on it): measured on this machine's
+    op costs and workspaces, its peak is the simulated one, within the budget."""
+    from fitgraph.cost import ProfiledCostModel
+    from fitgraph.measure import measure_plan
+
+    torch.manual_seed(0)
+    model, batch = Scaled(8, 4, 2, 0.125, divide=False), torch.randn(2, 64, 8)
+    g = fitgraph.capture(copy.deepcopy(model), batch)
+    cost = ProfiledCostModel(repeats=1, warmup=0, progress=False)
+    cost.profile(g)
+    budget = int(0.8 * _eager(g, cost).peak_bytes)
+    s = solve(Problem(g, cost, budget_bytes=budget, time_budget_s=20), "search")
+    graph = s.graph_for(g)
+    measured = measure_plan(graph, s.plan, model, batch, repeats=0)
+    assert measured.peak_bytes == s.sim.peak_bytes <= budget
