@@ -147,7 +147,7 @@ def _bisect_budgets(problem: Problem, sol: Solution, t0: float, reorder: bool,
     return Solution(best.plan, best.sim, "hotspot", time.perf_counter() - t0, notes=notes)
 
 
-def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool) -> Solution:
+def _solve(problem: Problem, reorder: bool, per_use: bool, exact: bool = False) -> Solution:
     """One search (see the module doc): budget mode, or latency mode's greedy descent."""
     t0 = time.perf_counter()
     g, cm = problem.graph, problem.cost_model
