@@ -148,7 +148,11 @@ def solve_search(problem: Problem) -> Solution:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
         # of "smallest" takes it: solvers.smallest), unless a rewritten graph reached lower
         if first.infeasible is not None and first.rank[1] <= best.rank[1]:
-            raise first.infeasible
+            own = first.infeasible
+            err = BudgetInfeasible(own.budget_bytes, own.smallest_peak_bytes, own.dominated_by,
+                                   "search")
+            err.solution, err.estimated = own.solution, own.estimated
+            raise err from own
         raise BudgetInfeasible(problem.budget_bytes, int(best.rank[1]),
                                f"{len(tried)} candidate graph(s) searched; on the captured "
                                f"one: {first.error}", "search")
