@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,hf]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,hf,lightning]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -14,7 +14,7 @@ Example:
 from .api import OptimizeReport, TrainStep, load, optimize
 from .capture.api import capture
 from .capture.errors import CaptureError
-from .compile_backend import BackendReport, FitgraphBackend, backend
+from .compile_backend import BackendReport, FitgraphBackend, backend, named_backend
 from .graph.ir import Graph, Phase, Role
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
@@ -23,5 +23,5 @@ from .transform.optimizer_in_backward import OptimizerInBackwardError
 
 __all__ = ["BackendReport", "BudgetInfeasible", "CaptureError", "FitgraphBackend", "Graph",
            "OptimizeReport", "OptimizerInBackwardError", "Phase", "Plan", "Role", "TrainStep",
-           "backend", "capture", "eager_plan", "load", "optimize"]
+           "backend", "capture", "eager_plan", "load", "named_backend", "optimize"]
 __version__ = "0.1.0"
