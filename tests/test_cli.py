@@ -56,7 +56,9 @@ def test_optimize_json_csv_plot(tmp_path, capsys):
     out_csv, plot = tmp_path / "r.csv", tmp_path / "p.png"
     assert main(["optimize", "unet", "--budget", "0.9", "--repeats", "1", "--json",
                  "--csv", str(out_csv), "--plot", str(plot), "--time-budget", "10"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    assert "fitgraph: planning" not in said.err, "--json: no progress"
+    out = json.loads(said.out)
     f, e = out["fitgraph"], out["eager"]
     assert f["measured_peak_bytes"] == f["simulated_peak_bytes"] <= out["budget_bytes"]
     assert e["measured_peak_bytes"] > out["budget_bytes"]
@@ -70,7 +72,9 @@ def test_optimize_infeasible_is_a_clear_error(capsys):
     # NOTE: an impossible budget makes auto's split_backward search up to SPLIT_BACKWARD_MIN_S
     # (U-Net at 10%: 210 s); ResNet-50's rounds end within seconds
     assert main(["optimize", "resnet50", "--budget", "1MB", "--time-budget", "5"]) == 2
-    assert "smallest peak it reaches" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "smallest peak it reaches" in err
+    assert "fitgraph: planning the step" in err and "fitgraph:     hotspot: " in err
 
 
 @pytest.mark.slow  # NOTE: a long run; the law is held in the default tier too

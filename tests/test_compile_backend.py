@@ -191,6 +191,21 @@ def test_impossible_budget_raises_budget_infeasible():
     assert e.value.budget_bytes == 4096 and e.value.smallest_peak_bytes > 4096
 
 
+def test_an_unreachable_fraction_runs_a_graph_at_its_least_peak_and_says_so():
+    """A fraction applies to each compiled graph (a graph break makes small ones); bytes stay
+    a hard limit (above)."""
+    model = mlp(depth=2, dropout=False)
+    be = fitgraph.backend(budget=0.05, time_budget=2)
+    twin, compiled = _compiled_twin(model, be)
+    with pytest.warns(UserWarning, match="cannot reach budget 0.05 of its own eager peak"):
+        lb = _step(compiled, list(twin.parameters()), _batch(64), mlp_loss, 0)
+    la = _step(model, list(model.parameters()), _batch(64), mlp_loss, 0)
+    assert torch.equal(la, lb)
+    _assert_same(model, twin)
+    r = be.last_report
+    assert r.budget_bytes < r.planned_peak_bytes <= r.eager_peak_bytes
+
+
 def test_bad_arguments_fail_before_compiling():
     with pytest.raises(ValueError, match="at most one"):
         fitgraph.backend(budget=0.5, latency_limit=1.2)

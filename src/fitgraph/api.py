@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import progress as _progress
 from .ambient import autocast_as, autocast_state, no_autocast, step_key
 from .capture.api import capture
 from .capture.calling import LossFn, compute_loss
@@ -60,6 +61,11 @@ from .units import (
 __all__ = ["OptimizeReport", "TrainStep", "graph_fingerprint", "load", "optimize"]
 
 SAVE_FORMAT = 1
+
+
+def _shapes(shapes: tuple) -> str:
+    """A batch's leaf shapes in a progress line: (2, 512), (2, 512)."""
+    return ", ".join(str(tuple(s[0])) if isinstance(s[0], tuple) else str(s[0]) for s in shapes)
 
 
 @dataclass
@@ -138,7 +144,7 @@ class TrainStep:
                  time_budget: float, solver: str, cost_model, on_new_shape: str,
                  optimizer_in_backward: bool | str = False,
                  clip_grad_norm: float | None = None, exact: bool = False,
-                 measure_latency: bool = True) -> None:
+                 measure_latency: bool = True, progress=None) -> None:
         if on_new_shape not in ("replan", "error"):
             raise ValueError("on_new_shape must be 'replan' or 'error'")
         if optimizer_in_backward not in (False, True, "auto"):
@@ -147,7 +153,7 @@ class TrainStep:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.budget, self.latency_limit = budget, latency_limit
         self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
-        self.cost_model = cost_model
+        self.cost_model, self.progress = cost_model, progress
         self.exact, self.measure_latency = exact, measure_latency
         self._plans: dict[tuple, _Planned] = {}
         self._last: tuple | None = None
@@ -204,9 +210,12 @@ class TrainStep:
 
     def _plan(self, batch: Any, graph: Graph | None = None, plan: Plan | None = None,
               solver: str = "loaded") -> _Planned:
-        graph = graph if graph is not None else self._capture(batch)
+        if graph is None:
+            with _progress.stage("capturing forward, backward and optimizer step"):
+                graph = self._capture(batch)
         cm = self._cost()
-        cm.prepare(graph)
+        with _progress.stage(f"costing {len(graph.nodes)} ops ({cm.name})"):
+            cm.prepare(graph)
         eager = solve(Problem(graph, cm, latency_limit=1.0), "eager")
         if plan is not None:
             verify_plan(graph, plan)
@@ -217,15 +226,22 @@ class TrainStep:
                 sol = solve_smallest(graph, cm, lambda p: solve(p, self.solver),
                                      time_budget_s=self.time_budget, exact=self.exact)
             elif self.latency_limit is not None and self.measure_latency and measures_here(cm):
-                sol = self._within_measured_limit(graph, cm, eager, batch)
+                with _progress.stage(f"solving ({self.solver}) and timing the plan against "
+                                     f"eager's step"):
+                    sol = self._within_measured_limit(graph, cm, eager, batch)
             else:
-                sol = solve(Problem(graph, cm, budget_bytes=budget,
-                                    latency_limit=self.latency_limit,
-                                    time_budget_s=self.time_budget, exact=self.exact),
-                            self.solver)
+                with _progress.stage(f"solving ({self.solver}, up to {self.time_budget:g} s)"):
+                    sol = solve(Problem(graph, cm, budget_bytes=budget,
+                                        latency_limit=self.latency_limit,
+                                        time_budget_s=self.time_budget, exact=self.exact),
+                                self.solver)
             # NOTE: activation backwards written over the gradients they read where those die
             # there: the same kernels, bitwise, a lower peak (solvers.grads_in_place)
             sol = grads_in_place(sol, graph, cm)
+            _progress.note(f"plan: peak {format_bytes(sol.sim.peak_bytes)} (eager "
+                           f"{format_bytes(eager.sim.peak_bytes)}), step "
+                           f"{sol.sim.latency_s * 1e3:,.1f} ms simulated (eager "
+                           f"{eager.sim.latency_s * 1e3:,.1f} ms)")
         if graph.meta.get("user_checkpoints"):
             # NOTE: law 5: said, not silent (capture.user_checkpoints)
             sol.notes["user_checkpoints"] = (
@@ -306,7 +322,8 @@ class TrainStep:
             self._values.say_changed(self._plans, key)
             # NOTE: captured in the caller's autocast; profiled, planned and run without it
             self._autocast = autocast_state()
-            with no_autocast():
+            with no_autocast(), _progress.listening(self.progress), _progress.stage(
+                    f"planning the step for batch shapes {_shapes(key[0][1])}"):
                 planned = self._plan(batch)
             self._plans, key = self._values.forget_forward_changes(self._plans, key)
             self._plans[key] = planned
@@ -464,7 +481,8 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
              solver: str = "auto", cost_model=None, on_new_shape: str = "replan",
              optimizer_in_backward: bool | str = False,
              clip_grad_norm: float | None = None, exact: bool = False,
-             graph_breaks: str = "regions", measure_latency: bool = True) -> TrainStep:
+             graph_breaks: str = "regions", measure_latency: bool = True,
+             progress=None) -> TrainStep:
     """Plan one training step of ``model`` on batches shaped like ``batch``.
 
     ``budget``: bytes, a size string ("12GiB", "800MB"), a fraction of the eager peak (0.5), or
@@ -507,6 +525,10 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     loss, gradients and updated weights are eager's bit for bit (rematerialization, reordering,
     offloading, dropout masks kept as bits).
 
+    ``progress``: True says on standard error what planning does and what each option
+    reached (capture, costing, each solver's best plan, re-planning); a callable gets each
+    line instead; None (default) is quiet unless the caller listens (``fitgraph.progress``).
+
     One plan serves the whole training loop: it is made here for the steady-state step (the
     optimizer's state present, as from the second step on; the first step creates that state
     as torch would), and a fraction budget refers to that step's eager peak. Each step counts as
@@ -523,7 +545,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,
                      clip_grad_norm=clip_grad_norm, exact=exact,
-                     measure_latency=measure_latency)
+                     measure_latency=measure_latency, progress=progress)
     try:
         step.plan_for(batch)
     except CaptureError as e:

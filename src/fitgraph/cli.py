@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_hw_search import add_parser as add_hw_search
     from .cli_optimize import add_parser
     from .cli_plan_dist import add_parser as add_plan_dist
+    from .demo_train import add_parser as add_demo_train
 
     add_parser(sub)
     add_bench(sub)
     add_plan_dist(sub)
     add_hw_search(sub)
+    add_demo_train(sub)
     sub.add_parser("models", help="list the built-in models")
     return p
 
@@ -148,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     from .cli_hw_search import cmd_hw_search
     from .cli_optimize import cmd_optimize
     from .cli_plan_dist import cmd_plan_dist
+    from .demo_train import cmd_demo_train
     from .solvers import BudgetInfeasible
 
     try:
         return {"inspect": cmd_inspect, "models": cmd_models,
                 "optimize": cmd_optimize, "bench": cmd_bench,
-                "plan-dist": cmd_plan_dist, "hw-search": cmd_hw_search}[args.command](args)
+                "plan-dist": cmd_plan_dist, "hw-search": cmd_hw_search,
+                "demo-train": cmd_demo_train}[args.command](args)
     except (CaptureError, ValueError, BudgetInfeasible) as e:
         print(f"fitgraph: error: {e}", file=sys.stderr)
         return 2

@@ -74,7 +74,7 @@ def cmd_optimize(args) -> int:
                         solver=args.solver,
                         cost_model=args.device_model or ("cpu-generic" if paper else None),
                         optimizer_in_backward=IN_BACKWARD[args.optimizer_in_backward],
-                        exact=args.exact)
+                        exact=args.exact, progress=not args.json)
     except OptimizerInBackwardError as e:
         raise OptimizerInBackwardError(f"--optimizer-in-backward on: {e} "
                                        "(--optimizer-in-backward auto)") from e

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import progress
 from .graph.ir import Graph
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
@@ -412,6 +413,9 @@ def check(base: Graph, limit: float, solve_for, cm, eager_latency_s: float,
         measured *= scale
         tries.append(Measured(target, simulated, measured, spread, sol.sim.peak_bytes))
         sols.append(sol)
+        progress.note(f"latency check: planned for {target:.3f}x, measured {measured:.3f}x "
+                      f"eager's step (limit {limit:g}x)"
+                      + ("" if measured <= within_s or target <= 1.0 else ": planning again"))
         if measured <= within_s:
             break
         if target <= 1.0:

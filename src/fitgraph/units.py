@@ -38,6 +38,20 @@ def is_smallest(budget) -> bool:
     return isinstance(budget, str) and budget.strip().lower() == SMALLEST
 
 
+def is_fraction(budget) -> bool:
+    """Whether ``budget`` is relative to the eager peak (a float, "50%", "0.5").
+
+    Example:
+        >>> is_fraction(0.5), is_fraction("60%"), is_fraction("0.6"), is_fraction("8GiB")
+        (True, True, True, False)
+    """
+    if isinstance(budget, float):
+        return True
+    text = str(budget).strip()
+    return isinstance(budget, str) and (text.endswith("%") or re.fullmatch(r"[0-9]*\.[0-9]+",
+                                                                           text) is not None)
+
+
 def parse_budget(budget: int | float | str, *, eager_peak_bytes: int) -> int:
     """Bytes for a budget given as bytes (int), a fraction of the eager peak (float in (0, 1]
     or "50%"), or a size string ("12GiB", "800MB"). Errors name the budget and what it could

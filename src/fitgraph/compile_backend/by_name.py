@@ -2,11 +2,12 @@
 
 fitgraph registers itself in torch's entry-point group ``torch_dynamo_backends``
 (``pyproject.toml``), as third-party backends do: after ``pip install fitgraph`` the name works
-without importing fitgraph, in torch.compile and wherever a tool takes a backend by name
-(Hugging Face ``TrainingArguments(torch_compile_backend="fitgraph")``, Accelerate's dynamo
-config, Lightning). ``options`` are ``fitgraph.backend``'s arguments, by keyword (``budget``,
-``latency_limit``, ``solver``, ``time_budget``, ``cost_model``, ``inner``,
-``dynamic_shapes``). Where a tool gives no way to pass ``options``, the environment variable
+without importing fitgraph, in torch.compile and wherever a tool passes a backend's name on
+to torch (Accelerate's ``DynamoBackend`` list, and so Hugging Face Trainer's
+``torch_compile_backend``, accept only names it knows: there, use
+``fitgraph.integrations.huggingface.FitgraphCallback``). ``options`` are ``fitgraph.backend``'s arguments, by keyword (``budget``,
+``latency_limit``, ``solver``, ``time_budget``, ``cost_model``, ``inner``, ``dynamic_shapes``,
+``progress``). Where a tool gives no way to pass ``options``, the environment variable
 ``FITGRAPH_BACKEND_OPTIONS`` (a JSON object of the same keywords) is read instead. With
 neither, the graphs run as torch's default partition saves (a report each, nothing planned).
 

@@ -39,6 +39,7 @@ from ..units import (
     budget_bytes,
     check_budget,
     check_latency_limit,
+    is_fraction,
     is_smallest,
 )
 from .backend_report import BackendReport
@@ -90,7 +91,7 @@ class FitgraphBackend:
 
     def __init__(self, budget=None, latency_limit: float | None = None, solver: str = "hotspot",
                  time_budget: float = 30.0, cost_model=None, inner: str = "aot_eager",
-                 dynamic_shapes: str = "refuse") -> None:
+                 dynamic_shapes: str = "refuse", progress=None) -> None:
         if dynamic_shapes not in DYNAMIC_SHAPES:
             raise ValueError(f"dynamic_shapes={dynamic_shapes!r}: one of "
                              f"{', '.join(DYNAMIC_SHAPES)}")
@@ -108,7 +109,7 @@ class FitgraphBackend:
         self.budget, self.latency_limit = budget, latency_limit
         self.solver, self.time_budget, self.cost_model = solver, time_budget, cost_model
         self.reports: list[BackendReport] = []
-        self.inner, self.dynamic_shapes = inner, dynamic_shapes
+        self.inner, self.dynamic_shapes, self.progress = inner, dynamic_shapes, progress
         # NOTE: one line per graph run unplanned (dynamic_shapes="unplanned"), saying why
         self.unplanned: list[str] = []
         # NOTE: set by a step by regions (``boundary_hold``): graph key -> bytes the rest of
@@ -220,7 +221,23 @@ class FitgraphBackend:
                     return _emitted(e.solution, graph, cm)
                 except EmitError:
                     return self._plan(graph, banned, cm, eager, SMALLEST)
-        return self._plan(graph, banned, cm, eager, self.budget)
+        try:
+            return self._plan(graph, banned, cm, eager, self.budget)
+        except BudgetInfeasible as e:
+            if not is_fraction(self.budget):
+                raise
+            # NOTE: a fraction applies to each compiled graph's own eager peak, and a graph
+            # break makes small graphs of a step (a loss after a logging call) whose fixed
+            # bytes no plan brings under it: such a graph runs at its least peak, said aloud;
+            # bytes stay a hard limit
+            warnings.warn(f"fitgraph.backend: compiled graph {len(self.reports) + 1} "
+                          f"({len(graph.nodes)} nodes) cannot reach budget {self.budget} of its "
+                          f"own eager peak ({e}); it runs at the least peak found. A fraction "
+                          "applies to each graph torch.compile makes (graph breaks split a "
+                          "step): give the budget in bytes for a hard limit", stacklevel=2)
+            least = e.solution if e.solution is not None and self.solver not in REWRITING \
+                else self._plan(graph, banned, cm, eager, SMALLEST)
+            return dataclasses.replace(least, notes=dict(least.notes, fraction_unreachable=str(e)))
 
     def _plan(self, graph: Graph, banned: set[int], cm, eager: Solution, budget) -> Solution:
         graph = _banning(graph, banned, pinned=self.solver in REWRITING)
@@ -279,10 +296,20 @@ class FitgraphBackend:
         return P.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                    static_lifetime_input_indices=static)
 
-    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
-                   num_fwd_outputs: int, static_lifetime_input_indices: list[int] | None = None,
-                   **kwargs) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs
+                   ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """AOTAutograd's partition hook: plan the joint graph, return (forward, backward)."""
+        from .. import progress
+
+        with progress.listening(self.progress), progress.stage(
+                f"planning compiled graph {len(self.reports) + 1} "
+                f"({len(joint.graph.nodes)} nodes)"):
+            return self._planned_partition(joint, joint_inputs, **kwargs)
+
+    def _planned_partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
+                           num_fwd_outputs: int,
+                           static_lifetime_input_indices: list[int] | None = None,
+                           **kwargs) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         from torch._functorch import partitioners as P
 
         from ..capture.joint import joint_to_graph
@@ -478,7 +505,8 @@ def _banning(graph: Graph, banned: set[int], pinned: bool = False) -> Graph:
 
 def backend(budget=None, latency_limit: float | None = None, solver: str = "hotspot",
             time_budget: float = 30.0, cost_model=None,
-            inner: str = "aot_eager", dynamic_shapes: str = "refuse") -> FitgraphBackend:
+            inner: str = "aot_eager", dynamic_shapes: str = "refuse",
+            progress=None) -> FitgraphBackend:
     """A torch.compile backend that fits each compiled training graph in a memory budget.
 
     ``budget``: bytes, a size string ("800MB", "12GiB"), or a fraction of the simulated eager
@@ -509,6 +537,9 @@ def backend(budget=None, latency_limit: float | None = None, solver: str = "hots
     that says to compile with ``dynamic=False``; "unplanned" runs it with torch's own
     partition (what eager saves), with a warning and a line in ``FitgraphBackend.unplanned``
     (a step by regions does so, and says it in its report).
+
+    ``progress``: True says on standard error what each graph's planning does (a callable
+    gets the lines); None is quiet unless the caller listens (``fitgraph.progress``).
     """
     return FitgraphBackend(budget, latency_limit, solver, time_budget, cost_model, inner,
-                           dynamic_shapes)
+                           dynamic_shapes, progress)

@@ -48,6 +48,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from .. import progress
 from ..graph.analysis import graph_fingerprint
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
@@ -93,6 +94,13 @@ class _Candidate:
         return out
 
 
+def _said(c: _Candidate) -> str:
+    if c.solution is None:
+        return "no plan"
+    sim = c.solution.sim
+    return f"{sim.peak_bytes / 2**20:,.1f} MiB in {sim.latency_s * 1e3:,.1f} ms"
+
+
 def _better(a: _Candidate, b: _Candidate, budget_mode: bool) -> bool:
     """Whether ``a``'s plan replaces ``b``'s: a lower rank, and in budget mode a simulated step
     ``TIME_MARGIN`` faster (where both have plans)."""
@@ -125,7 +133,9 @@ def solve_search(problem: Problem) -> Solution:
     if not budget_mode:
         limit_s = problem.latency_limit * simulate(problem.graph, eager_plan(problem.graph),
                                                    cm).latency_s
-    first = _plan(problem, problem.graph, (), {}, each_s, limit_s, budget_mode, fallback=True)
+    with progress.stage("search: auto on the captured graph"):
+        first = _plan(problem, problem.graph, (), {}, each_s, limit_s, budget_mode,
+                      fallback=True)
     seen = {graph_fingerprint(problem.graph)}
     frontier, tried, best = [first], [first], first
     while frontier and deadline - time.perf_counter() > MIN_CANDIDATE_S:
@@ -143,6 +153,9 @@ def solve_search(problem: Problem) -> Solution:
             heapq.heappush(frontier, child)
             if _better(child, best, budget_mode):
                 best = child
+            if progress.enabled():
+                progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so far "
+                              f"{' + '.join(best.rules) or 'auto'}: {_said(best)}")
     best = _schedule_exactly(problem, best, deadline, limit_s, budget_mode)
     if best.solution is None:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
@@ -200,7 +213,9 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
                               "its eager step is over the latency limit", changes)
         sub = dataclasses.replace(sub, latency_limit=limit_s / own)
     try:
-        sol = solve_auto(sub, fallback=fallback)
+        # NOTE: a rewritten graph's own options are not said: one line per candidate is
+        with progress.listening(False if rules else None):
+            sol = solve_auto(sub, fallback=fallback)
     except BudgetInfeasible as e:
         return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
                           str(e), changes, infeasible=e)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from .. import progress
 from ..plan.eager import eager_plan
 from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import dropout_masks
@@ -89,7 +90,12 @@ def _key(sol: Solution, budget: int | None) -> tuple:
             else (sol.sim.peak_bytes, sol.sim.latency_s))
 
 
-def _summary(sol: Solution | None, err: BudgetInfeasible | None) -> dict:
+def _summary(sol: Solution | None, err: BudgetInfeasible | None, name: str = "") -> dict:
+    """What one option reached (``notes[name]``), said to whoever listens (``progress``)."""
+    if progress.enabled():
+        progress.note(f"{name}: " + (_describe(sol) if sol is not None else
+                                     f"no plan within the budget (least "
+                                     f"{err.smallest_peak_bytes / _MIB:,.1f} MiB)"))
     if sol is None:
         return {"infeasible": str(err), "smallest_peak_bytes": err.smallest_peak_bytes}
     return {"peak_bytes": sol.sim.peak_bytes, "latency_s": sol.sim.latency_s,
@@ -211,7 +217,7 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
     except BudgetInfeasible as e:
         hot_err = e
     eager = simulate(problem.graph, eager_plan(problem.graph), cm)
-    notes = {"hotspot": _summary(hot, hot_err)}
+    notes = {"hotspot": _summary(hot, hot_err, "hotspot")}
     flop_errors = problem.graph.meta.get("flop_formula_errors")
     if flop_errors and not cm.measures:
         # NOTE: named, not silent: such a node's roofline time is its bytes moved alone
@@ -221,7 +227,7 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
                                   f"{first[0]} ({first[1]})")
     remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
     bits, bits_err, bits_skip = _compacted(problem, hot, eager, remat_fast, t0)
-    notes["compact_masks"] = (_summary(bits, bits_err) if bits_skip is None
+    notes["compact_masks"] = (_summary(bits, bits_err, "masks as bits") if bits_skip is None
                               else f"not run: {bits_skip}")
     base, also = problem, []
     if bits is not None and (hot is None or _key(bits, budget) < _key(hot, budget)):
@@ -238,7 +244,8 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
         base = dataclasses.replace(problem, graph=hot.graph,
                                    latency_limit=hot.notes["latency_factor"])
     off, off_err, off_skip = _joint(base, hot, eager, t0)
-    notes["joint"] = _summary(off, off_err) if off_skip is None else f"not run: {off_skip}"
+    notes["joint"] = (_summary(off, off_err, "remat + offload") if off_skip is None
+                      else f"not run: {off_skip}")
     if off is not None and base is not problem:
         off = dataclasses.replace(off, graph=base.graph)
     if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
@@ -279,7 +286,7 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
                 fis = found
         if fis is not None:
             fis_err = None
-        notes["fission"] = _summary(fis, fis_err)
+        notes["fission"] = _summary(fis, fis_err, "fission")
     else:
         notes["fission"] = f"not run: {skip}"
     if fis is not None and fis.graph is not None and (hot is None or _key(fis, budget) < _key(
@@ -301,11 +308,14 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
         if not fallback:
             raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
                                    best.dominated_by, "auto")
+        progress.note("no option reaches the budget: searching the least peak")
         least = _least_peak(problem, t0)
         # NOTE: below the bytes that exist before the step starts no plan fits: the least
         # peak is then hotspot's, not searched further
         if ((least is None or least.sim.peak_bytes > budget) and not problem.exact
                 and budget >= eager.resident_bytes):
+            progress.note("and regions re-made in the backward in parts (split_backward: "
+                          "minutes)")
             deeper = _split_backward(problem, least)
             if deeper is not None and (least is None
                                        or deeper.sim.peak_bytes < least.sim.peak_bytes):
