@@ -243,3 +243,21 @@ def test_import_fitgraph_needs_no_transformers():
     code = ("import sys, fitgraph, fitgraph.integrations; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_model_torch_compile_skips_is_said_not_silent(tmp_path):
+    """Dynamo skips torch.nn's own forward when a module is compiled in place: warned."""
+    from transformers import Trainer, TrainingArguments
+
+    from fitgraph.integrations.huggingface import FitgraphCallback
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))   # NOTE: forward(input): torch's code
+    data = [{"input": torch.randn(8), "labels": torch.randn(8)} for _ in range(8)]
+    args = TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+                             logging_strategy="no", remove_unused_columns=False)
+    fit = FitgraphCallback(budget=0.9, time_budget=2)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[fit],
+                      compute_loss_func=lambda out, labels, **_: (out - labels).square().mean())
+    with pytest.warns(UserWarning, match="compiled no graph that fitgraph planned"):
+        trainer.train()

@@ -245,12 +245,20 @@ def format_plan(p) -> str:
 
 
 def cmd_plan_dist(args) -> int:
+    from . import progress
+
+    with progress.listening(not args.json):
+        return _plan_dist(args, progress)
+
+
+def _plan_dist(args, progress) -> int:
     from .dist.config import parse_fix
     from .dist.memory import PRECISIONS
     from .dist.planner import Infeasible, plan
 
     cluster, note = _cluster(args)
-    shape = _model(args, cluster)
+    with progress.stage(f"capturing and costing {args.model}"):
+        shape = _model(args, cluster)
     try:
         fix = parse_fix(args.fix)
     except ValueError as e:
@@ -263,9 +271,11 @@ def cmd_plan_dist(args) -> int:
         fix = {"sp": False, "per_stage": False, **fix}
     budget = args.budget_gib * GIB if args.budget_gib else None
     try:
-        p = plan(shape, cluster, args.global_batch, fix=fix,
-                 precision=PRECISIONS[args.precision or "mixed-adam"], budget=budget,
-                 device_note=note)
+        with progress.stage(f"planning {args.devices} devices" if not fix else
+                            f"predicting {args.fix}"):
+            p = plan(shape, cluster, args.global_batch, fix=fix,
+                     precision=PRECISIONS[args.precision or "mixed-adam"], budget=budget,
+                     device_note=note)
     except Infeasible as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "binding": e.binding,

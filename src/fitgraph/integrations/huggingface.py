@@ -41,6 +41,7 @@ Example (a tiny Llama with random weights, two optimizer steps):
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 try:
@@ -102,6 +103,19 @@ class FitgraphCallback(TrainerCallback):
         # the first new shape
         model.compile(backend=self.backend, dynamic=False)
         self._compiled.add(model)
+        self._checked = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if getattr(self, "_checked", True):
+            return
+        self._checked = True
+        if not self.backend.reports:
+            # NOTE: law 5, not silent: Dynamo skips code in torch's own files, so a model
+            # compiled in place whose forward is torch.nn's (an nn.Sequential) runs uncompiled
+            warnings.warn("FitgraphCallback: the first training step compiled no graph that "
+                          "fitgraph planned (a model whose forward is torch.nn's own, such as "
+                          "nn.Sequential, is skipped by torch.compile in place: wrap it in a "
+                          "module of your own); the steps run unplanned", stacklevel=2)
 
 
 def _check_args(args) -> None:
