@@ -17,7 +17,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # solvers) under the torch runtime (capture, execute), under the measured cost model (it runs
 # ops through the runtime), under measuring and the API, under the tools
 LAYERS: list[tuple[str, ...]] = [
-    ("fitgraph.units", "fitgraph.graph"),
+    ("fitgraph.units", "fitgraph.graph", "fitgraph.progress"),
     ("fitgraph.cost", "fitgraph.plan"),
     ("fitgraph.transform", "fitgraph.sim"),
     ("fitgraph.solvers",),
