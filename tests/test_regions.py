@@ -347,7 +347,9 @@ def test_a_region_traced_with_dynamic_shapes_runs_unplanned_and_says_so(fresh_dy
     batches = [torch.randn(n, 32, generator=g) for n in (16, 12, 9)]
     loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
     with pytest.warns(UserWarning, match="cannot be captured as one graph"):
-        step = fitgraph.optimize(b, batches[0], loss_fn, ob, budget="smallest", time_budget=2)
+        # NOTE: exact: remat alone (auto's split_backward searches a least peak for minutes)
+        step = fitgraph.optimize(b, batches[0], loss_fn, ob, budget="smallest", time_budget=2,
+                                 exact=True)
     assert isinstance(step, RegionsStep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
