@@ -23,7 +23,9 @@ def test_demo_train_writes_curves_that_agree_and_memory_within_the_plan(tmp_path
     # NOTE: remat re-runs the same kernels and dropout masks are kept: the very same run
     assert r["loss"]["eager"] == r["loss"]["fitgraph"] and r["max_weight_diff"] == 0.0
     assert r["metered_steps"] == [4, 8] and r["never_above_plan"]
+    # NOTE: law 2 over a run: each metered step's peak is the plan's simulated one, to the byte
+    assert r["peak_bytes"]["fitgraph"] == [r["planned_peak_bytes"]] * 2
     assert max(r["peak_bytes"]["fitgraph"]) <= r["budget_bytes"] < min(r["peak_bytes"]["eager"])
     assert len(r["step_s"]["eager"]) == 10 and plot.stat().st_size > 10_000
     out = capsys.readouterr().out
-    assert "final loss" in out and "never above it" in out
+    assert "final loss" in out and "equal to it, to the byte" in out
