@@ -74,3 +74,18 @@ def test_the_search_says_each_candidate_and_the_best_so_far():
     assert lines[0] == "search: auto on the captured graph ..."
     cands = [line for line in lines if line.startswith("search: ") and "best so far" in line]
     assert cands and "scale_across_matmul" in cands[0], lines
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_step_by_regions_says_each_region_it_plans():
+    from test_regions import ItemScaled
+
+    model = ItemScaled()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    lines = []
+    with pytest.warns(UserWarning, match="cannot be captured as one graph"):
+        step = fitgraph.optimize(model, x, lambda m, b: m(b).square().mean(), opt, budget=0.9,
+                                 time_budget=2, exact=True, progress=lines.append)
+    step(x)
+    assert any(line.startswith("planning compiled graph 1 (") for line in lines), lines

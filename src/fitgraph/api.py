@@ -561,7 +561,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
         return RegionsStep(model, loss_fn, optimizer, budget=budget,
                            latency_limit=latency_limit, time_budget=time_budget,
                            cost_model=cost_model, clip_grad_norm=clip_grad_norm, reason=e,
-                           measure_latency=measure_latency, exact=exact)
+                           measure_latency=measure_latency, exact=exact, progress=progress)
     return step
 
 

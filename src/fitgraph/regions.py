@@ -229,9 +229,10 @@ class RegionsStep:
     def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None,
                  optimizer: torch.optim.Optimizer | None, *, budget, latency_limit,
                  time_budget: float, cost_model, clip_grad_norm: float | None,
-                 reason: CaptureError, measure_latency: bool = True, exact: bool = False) -> None:
+                 reason: CaptureError, measure_latency: bool = True, exact: bool = False,
+                 progress=None) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
-        self.exact = exact
+        self.exact, self.progress = exact, progress
         self.clip_grad_norm, self.reason = clip_grad_norm, reason
         self.budget, self.latency_limit, self.time_budget = budget, latency_limit, time_budget
         self.cost_model = cost_model
@@ -274,7 +275,7 @@ class RegionsStep:
         return backend(budget=self.budget, latency_limit=latency_limit,
                        solver="hotspot" if self.exact else "auto",
                        time_budget=time_budget, cost_model=self.cost_model,
-                       dynamic_shapes="unplanned")
+                       dynamic_shapes="unplanned", progress=self.progress)
 
     def _check_latency(self, batch: Any) -> None:
         """Compile the regions for the latency limit, timed against eager PyTorch
