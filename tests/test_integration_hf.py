@@ -55,8 +55,8 @@ def _gpt2() -> GPT2LMHeadModel:
     model = GPT2LMHeadModel(config)
     # NOTE: GPT2LMHeadModel's class name names no loss, so ``model.loss_function`` warns once
     # through ``logger.warning_once``, which breaks the graph before the loss; the loss then is
-    # a graph of its own, too small for a fractional budget (fitgraph.backend plans each graph
-    # within its share of its own eager peak)
+    # a graph of its own, too small to reach a fractional budget of its own eager peak (it
+    # would run at its least peak, with a warning): one graph here
     model.loss_type = "ForCausalLM"
     return model
 
