@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-__all__ = ["enabled", "listening", "note", "stage"]
+__all__ = ["enabled", "listening", "note", "on_terminal", "stage"]
 
 Sink = Callable[[str], None]
 _SINK: contextvars.ContextVar[Sink | None] = contextvars.ContextVar("fitgraph_progress",
@@ -56,6 +56,11 @@ def listening(progress: bool | Sink | None) -> Iterator[None]:
 def enabled() -> bool:
     """Whether someone listens (to skip building a costly line)."""
     return _SINK.get() is not None
+
+
+def on_terminal() -> bool:
+    """Whether someone listens on standard error (where a progress bar may be drawn too)."""
+    return _SINK.get() is _stderr
 
 
 def note(line: str) -> None:

@@ -366,8 +366,11 @@ class ProfiledCostModel(BaseCostModel):
         runner = SyntheticRunner(graph, self.device, densities, opaque.chains)
         from tqdm import tqdm
 
+        from .. import progress
+
+        # NOTE: a bar where asked, or where a caller listens on the terminal (fitgraph.progress)
         bar = tqdm(todo.items(), desc=f"profiling on {self.label}", unit="op",
-                   disable=None if self.progress else True)
+                   disable=None if self.progress or progress.on_terminal() else True)
         mismatched = []
         rng_devices = [self.device.index] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
