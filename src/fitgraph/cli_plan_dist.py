@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from . import progress
+
 __all__ = ["add_parser", "build_parser", "captured_model", "cmd_plan_dist", "format_plan",
            "gpt_shape", "model_arguments"]
 
@@ -245,13 +247,11 @@ def format_plan(p) -> str:
 
 
 def cmd_plan_dist(args) -> int:
-    from . import progress
-
     with progress.listening(not args.json):
-        return _plan_dist(args, progress)
+        return _plan_dist(args)
 
 
-def _plan_dist(args, progress) -> int:
+def _plan_dist(args) -> int:
     from .dist.config import parse_fix
     from .dist.memory import PRECISIONS
     from .dist.planner import Infeasible, plan

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -81,18 +82,15 @@ def _checked(options: dict) -> dict:
 
 def _env_options() -> dict | None:
     text = os.environ.get(ENV_OPTIONS)
-    if not text:
-        return None
+    return _parsed(text) if text else None
+
+
+@functools.cache
+def _parsed(text: str) -> dict:
+    """``FITGRAPH_BACKEND_OPTIONS`` read; NOTE: cached, so that every graph compiled under one
+    value gets the same dict, and so the same backend."""
     try:
-        options = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{ENV_OPTIONS} is not JSON ({e}): give an object such as "
                          '\'{"budget": "8GiB"}\'') from e
-    # NOTE: one dict for the process, so that every graph read from the variable shares a backend
-    global _ENV_PARSED
-    if _ENV_PARSED is None or _ENV_PARSED[0] != text:
-        _ENV_PARSED = (text, options)
-    return _ENV_PARSED[1]
-
-
-_ENV_PARSED: tuple[str, dict] | None = None

@@ -210,17 +210,7 @@ class FitgraphBackend:
                 return self._plan(graph, banned, cm, eager,
                                   share if share >= LEAST_BUDGET_BYTES else SMALLEST)
             except BudgetInfeasible as e:
-                if e.solution is None:
-                    return self._plan(graph, banned, cm, eager, SMALLEST)
-                if self.solver not in REWRITING:
-                    return e.solution
-                # NOTE: a rewriting solver's least peak runs on its own graph: as modules
-                # written from its plan, as ``_plan`` runs its plans (passed on as it was,
-                # the partition read its plan against the captured graph's node ids)
-                try:
-                    return _emitted(e.solution, graph, cm)
-                except EmitError:
-                    return self._plan(graph, banned, cm, eager, SMALLEST)
+                return self._least(e, graph, banned, cm, eager)
         try:
             return self._plan(graph, banned, cm, eager, self.budget)
         except BudgetInfeasible as e:
@@ -235,9 +225,24 @@ class FitgraphBackend:
                           f"own eager peak ({e}); it runs at the least peak found. A fraction "
                           "applies to each graph torch.compile makes (graph breaks split a "
                           "step): give the budget in bytes for a hard limit", stacklevel=2)
-            least = e.solution if e.solution is not None and self.solver not in REWRITING \
-                else self._plan(graph, banned, cm, eager, SMALLEST)
+            least = self._least(e, graph, banned, cm, eager)
             return dataclasses.replace(least, notes=dict(least.notes, fraction_unreachable=str(e)))
+
+    def _least(self, e: BudgetInfeasible, graph: Graph, banned: set[int], cm,
+               eager: Solution) -> Solution:
+        """The plan at the least peak where ``e`` says none fits: the one riding on it, else
+        planned at the smallest budget."""
+        if e.solution is None:
+            return self._plan(graph, banned, cm, eager, SMALLEST)
+        if self.solver not in REWRITING:
+            return e.solution
+        # NOTE: a rewriting solver's least peak runs on its own graph: as modules written from
+        # its plan, as ``_plan`` runs its plans (passed on as it was, the partition read its
+        # plan against the captured graph's node ids)
+        try:
+            return _emitted(e.solution, graph, cm)
+        except EmitError:
+            return self._plan(graph, banned, cm, eager, SMALLEST)
 
     def _plan(self, graph: Graph, banned: set[int], cm, eager: Solution, budget) -> Solution:
         graph = _banning(graph, banned, pinned=self.solver in REWRITING)

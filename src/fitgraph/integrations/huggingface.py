@@ -83,6 +83,8 @@ class FitgraphCallback(TrainerCallback):
         # NOTE: Trainer calls on_train_begin at every ``train()`` (a resume, a second run):
         # a model is compiled once
         self._compiled: weakref.WeakSet = weakref.WeakSet()
+        # NOTE: whether the first step after compiling was looked at (did it plan anything)
+        self._checked = True
 
     def on_init_end(self, args, state, control, **kwargs):
         # NOTE: a conflicting argument fails when the Trainer is built, not after data loading
@@ -106,7 +108,7 @@ class FitgraphCallback(TrainerCallback):
         self._checked = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if getattr(self, "_checked", True):
+        if self._checked:
             return
         self._checked = True
         if not self.backend.reports:

@@ -90,7 +90,7 @@ def _key(sol: Solution, budget: int | None) -> tuple:
             else (sol.sim.peak_bytes, sol.sim.latency_s))
 
 
-def _summary(sol: Solution | None, err: BudgetInfeasible | None, name: str = "") -> dict:
+def _summary(sol: Solution | None, err: BudgetInfeasible | None, name: str) -> dict:
     """What one option reached (``notes[name]``), said to whoever listens (``progress``)."""
     if progress.enabled():
         progress.note(f"{name}: " + (_describe(sol) if sol is not None else
