@@ -275,3 +275,21 @@ def test_stage_widths_round_trip_through_json(tmp_path):
     back = DistPlan.load(p.save(tmp_path / "plan.json"))
     assert back.parallelism == par
     assert [(s["tp"], s["dp"]) for s in back.stages] == [(4, 1), (1, 4)]
+
+
+def test_cli_model_as_an_option_plans_the_same(capsys):
+    """``--model gpt`` (the issues' spelling) is the positional ``gpt``, wherever it stands."""
+    fix = ["--json", "--fix", "tp=2,pp=2,dp=2,microbatch=1,schedule=1f1b"]
+    assert main([*GPT, *fix]) == 0
+    positional = json.loads(capsys.readouterr().out)
+    assert main(["plan-dist", *GPT[2:], "--model", "gpt", *fix]) == 0
+    option = json.loads(capsys.readouterr().out)
+    for data in (positional, option):
+        data.pop("plan_s")
+    assert option == positional
+
+
+@pytest.mark.parametrize("command", ["plan-dist", "hw-search"])
+def test_cli_without_a_model_says_how_to_name_one(command):
+    with pytest.raises(SystemExit, match="name a model .positional or --model."):
+        main([command, "--devices", "8", "--global-batch", "16"])

@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_hw_search(args) -> int:
+    from .cli_plan_dist import require_model
     from .dist.memory import PRECISIONS
     from .hw.search import co_search
     from .hw.space import SPACES
 
+    require_model(args, "hw-search")
     model = _model(args)
 
     def progress(i, n, cand, best):

@@ -18,7 +18,7 @@ import json
 from . import progress
 
 __all__ = ["add_parser", "build_parser", "captured_model", "cmd_plan_dist", "format_plan",
-           "gpt_shape", "model_arguments"]
+           "gpt_shape", "model_arguments", "require_model"]
 
 GIB = 2**30
 
@@ -26,10 +26,14 @@ GIB = 2**30
 def model_arguments(p: argparse.ArgumentParser, model_help: str, dtype_default: str) -> None:
     """The model options ``plan-dist`` and ``hw-search`` share (see ``gpt_shape``,
     ``captured_model``)."""
-    p.add_argument("model", help="'gpt' (with --layers/--hidden/--heads), a GPT preset "
-                   "(gpt3-175b, llama2-7b, bert-large, gpt2-xl, gpt-1.7b ... gpt-1t: "
-                   "Megatron-LM's Table 1 models), or a zoo model (`fitgraph models`: its step "
-                   f"captured, {model_help})")
+    # NOTE: the model is positional or ``--model`` (the spelling of the issues and of Phaze's
+    # scripts); SUPPRESS keeps an absent positional from overwriting ``--model``.
+    what = ("'gpt' (with --layers/--hidden/--heads), a GPT preset (gpt3-175b, llama2-7b, "
+            "bert-large, gpt2-xl, gpt-1.7b ... gpt-1t: Megatron-LM's Table 1 models), or a zoo "
+            f"model (`fitgraph models`: its step captured, {model_help})")
+    p.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=what)
+    p.add_argument("--model", dest="model", default=argparse.SUPPRESS, metavar="MODEL",
+                   help="the model, as an option (the same as the positional)")
     p.add_argument("--config", default="small", choices=["small", "paper"],
                    help="zoo model size (paper: built on the meta device)")
     p.add_argument("--batch", type=int, default=None,
@@ -44,6 +48,14 @@ def model_arguments(p: argparse.ArgumentParser, model_help: str, dtype_default: 
                    help="vocabulary (default: the preset's; 51,200 for 'gpt')")
     p.add_argument("--seq", type=int, default=None,
                    help="sequence length (default: the preset's; 2048 for 'gpt')")
+
+
+def require_model(args, command: str) -> str:
+    """The model named positionally or by ``--model``; a clear exit where neither is."""
+    if getattr(args, "model", None) is None:
+        raise SystemExit(f"{command}: name a model (positional or --model): 'gpt' with "
+                         "--layers/--hidden/--heads, a GPT preset, or a zoo model")
+    return args.model
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -247,6 +259,7 @@ def format_plan(p) -> str:
 
 
 def cmd_plan_dist(args) -> int:
+    require_model(args, "plan-dist")
     with progress.listening(not args.json):
         return _plan_dist(args)
 
