@@ -7,11 +7,15 @@ itself (DESIGN: graph/, transform/, solvers/ never import torch):
   ``device`` (``transform.compact_masks`` packs a fused dropout's bool mask eight to a byte);
 * ``strides_kept(graph, node, vid, stride)``: whether ``node``, run with value ``vid`` strided
   as ``stride``, makes the strides the graph records (``transform.elementwise_expands`` runs an
-  op before an expand only where its readers' layouts hold).
+  op before an expand only where its readers' layouts hold);
+* ``batch_norm_from_stats(device, dtype, eps)``: whether a training BatchNorm's output is made
+  again bit for bit by the eval-mode kernel from the saved statistics
+  (``transform.norm_from_stats``).
 
 ``fitgraph.execute`` registers torch's answers when it loads (every ``import fitgraph`` does).
-In a process without torch the answer is the conservative one — no, for both: masks stay bool
-and ops stay after their expands; plans are valid, only those two rewrites are not made.
+In a process without torch the answer is the conservative one — no, for each: masks stay bool,
+ops stay after their expands, BatchNorm outputs are not re-made; plans are valid, only those
+rewrites are not made.
 
 Example:
     >>> from fitgraph.graph.kernel_facts import Conservative, kernel_facts, use_kernel_facts
@@ -20,6 +24,8 @@ Example:
     >>> before = use_kernel_facts(Packs())
     >>> kernel_facts().packs_alike("cpu"), kernel_facts().strides_kept(None, None, 0, ())
     (True, False)
+    >>> kernel_facts().batch_norm_from_stats("cpu", "float32", 1e-5)
+    False
     >>> _ = use_kernel_facts(before)
 """
 
@@ -40,6 +46,8 @@ class KernelFacts(Protocol):
     def strides_kept(self, graph: Graph, node: Node, vid: int,
                      stride: tuple[int, ...]) -> bool: ...
 
+    def batch_norm_from_stats(self, device: str, dtype: str, eps: float) -> bool: ...
+
 
 class Conservative:
     """The answers without a runtime: nothing is known to hold, so no rewrite relies on it."""
@@ -49,6 +57,9 @@ class Conservative:
 
     def strides_kept(self, graph: Graph, node: Node, vid: int,
                      stride: tuple[int, ...]) -> bool:
+        return False
+
+    def batch_norm_from_stats(self, device: str, dtype: str, eps: float) -> bool:
         return False
 
 

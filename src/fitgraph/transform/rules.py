@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from ..graph.ir import Graph
 from .inverse_pairs import find_inverse_pairs, remove_inverse_pairs
 from .merge_matmuls import find_shared_matmuls, merge_shared_matmuls
+from .norm_from_stats import batch_norm_from_stats, find_norms_from_stats
 from .rewrite import Transform
 from .scale_across_matmul import find_scaled_products, scale_across_matmul
 from .split_matmul import find_packed_matmuls, split_packed_matmuls
@@ -65,4 +67,13 @@ RULES: dict[str, Rule] = {r.name: r for r in (
          changes="projections of one input (q, k, v; gate and up) made by one batched "
                  "matmul on their stacked weights: one launch, the weights stacked every "
                  "step; the parts share one storage"),
+    Rule("norm_from_stats", find_norms_from_stats, batch_norm_from_stats, exact=True,
+         changes="a training BatchNorm's output (and the activation made from it) re-made "
+                 "for the backward from the saved statistics, one normalization pass: the "
+                 "forward's copy dies in the forward"),
+    Rule("norm_from_stats_through_sums", partial(find_norms_from_stats, through_sums=True),
+         partial(batch_norm_from_stats, through_sums=True), exact=True,
+         changes="as norm_from_stats, and where a residual sum lies between the BatchNorm and "
+                 "the activation (its other tensor kept for the backward anyway): one pass "
+                 "more re-made"),
 )}
