@@ -1,4 +1,5 @@
-"""``fitgraph::pack_bits`` / ``fitgraph::unpack_bits``: eight bits to a byte and back, exactly."""
+"""``fitgraph::pack_bits`` / ``fitgraph::unpack_bits``: eight bits to a byte and back, exactly;
+``fitgraph::unpack_scaled``: the packed bits back as the float mask they were made into."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fitgraph.execute.bit_packing import pack_bits, packs_alike, unpack_bits
+from fitgraph.execute.bit_packing import pack_bits, packs_alike, unpack_bits, unpack_scaled
 from fitgraph.execute.ops import resolve_target
 from fitgraph.graph.own_ops import PACK_BITS, UNPACK_BITS
 
@@ -34,6 +35,35 @@ def test_random_bits_of_any_density_and_shape_round_trip(seed):
     # NOTE: a bool tensor holds only 0 and 1 bytes: anything else would compare alike but
     # misbehave in later arithmetic
     assert int(back.view(torch.uint8).max()) <= 1
+
+
+_SCALINGS = [("aten.div_.Scalar", 0.9), ("aten.mul_.Tensor", 1.7), ("aten.div_.Tensor", 0.3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_unpack_scaled_is_the_mask_bit_for_bit(dtype, seed):
+    """The bits converted to ``dtype`` and put through the scalings by the same kernels, on
+    random shapes (flat or in rows), densities and chains of scalings."""
+    g = torch.Generator().manual_seed(seed)
+    shape = [int(s) for s in torch.randint(1, 7, (2,), generator=g)] + [8 * (seed + 1)]
+    if seed % 2:
+        shape = [shape[0] * shape[1] * shape[2]]   # NOTE: flat: one row of bytes
+    bits = torch.rand(shape, generator=g) < float(torch.rand((), generator=g))
+    chain = _SCALINGS[:seed % 4]
+    mask = bits.to(dtype)
+    for target, c in chain:
+        resolve_target(target)(mask, c)
+    made = unpack_scaled(pack_bits(bits), shape, dtype, ",".join(t for t, _ in chain),
+                         [c for _, c in chain])
+    assert made.dtype == dtype and made.shape == mask.shape and made.is_contiguous()
+    assert torch.equal(made, mask)
+
+
+def test_unpack_scaled_refuses_what_is_not_a_scaling():
+    with pytest.raises(ValueError, match="aten.add_.Scalar is not an in-place scaling"):
+        unpack_scaled(pack_bits(torch.ones(8, dtype=torch.bool)), [8], torch.float32,
+                      "aten.add_.Scalar", [1.0])
 
 
 def test_the_graph_targets_resolve_to_the_ops():

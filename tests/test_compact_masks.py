@@ -13,6 +13,7 @@ from helpers import assert_bitwise_equal_models, eager_step
 import fitgraph
 from fitgraph.cost import ProfiledCostModel
 from fitgraph.execute import execute
+from fitgraph.graph.own_ops import UNPACK_SCALED
 from fitgraph.measure import measure_plan
 from fitgraph.plan.remat import remat_plan
 from fitgraph.sim import simulate
@@ -71,19 +72,19 @@ def test_dropping_the_remade_masks_lowers_the_peak_bitwise_and_as_simulated(tmp_
     model, batch, loss_fn = _case()
     g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
     c = compact_masks(g)
-    full = [n.id for n in c.nodes if n.name.endswith(".mask.full")]
-    unpacked = [n.id for n in c.nodes if n.name.endswith(".mask.unpacked")]
-    assert len(full) == len(unpacked) == 2
+    full = [n for n in c.nodes if n.name.endswith(".mask.full")]
+    # NOTE: each mask re-made from its packed bytes in one gather, no bool bits between
+    assert [n.target for n in full] == [UNPACK_SCALED] * 2
+    assert not any(n.name.endswith(".mask.unpacked") for n in c.nodes)
     cost = _profiled(c, tmp_path)
-    bools = simulate(c, remat_plan(c, full), cost)  # NOTE: the unpacked bool bits kept
-    plan = remat_plan(c, full + unpacked)
+    plan = remat_plan(c, [n.id for n in full])
     sim = simulate(c, plan, cost)
     eager = simulate(g, fitgraph.eager_plan(g), _profiled(g, tmp_path))
-    assert sim.peak_bytes <= bools.peak_bytes < eager.peak_bytes
-    # NOTE: into the backward go one bit an element where the unpacked bools took a byte (the
+    assert sim.peak_bytes < eager.peak_bytes
+    # NOTE: into the backward go one bit an element where the float mask took four bytes (the
     # hidden layer's mask: the input's is not read by the backward, no gradient flows there)
     n_bits = 256 * 512
-    assert _kept(bools) - _kept(sim) == n_bits - n_bits // 8
+    assert _kept(eager) - _kept(sim) == 4 * n_bits - n_bits // 8
     _assert_measures_as_simulated_and_runs_bitwise(c, plan, sim, model, batch, loss_fn)
 
 

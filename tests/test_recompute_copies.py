@@ -147,7 +147,7 @@ def test_the_forward_runs_in_parts_once_the_backward_reads_copies():
     later = {v for n in s.nodes if n.phase is not Phase.FORWARD for v in n.inputs}
     assert not any(o in later for n in fwd for o in n.outputs)
     # NOTE: the mask's bits are packed in rows: each backward part unpacks its own rows
-    unpacks = [n.name for n in s.nodes if n.phase is Phase.BACKWARD and ".unpacked" in n.name]
+    unpacks = [n.name for n in s.nodes if n.phase is Phase.BACKWARD and ".mask.full" in n.name]
     assert unpacks and all(".part" in name for name in unpacks)
     assert_split_like_eager(g, s, model, BATCH)
 

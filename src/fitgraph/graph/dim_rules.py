@@ -19,7 +19,7 @@ from . import dim_rules_norm as nm
 from . import dim_rules_pointwise as pw
 from . import dim_rules_views as vw
 from . import dim_rules_window as wn
-from .own_ops import UNPACK_BITS
+from .own_ops import UNPACK_BITS, UNPACK_SCALED
 
 __all__ = ["BOUNDARY", "BOUNDARY_PREFIXES", "RANDOM_CHECKED", "ROW_WISE", "RULES", "SHAPE_ONLY",
            "row_wise"]
@@ -119,6 +119,7 @@ RULES.update({
     "aten.cat.default": vw.cat,
     "aten.stack.default": vw.stack,
     UNPACK_BITS: vw.unpack_bits,
+    UNPACK_SCALED: vw.unpack_bits,   # NOTE: the same bytes to elements, as floats
     "aten._unsafe_index.Tensor": ix.index_gather,
     "aten.index.Tensor": ix.index_gather,
     "aten._unsafe_index_put.default": ix.index_scatter,

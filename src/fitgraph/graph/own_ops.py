@@ -9,10 +9,13 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PACK_BITS", "UNPACK_BITS", "packed_shape"]
+__all__ = ["PACK_BITS", "UNPACK_BITS", "UNPACK_SCALED", "packed_shape"]
 
 PACK_BITS = "fitgraph.pack_bits.default"      # bool bits -> uint8, eight to a byte
 UNPACK_BITS = "fitgraph.unpack_bits.default"  # uint8 packed bits -> bool of a shape
+# NOTE: uint8 packed bits -> a float mask of a shape: each bit as 0 or 1 of a dtype put through
+# in-place scalings (a dropout's ``div_(p)``), in one gather from a 256-byte table
+UNPACK_SCALED = "fitgraph.unpack_scaled.default"
 
 
 def packed_shape(shape) -> tuple[int, ...]:

@@ -8,20 +8,21 @@ on a CPU is the dearest op of a transformer's forward. Here each such mask becom
 CPU the draw goes straight into a bool tensor (``empty_like(x, dtype=bool) → bernoulli_(p)``:
 the same draw, the generator left in the same state, ``draws_alike``), elsewhere the float mask
 is read once, right after it is made, into ``bits = mask != 0``. The bits are packed eight to a
-byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and ``kernel_facts().packs_alike`` its
-device; in rows of the last dim where that is a multiple of 8, ``own_ops.packed_shape``, so a
-part of a split region unpacks its own rows) and unpacked again (``unpacked``). Every reader
-gets ``full``: the bits converted to the mask's dtype (0 or 1, as the draw left them) and put
-through the chain's own in-place scalings (``div_(p)``), so equal to the mask bit for bit.
-``full`` and ``unpacked`` are cheap, deterministic recomputes of the packed bytes, so a planner
-drops them and re-makes them just before the backward (and the dropout's output from them)
-where memory is short — the bytes kept drop from 4 to 1/8 per element for float32 at the cost
-of an unpacking, a conversion and a scaling per make (0.12, 0.36 and 0.1 ms for 1.2M elements
-on this CPU). (The first version
-re-made it as ``where(bits, 1/p, 0)``: over random bits a ``where`` mispredicts its branches,
-2.1 ms against 0.82 for the conversion and scaling on GPT-2's 2M-element attention masks.
-Packing took BERT small within 1.10x of eager's step from 0.404x to 0.394x of its peak,
-simulated on this CPU's costs.)
+byte (``fitgraph::pack_bits``, where the mask's size is a multiple of 8 and
+``kernel_facts().packs_alike`` its device; in rows of the last dim where that is a multiple of
+8, ``own_ops.packed_shape``, so a part of a split region unpacks its own rows), and every reader
+gets ``full``: the mask re-made from the packed bytes in one gather (``fitgraph::unpack_scaled``:
+a 256-entry table of each byte's eight elements, 0 or 1 of the mask's dtype put through the
+chain's own in-place scalings, ``div_(p)``), so equal to the mask bit for bit. Where the bits do
+not pack, ``full`` is the bool bits converted to the mask's dtype and put through the scalings.
+``full`` is a cheap, deterministic recompute of the packed bytes, so a planner drops it and
+re-makes it just before the backward (and the dropout's output from it) where memory is short —
+the bytes kept drop from 4 to 1/8 per element for float32 at the cost of one gather per make
+(0.30 ms for 786k elements on this CPU, one thread, where unpacking to bools, converting and
+scaling took 1.05 ms). (The first version re-made it as ``where(bits, 1/p, 0)``: over random
+bits a ``where`` mispredicts its branches, 2.1 ms against 0.82 for the conversion and scaling
+on GPT-2's 2M-element attention masks. Packing took BERT small within 1.10x of eager's step
+from 0.404x to 0.394x of its peak, simulated on this CPU's costs.)
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 small configs, this CPU's measured op costs, one thread, simulated, AdamW): the rewrite's eager
@@ -54,7 +55,7 @@ Example:
     >>> len(dropout_masks(g)), len(dropout_masks(compact_masks(g)))
     (1, 0)
     >>> [n.target.split(".")[1] for n in compact_masks(g).nodes if ".mask." in n.name]
-    ['empty_like', 'bernoulli_', 'pack_bits', 'unpack_bits', '_to_copy', 'div_']
+    ['empty_like', 'bernoulli_', 'pack_bits', 'unpack_scaled']
     >>> _ = torch.manual_seed(0); a = execute(g, fitgraph.eager_plan(g), model, batch)
     >>> model.zero_grad(set_to_none=True)
     >>> c = compact_masks(g)
@@ -71,7 +72,7 @@ from numbers import Real
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from ..graph.kernel_facts import kernel_facts
-from ..graph.own_ops import PACK_BITS, UNPACK_BITS, packed_shape
+from ..graph.own_ops import PACK_BITS, UNPACK_BITS, UNPACK_SCALED, packed_shape
 from ..graph.recompute_rules import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
@@ -239,18 +240,28 @@ def _drawn_bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
                       dict(draw.kwargs), [OutSpec(f"{name}.bits", dense, "bool", storage=st,
                                                   role=role)],
                       mutates=(blank,), random=True, **kw)[0]
-    w.whole[mask.value] = _remade(w, graph, mask, _packed(w, graph, mask, bits, name, kw),
-                                  name, kw)
+    w.whole[mask.value] = _remade(w, graph, mask, bits, name, kw)
 
 
 def _remade(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: str,
             kw: dict) -> int:
     """The mask from its bits: converted to the mask's dtype (0 or 1, as the draw left them)
-    and put through the chain's own in-place scalings, so equal to it bit for bit."""
+    and put through the chain's own in-place scalings, so equal to it bit for bit — from the
+    bits packed eight to a byte in one gather (``fitgraph::unpack_scaled``) where they pack
+    (``_pack``), else from the bool bits by a conversion and the scalings."""
     import torch
 
     v = graph.values[mask.value]
     dense = Meta(v.shape, v.stride, 0)
+    packed = _pack(w, graph, mask, bits, name, kw)
+    if packed is not None:
+        scalings = [graph.nodes[i] for i in mask.chain[2:]]
+        return w.add_node(f"{name}.full", UNPACK_SCALED,
+                          (ValueRef(packed), list(v.shape), getattr(torch, v.dtype),
+                           ",".join(s.target for s in scalings),
+                           [float(s.args[1]) for s in scalings]), {},
+                          [OutSpec(f"{name}.full", dense, v.dtype, role=Role.ACTIVATION)],
+                          **kw)[0]
     # NOTE: a conversion reads the bits without a branch: where(bits, scale, 0) measured
     # 2.1 ms against 0.82 on GPT-2's 2M-element attention masks (random bits defeat its
     # branches)
@@ -276,24 +287,32 @@ def _bits(w: GraphWriter, graph: Graph, mask: DropoutMask) -> None:
     bits = w.add_node(f"{name}.bits", "aten.ne.Scalar", (made, 0), {},
                       [OutSpec(f"{name}.bits", Meta(v.shape, v.stride, 0), "bool",
                                role=Role.ACTIVATION)], **kw)[0]
-    w.whole[mask.value] = _remade(w, graph, mask, _packed(w, graph, mask, bits, name, kw),
-                                  name, kw)
+    w.whole[mask.value] = _remade(w, graph, mask, bits, name, kw)
 
 
 def _packed(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: str,
             kw: dict) -> int:
-    """The bits packed eight to a byte and unpacked again (the value the mask is re-made
-    from), where the mask's size is a multiple of 8 and ``kernel_facts().packs_alike`` its device; else
-    ``bits`` itself. The packed bytes are what a plan keeps: the unpacked bits are a cheap
-    deterministic recompute (0.12 ms for 1.2M elements on this CPU)."""
+    """A fused dropout's bool mask packed eight to a byte and unpacked again (the value its
+    readers read), where it packs (``_pack``); else ``bits`` itself. The packed bytes are what
+    a plan keeps: the unpacked bits are a cheap deterministic recompute (0.12 ms for 1.2M
+    elements on this CPU)."""
     v = graph.values[mask.value]
-    if v.numel % 8 or not kernel_facts().packs_alike(kw["device"]):
+    packed = _pack(w, graph, mask, bits, name, kw)
+    if packed is None:
         return bits
-    rows = packed_shape(v.shape)
-    packed = w.add_node(f"{name}.packed", PACK_BITS, (ValueRef(bits),), {},
-                        [OutSpec(f"{name}.packed", Meta(rows, contiguous_strides(rows), 0),
-                                 "uint8",
-                                 role=Role.ACTIVATION)], **kw)[0]
     return w.add_node(f"{name}.unpacked", UNPACK_BITS, (ValueRef(packed), list(v.shape)), {},
                       [OutSpec(f"{name}.unpacked", Meta(v.shape, v.stride, 0), "bool",
                                role=Role.ACTIVATION)], **kw)[0]
+
+
+def _pack(w: GraphWriter, graph: Graph, mask: DropoutMask, bits: int, name: str,
+          kw: dict) -> int | None:
+    """``bits`` packed eight to a byte (in rows where it can: ``packed_shape``), where the
+    mask's size is a multiple of 8 and ``kernel_facts().packs_alike`` its device; else None."""
+    v = graph.values[mask.value]
+    if v.numel % 8 or not kernel_facts().packs_alike(kw["device"]):
+        return None
+    rows = packed_shape(v.shape)
+    return w.add_node(f"{name}.packed", PACK_BITS, (ValueRef(bits),), {},
+                      [OutSpec(f"{name}.packed", Meta(rows, contiguous_strides(rows), 0),
+                               "uint8", role=Role.ACTIVATION)], **kw)[0]
