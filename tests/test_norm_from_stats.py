@@ -169,3 +169,29 @@ def test_the_rewritten_step_measures_the_peak_it_simulates(through_sums):
     plan = fitgraph.eager_plan(g2)
     measured = measure_plan(g2, plan, model, batch, repeats=0)
     assert measured.peak_bytes == simulate(g2, plan, cost).peak_bytes
+
+
+def test_remat_plans_on_the_rewrite_run_bitwise_and_the_search_tries_it():
+    """Law 1 on the rule's graph under a plan that drops and re-makes (hotspot's least peak
+    within 1.5x of its eager step): the step's results bitwise eager's; the search (bitwise
+    only: ``exact``) plans both rules' graphs."""
+    from fitgraph.cost import RooflineCostModel, get_device
+    from fitgraph.solvers import Problem, solve
+
+    torch.manual_seed(0)
+    model, batch = Block(16, "relu", True, 2), torch.randn(8, 3, 24, 24)
+    g = fitgraph.capture(copy.deepcopy(model), batch)
+    g2 = batch_norm_from_stats(g, through_sums=True)
+    cm = RooflineCostModel(get_device("cpu-generic"))
+    sol = solve(Problem(g2, cm, latency_limit=1.5, exact=True), "hotspot")
+    assert sol.plan.counts().get("recompute", 0) > 0
+    la, ga, ba = _run(g, model, batch, False)
+    lb, gb, bb = _run(g2, model, batch, False)
+    m = copy.deepcopy(model)
+    lc = execute(g2, sol.plan, m, batch)
+    assert torch.equal(la, lc) and torch.equal(la, lb)
+    for k, p in m.named_parameters():
+        assert torch.equal(ga[k], p.grad), k
+    s = solve(Problem(g, cm, latency_limit=1.5, time_budget_s=20, exact=True), "search")
+    tried = {tuple(c["rules"]) for c in s.notes["candidates"]}
+    assert {("norm_from_stats",), ("norm_from_stats_through_sums",)} <= tried
