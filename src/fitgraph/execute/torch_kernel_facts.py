@@ -46,7 +46,6 @@ class TorchKernelFacts:
         return all(o is None or tuple(t.stride()) == graph.values[o].stride
                    for o, t in zip(node.outputs, made))
 
-
     def batch_norm_from_stats(self, device: str, dtype: str, eps: float) -> bool:
         return _batch_norm_from_stats(device, dtype, eps)
 
