@@ -17,13 +17,13 @@ then dies in the forward: one tensor a layer (``x``) is kept where two were, for
 normalization pass in the backward.
 
 Every match's copy is made, so the rule trades time for memory at every BatchNorm it matches:
-a planner cannot undo it. Measured on ResNet-50 (small, this CPU's op costs, simulated): the
-chains through activations alone (33 BatchNorms) make the eager step 3.9% slower and its peak
-16% lower, and ``auto`` on that graph within 1.10x of eager's step reaches a 6% lower peak
-than on the captured graph (at 1.05x a higher one: the copies take most of the time allowed);
-through the residual sums too (45) the eager step is 9.8% slower — ``auto`` alone does better.
-So the search (``solvers.coordinated``) has both as rules (``norm_from_stats``,
-``norm_from_stats_through_sums``) and keeps what it measures better.
+a planner cannot undo it. On ResNet-50 (small) the chains through activations alone (33
+BatchNorms) lower the eager plan's peak to 0.84x at 5% more step on the roofline of cpu-generic,
+through the residual sums too (45) to 0.78x at 14% more (``python -m
+fitgraph.bench.coordinated_search --rules``); measured, the search's plan on the first within
+1.10x of eager's step had a 4.6% lower peak than ``auto``'s, the second never won (BENCHMARKS.md,
+"The coordinated search against auto"). So the search (``solvers.coordinated``) has both as
+rules (``norm_from_stats``, ``norm_from_stats_through_sums``) and keeps what it simulates better.
 
 Matched where: the BatchNorm is in training mode with statistics of the input's dtype; the
 backward reads ``y`` or a value made from it by the forward through ops that read nothing else
