@@ -104,3 +104,11 @@ def test_a_slice_of_rows_or_whole_bytes_unpacks_alone(dim):
 def test_what_cannot_be_packed_says_so(bad):
     with pytest.raises(ValueError, match="contiguous bool tensor of a multiple of 8"):
         pack_bits(bad)
+
+
+def test_the_mask_remake_bench_times_both_ways():
+    from fitgraph.bench.mask_remake import markdown, run
+
+    rows = run(rounds=3)
+    assert len(rows) == 3 and all(r["chain_ms"] > 0 and r["gather_ms"] > 0 for r in rows)
+    assert "one gather" in markdown(rows)

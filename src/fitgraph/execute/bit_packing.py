@@ -14,8 +14,8 @@ and unpack in 0.12 ms — a third of the bool-to-float conversion that re-makes 
 packed bits in one pass: a table of the 256 bytes' eight elements — 0 or 1 of ``dtype``, put
 through the in-place scalings ``ops`` (aten targets, e.g. ``"aten.div_.Scalar"``) by ``scales``,
 the very kernels the mask was made with, so bit for bit the mask — is indexed by the bytes
-(``index_select``: 0.30 ms for 786k elements on this CPU, one thread, against 1.05 ms for
-unpacking, converting and scaling).
+(``index_select``: 0.36-0.43 of the time of unpacking, converting and scaling on this CPU,
+``python -m fitgraph.bench.mask_remake``).
 
 The words rely on int64 arithmetic wrapping around (two's complement, little-endian words), which
 every PyTorch backend does in practice but no contract promises: ``packs_alike(device)`` checks

@@ -18,8 +18,8 @@ not pack, ``full`` is the bool bits converted to the mask's dtype and put throug
 ``full`` is a cheap, deterministic recompute of the packed bytes, so a planner drops it and
 re-makes it just before the backward (and the dropout's output from it) where memory is short —
 the bytes kept drop from 4 to 1/8 per element for float32 at the cost of one gather per make
-(0.30 ms for 786k elements on this CPU, one thread, where unpacking to bools, converting and
-scaling took 1.05 ms). (The first version re-made it as ``where(bits, 1/p, 0)``: over random
+(0.36-0.43 of the time unpacking to bools, converting and scaling took: ``python -m
+fitgraph.bench.mask_remake``). (The first version re-made it as ``where(bits, 1/p, 0)``: over random
 bits a ``where`` mispredicts its branches, 2.1 ms against 0.82 for the conversion and scaling
 on GPT-2's 2M-element attention masks. Packing took BERT small within 1.10x of eager's step
 from 0.404x to 0.394x of its peak, simulated on this CPU's costs.)
