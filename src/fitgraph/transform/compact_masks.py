@@ -26,10 +26,10 @@ from 0.404x to 0.394x of its peak, simulated on this CPU's costs.)
 
 Whether that pays depends on the budget (``python -m fitgraph.bench.compact_masks_tradeoff``,
 small configs, this CPU's measured op costs, one thread, simulated, AdamW): the rewrite's eager
-plan is 0.7-1.9% slower (it makes, packs and unpacks the bits), and ``hotspot`` within 1.10x
-of eager's step time reaches 0.609x / 0.616x / 0.493x of the eager peak (GPT-2 / BERT / ViT) on
-the rewritten graph against 0.710x / 0.666x / 0.661x on the captured one; at a budget of 0.5x it
-plans 6-13% faster. Where no remat is needed the captured graph is faster, so ``auto`` plans
+plan is 0.8-2.2% slower (it draws, packs and re-makes the bits), and ``hotspot`` within 1.10x
+of eager's step time reaches 0.605x / 0.607x / 0.557x of the eager peak (GPT-2 / BERT / ViT) on
+the rewritten graph against 0.680x / 0.690x / 0.653x on the captured one; at a budget of 0.5x it
+plans 8-9% faster. Where no remat is needed the captured graph is faster, so ``auto`` plans
 both graphs and keeps the better.
 Remat moves never absorb the bits nor their packed bytes (``solvers.remat.candidates.forward_chains``):
 re-made, a mask needs only its packed bits.
