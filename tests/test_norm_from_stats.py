@@ -195,3 +195,36 @@ def test_remat_plans_on_the_rewrite_run_bitwise_and_the_search_tries_it():
     s = solve(Problem(g, cm, latency_limit=1.5, time_budget_s=20, exact=True), "search")
     tried = {tuple(c["rules"]) for c in s.notes["candidates"]}
     assert {("norm_from_stats",), ("norm_from_stats_through_sums",)} <= tried
+
+
+@pytest.mark.parametrize("name", ["resnet", "mobilenet_v2"])
+def test_hugging_face_cnns_run_bitwise_on_the_rewrite(name):
+    """Models people have: Hugging Face's ResNet (BatchNorm → ReLU, residual sums) and
+    MobileNetV2 (BatchNorm(eps=1e-3, momentum=0.997) → ReLU6, whose backward reads the
+    BatchNorm's output itself; dropout in the head), random weights from configs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "resnet":
+        model = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+            embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3))
+    else:
+        model = transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(
+            image_size=32, depth_multiplier=0.25, num_labels=3))
+    batch = (torch.randn(4, 3, 32, 32), torch.randint(0, 3, (4,)))
+
+    def loss_fn(m, b):
+        return m(pixel_values=b[0], labels=b[1]).loss
+
+    g = fitgraph.capture(copy.deepcopy(model), batch, loss_fn)
+    g2 = batch_norm_from_stats(g, through_sums=True)
+    assert find_norms_from_stats(g, through_sums=True)
+    runs = []
+    for graph in (g, g2):
+        m = copy.deepcopy(model)
+        torch.manual_seed(5)   # NOTE: the same dropout draws
+        loss = execute(graph, fitgraph.eager_plan(graph), m, batch)
+        runs.append((loss, [p.grad for p in m.parameters()], list(m.buffers())))
+    (la, ga, ba), (lb, gb, bb) = runs
+    assert torch.equal(la, lb)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    assert all(torch.equal(x, y) for x, y in zip(ba, bb))
