@@ -40,9 +40,7 @@ def run(rounds: int) -> list[dict]:
     rows = []
     for label, shape in SHAPES.items():
         bits = torch.empty(shape, dtype=torch.bool).bernoulli_(P_KEEP)
-        packed = pack_bits(bits)
-
-        size = list(shape)
+        packed, size = pack_bits(bits), list(shape)
 
         def chain(packed=packed, size=size):
             return unpack_bits(packed, size).to(torch.float32).div_(P_KEEP)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph.own_ops import packed_shape
+from ..graph.own_ops import MASK_SCALINGS, packed_shape
 
 __all__ = ["pack_bits", "packed_shape", "packs_alike", "unpack_bits", "unpack_scaled"]
 
@@ -106,7 +106,12 @@ def unpack_scaled(packed: torch.Tensor, shape: list[int], dtype: torch.dtype, op
     table = ((values[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device))
              & 1).to(dtype)
     for op, scale in zip(ops.split(",") if ops else [], scales, strict=True):
-        _scaling(op)(table, scale)
+        if op not in MASK_SCALINGS:
+            raise ValueError(f"unpack_scaled: {op} is not an in-place scaling "
+                             f"({sorted(MASK_SCALINGS)})")
+        # NOTE: the op looked up here: execute.ops (resolve_target) imports this module
+        _, name, overload = op.split(".")
+        getattr(getattr(torch.ops.aten, name), overload)(table, scale)
     index = packed.to(torch.int32, memory_format=torch.contiguous_format).view(-1)
     return torch.index_select(table, 0, index).view(shape)
 
@@ -115,18 +120,6 @@ def unpack_scaled(packed: torch.Tensor, shape: list[int], dtype: torch.dtype, op
 def _(packed: torch.Tensor, shape: list[int], dtype: torch.dtype, ops: str,
       scales: list[float]) -> torch.Tensor:
     return packed.new_empty(shape, dtype=dtype)
-
-
-_SCALINGS = frozenset({"aten.div_.Scalar", "aten.mul_.Scalar", "aten.div_.Tensor",
-                       "aten.mul_.Tensor"})
-
-
-def _scaling(target: str):
-    if target not in _SCALINGS:
-        raise ValueError(f"unpack_scaled: {target} is not an in-place scaling "
-                         f"({sorted(_SCALINGS)})")
-    _, name, overload = target.split(".")
-    return getattr(getattr(torch.ops.aten, name), overload)
 
 
 _ALIKE: dict[str, bool] = {}

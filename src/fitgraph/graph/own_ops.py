@@ -9,13 +9,17 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["PACK_BITS", "UNPACK_BITS", "UNPACK_SCALED", "packed_shape"]
+__all__ = ["MASK_SCALINGS", "PACK_BITS", "UNPACK_BITS", "UNPACK_SCALED", "packed_shape"]
 
 PACK_BITS = "fitgraph.pack_bits.default"      # bool bits -> uint8, eight to a byte
 UNPACK_BITS = "fitgraph.unpack_bits.default"  # uint8 packed bits -> bool of a shape
 # NOTE: uint8 packed bits -> a float mask of a shape: each bit as 0 or 1 of a dtype put through
 # in-place scalings (a dropout's ``div_(p)``), in one gather from a 256-byte table
 UNPACK_SCALED = "fitgraph.unpack_scaled.default"
+# NOTE: the in-place scalings of a dropout mask by a constant (its ``div_(p)``) that
+# ``compact_masks`` rewrites and ``unpack_scaled`` replays
+MASK_SCALINGS = frozenset({"aten.div_.Scalar", "aten.mul_.Scalar", "aten.div_.Tensor",
+                           "aten.mul_.Tensor"})
 
 
 def packed_shape(shape) -> tuple[int, ...]:

@@ -72,7 +72,7 @@ from numbers import Real
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Node, Role, ValueRef, contiguous_strides
 from ..graph.kernel_facts import kernel_facts
-from ..graph.own_ops import PACK_BITS, UNPACK_BITS, UNPACK_SCALED, packed_shape
+from ..graph.own_ops import MASK_SCALINGS, PACK_BITS, UNPACK_BITS, UNPACK_SCALED, packed_shape
 from ..graph.recompute_rules import inplace_chains
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
@@ -81,9 +81,6 @@ __all__ = ["DropoutMask", "compact_masks", "draws_alike", "dropout_masks"]
 
 _CREATORS = frozenset({"aten.empty_like.default", "aten.empty.memory_format"})
 _DRAWS = frozenset({"aten.bernoulli_.float", "aten.bernoulli_.Tensor"})
-# NOTE: in-place scalings of the 0/1 draw by a constant (replayed on the re-made 0/1)
-_SCALINGS = frozenset({"aten.div_.Scalar", "aten.mul_.Scalar", "aten.div_.Tensor",
-                       "aten.mul_.Tensor"})
 _FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 _FUSED = "aten.native_dropout.default"
 
@@ -113,7 +110,7 @@ def dropout_masks(graph: Graph) -> list[DropoutMask]:
     for st, chain in sorted(inplace_chains(graph).items(), key=lambda kv: kv[1][0]):
         creator, draw, *scalings = (graph.nodes[i] for i in chain)
         if (creator.target not in _CREATORS or draw.target not in _DRAWS
-                or any(s.target not in _SCALINGS or not _constant(s) for s in scalings)):
+                or any(s.target not in MASK_SCALINGS or not _constant(s) for s in scalings)):
             continue
         last = graph.nodes[chain[-1]]
         if not last.outputs or last.outputs[0] is None:

@@ -58,12 +58,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from ..graph.analysis import users
+from ..graph.analysis import new_storages, users
 from ..graph.ir import Graph, Phase, Role, ValueRef
 from ..graph.kernel_facts import kernel_facts
 from .fission_meta import VIEW_TARGETS, Meta
 from .fission_writer import GraphWriter, OutSpec
-from .recompute_copies import COPY_SUFFIX
+from .recompute_copies import COPY_SUFFIX, copy_nodes
 from .relayout import copy_relaid, rewrite_nodes
 
 __all__ = ["CHAIN", "NormFromStats", "batch_norm_from_stats", "find_norms_from_stats"]
@@ -204,20 +204,22 @@ def batch_norm_from_stats(graph: Graph, through_sums: bool = False) -> Graph:
     at: dict[int, list[NormFromStats]] = {}
     for m in matches:
         at.setdefault(m.first, []).append(m)
-    return rewrite_nodes(graph, {k: partial(_remake_then_copy, graph=graph, ms=ms)
+    fresh = new_storages(graph)
+    return rewrite_nodes(graph, {k: partial(_remake_then_copy, graph=graph, ms=ms, fresh=fresh)
                                  for k, ms in at.items()}, set())
 
 
-def _remake_then_copy(w: GraphWriter, *, graph: Graph, ms: list[NormFromStats]) -> None:
+def _remake_then_copy(w: GraphWriter, *, graph: Graph, ms: list[NormFromStats],
+                      fresh: dict[int, list[int]]) -> None:
     """At the first backward reader: each match's output and chain re-made (the backward reads
     them from here on), then the reader itself."""
     for m in ms:
-        _remake(w, graph, m)
+        _remake(w, graph, m, fresh)
     reader = graph.nodes[ms[0].first]
     copy_relaid(w, graph, reader)
 
 
-def _remake(w: GraphWriter, graph: Graph, m: NormFromStats) -> None:
+def _remake(w: GraphWriter, graph: Graph, m: NormFromStats, fresh: dict[int, list[int]]) -> None:
     """``native_batch_norm(x, invstd * w, b, mean, 1 - eps, False, momentum, eps)`` and the
     chain's copies on its output; ``w.whole`` maps the originals to them."""
     n = graph.nodes[m.norm]
@@ -253,25 +255,6 @@ def _remake(w: GraphWriter, graph: Graph, m: NormFromStats) -> None:
                        ValueRef(var), False, n.args[_MOMENTUM], eps), {}, outs,
                       out_is_tuple=True, **kw)
     w.whole[y] = made[0]
-    for nid in m.chain:
-        c = graph.nodes[nid]
-        storage = {}
-        for o in c.outputs:
-            if o is None:
-                continue
-            # NOTE: a view or an in-place write lives in its input's (re-made) storage
-            st = graph.values[o].storage
-            storage[o] = next((w.values[w.whole[i]].storage for i in c.inputs
-                               if graph.values[i].storage == st), None)
-        args, kwargs = w.remapped(c.args, c.kwargs)
-        outs = [None if o is None else OutSpec(
-            f"{graph.values[o].name}{COPY_SUFFIX}",
-            Meta(graph.values[o].shape, graph.values[o].stride, graph.values[o].storage_offset),
-            graph.values[o].dtype, storage=storage[o], role=Role.ACTIVATION)
-            for o in c.outputs]
-        new = w.add_node(f"{c.name}{COPY_SUFFIX}", c.target, args, kwargs, outs,
-                         mutates=tuple(w.whole[v] for v in c.mutates), flops=c.flops,
-                         out_is_tuple=c.out_is_tuple, **kw)
-        for o, v in zip(c.outputs, new):
-            if o is not None:
-                w.whole[o] = v
+    # NOTE: the chain's views and in-place writes of ``y`` live in the re-made output's storage
+    copy_nodes(w, graph, list(m.chain), fresh,
+               {yv.storage: w.values[made[0]].storage})

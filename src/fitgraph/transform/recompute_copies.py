@@ -39,7 +39,8 @@ from ..graph.ir import Graph, Node, Phase, Role
 from .fission_meta import Meta
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["COPY_SUFFIX", "CopyError", "copy_set", "copyable", "first_reader", "recompute_copies"]
+__all__ = ["COPY_SUFFIX", "CopyError", "copy_nodes", "copy_set", "copyable", "first_reader",
+           "recompute_copies"]
 
 COPY_SUFFIX = ".re"
 
@@ -143,7 +144,7 @@ def recompute_copies(graph: Graph, nodes: Iterable[int],
     for n in graph.nodes:
         if n.id == first:
             before = dict(w.whole)
-            copied = _copies(w, graph, sorted(inside), fresh)
+            copied = copy_nodes(w, graph, sorted(inside), fresh)
         if only is None or n.id in only or not any(v in copied for v in n.inputs):
             w.copy_node(n)
             continue
@@ -197,12 +198,14 @@ def first_reader(graph: Graph, nodes: Iterable[int],
                  and any(v in made for v in n.inputs)), None)
 
 
-def _copies(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]]
-            ) -> dict[int, int]:
+def copy_nodes(w: GraphWriter, graph: Graph, nodes: list[int], fresh: dict[int, list[int]],
+               storage: dict[int, int] | None = None) -> dict[int, int]:
     """The nodes again, in graph order, as backward nodes; from here on every node reads the
-    copies (``w.whole`` maps the originals' outputs to them). Returns old value -> copy."""
+    copies (``w.whole`` maps the originals' outputs to them). ``storage``: old storage -> the
+    new one that a copy made before stands for (a view or an in-place write of it lives there).
+    Returns old value -> copy."""
     remap: dict[int, int] = {}        # old value -> its copy
-    storage: dict[int, int] = {}      # old storage the copies make -> new storage
+    storage = dict(storage or {})     # old storage the copies make -> new storage
     for nid in nodes:
         n: Node = graph.nodes[nid]
         for st in fresh.get(nid, ()):
