@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 # NOTE: bump when what is measured or how changes, so old cache entries are not reused
 # (2: fitgraph.backend had measured under AOTAutograd's FakeTensorMode, see ``profile``)
 _KEY_VERSION = 2
+_CHUNKS = ("chunks",)  # transform.optimizer_chunks: changes the update's temporaries
 _OPTIMIZER_KWARGS = ("hyper", "state_keys", "have")  # not "group"/"param": they don't change cost
 # NOTE: copy bandwidth is fitted from two sizes: a small one (fixed latency dominates) and a
 # large one (bandwidth dominates; 64 MiB is far beyond any cache level)
@@ -153,7 +154,9 @@ def node_signature(graph: Graph, node: Node, densities: dict[int, float] | None 
         if opaque and v.storage in opaque:  # NOTE: real bytes of its maker, not synthetic
             ins[-1] += f"~by:{graph.nodes[opaque[v.storage]].target}"
     if node.target.startswith(OPTIMIZER_PREFIX):
-        consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS}, pos)
+        # NOTE: "chunks" only where set: unchunked updates keep the keys cached before it
+        consts = _canon({k: node.kwargs[k] for k in _OPTIMIZER_KWARGS + _CHUNKS
+                         if k in node.kwargs}, pos)
     else:
         consts = _canon(node.args, pos) + _canon(node.kwargs, pos)
     if opaque and node.id in opaque.values():

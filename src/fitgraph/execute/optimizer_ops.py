@@ -11,6 +11,7 @@ exactly as torch's lazy initialisation creates it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain
 
@@ -23,8 +24,8 @@ from torch.optim.sgd import sgd
 from ..graph.ir import Graph, Node
 from .input_specs import input_specs
 
-__all__ = ["OptimizerStateMismatch", "has_step_pre_hooks", "init_missing_state",
-           "run_optimizer_node",
+__all__ = ["OptimizerStateMismatch", "apply_in_chunks", "has_step_pre_hooks",
+           "init_missing_state", "run_optimizer_node",
            "run_step_post_hooks", "run_step_pre_hooks"]
 
 
@@ -86,8 +87,41 @@ def run_optimizer_node(node: Node, param: torch.Tensor, grad: torch.Tensor,
     ``fresh``: the state was created by ``init_missing_state`` for this step, which torch's
     first step treats apart (SGD copies the gradient into a new momentum buffer)."""
     u = _prepare(node, param, grad, state_tensors, fresh, optimizer)
-    _apply([u])
+    chunks = node.kwargs.get("chunks", 1)
+    if chunks > 1:
+        apply_in_chunks(u, chunks)
+    else:
+        _apply([u])
     return u.created()
+
+
+def apply_in_chunks(u: _Update, chunks: int) -> None:
+    """``u``'s update run on ``chunks`` slices of the parameter's rows, one after another
+    (``transform.optimizer_chunks``): the same elementwise kernels on each slice of the
+    parameter, gradient and state; each slice's update starts from the step counter as it was
+    (a copy) and the counter ends as the last slice's left it (advanced once)."""
+    rows = u.param.shape[0]
+    size = -(-rows // chunks)
+    counters = {k: v for k, v in u.state.items()
+                if isinstance(v, torch.Tensor) and v.dim() == 0}
+    before = {k: v.clone() for k, v in counters.items()}
+    if u.kind == "sgd" and u.node.kwargs["state_keys"] and u.made is None and \
+            u.state.get("momentum_buffer") is None:
+        # NOTE: SGD's first step makes its buffer (a copy of the gradient): made whole here,
+        # each slice filled by torch's first-step rule as a fresh buffer's slice is
+        u.made = u.state["momentum_buffer"] = torch.empty_like(u.param)
+    part_state: dict = {}
+    with torch.no_grad():
+        for start in range(0, rows, size):
+            rows_ = slice(start, start + size)
+            part_state = {k: before[k].clone() if k in counters else
+                          v[rows_] if isinstance(v, torch.Tensor) else v
+                          for k, v in u.state.items()}
+            _apply([dataclasses.replace(
+                u, param=u.param[rows_], grad=u.grad[rows_], state=part_state,
+                made=None if u.made is None else u.made[rows_])])
+        for k, v in counters.items():
+            v.copy_(part_state[k])
 
 
 @dataclass

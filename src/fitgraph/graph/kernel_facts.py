@@ -10,12 +10,15 @@ itself (DESIGN: graph/, transform/, solvers/ never import torch):
   op before an expand only where its readers' layouts hold);
 * ``batch_norm_from_stats(device, dtype, eps)``: whether a training BatchNorm's output is made
   again bit for bit by the eval-mode kernel from the saved statistics
-  (``transform.norm_from_stats``).
+  (``transform.norm_from_stats``);
+* ``optimizer_chunks_alike(device, dtype, kind, fused)``: whether torch's update of ``kind``
+  ("adam", "sgd"; its fused kernel or not), run on row slices of a parameter one after another,
+  makes the whole update's bits (``transform.optimizer_chunks``).
 
 ``fitgraph.execute`` registers torch's answers when it loads (every ``import fitgraph`` does).
 In a process without torch the answer is the conservative one — no, for each: masks stay bool,
-ops stay after their expands, BatchNorm outputs are not re-made; plans are valid, only those
-rewrites are not made.
+ops stay after their expands, BatchNorm outputs are not re-made, updates are not chunked; plans
+are valid, only those rewrites are not made.
 
 Example:
     >>> from fitgraph.graph.kernel_facts import Conservative, kernel_facts, use_kernel_facts
@@ -48,6 +51,8 @@ class KernelFacts(Protocol):
 
     def batch_norm_from_stats(self, device: str, dtype: str, eps: float) -> bool: ...
 
+    def optimizer_chunks_alike(self, device: str, dtype: str, kind: str, fused: bool) -> bool: ...
+
 
 class Conservative:
     """The answers without a runtime: nothing is known to hold, so no rewrite relies on it."""
@@ -60,6 +65,9 @@ class Conservative:
         return False
 
     def batch_norm_from_stats(self, device: str, dtype: str, eps: float) -> bool:
+        return False
+
+    def optimizer_chunks_alike(self, device: str, dtype: str, kind: str, fused: bool) -> bool:
         return False
 
 

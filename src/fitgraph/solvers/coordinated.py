@@ -11,7 +11,8 @@ candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` 
 budget: ``search`` is never worse than that plan. The frontier is expanded best first (budget
 mode: the fastest plan within the budget; latency mode: the least peak within the limit;
 an infeasible candidate ranks by the least peak it reached); each expansion applies every rule
-not yet applied on that path, a graph seen before (``graph_fingerprint``) is skipped. A
+not yet applied on that path that matches, those whose matches save the most bytes first; a
+graph seen before (``graph_fingerprint``) is skipped. A
 rewritten graph's plan replaces the best only where it is better by the simulator — in budget
 mode by ``TIME_MARGIN`` of the step time, since simulated times are estimates and peaks are
 not — and a rewritten graph is planned without auto's fallbacks for a missed budget (its
@@ -140,13 +141,12 @@ def solve_search(problem: Problem) -> Solution:
     frontier, tried, best = [first], [first], first
     while frontier and deadline - time.perf_counter() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        for rule in rules:
+        for rule, matches in _promising_first(parent, rules):
             left = deadline - time.perf_counter()
             if left <= MIN_CANDIDATE_S:
                 break
-            if rule.name in parent.rules:
-                continue
-            child = _child(problem, parent, rule, seen, min(each_s, left), limit_s, budget_mode)
+            child = _child(problem, parent, rule, matches, seen, min(each_s, left), limit_s,
+                           budget_mode)
             if child is None:
                 continue
             tried.append(child)
@@ -177,13 +177,21 @@ def solve_search(problem: Problem) -> Solution:
                     notes, sol.graph_for(best.graph) if best.rules or sol.graph else None)
 
 
-def _child(problem: Problem, parent: _Candidate, rule: Rule, seen: set[str], time_s: float,
-           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
-    """``rule`` applied to ``parent``'s graph and the result planned; None where the rule
-    does not match or makes a graph seen before."""
-    matches = rule.find(parent.graph)
-    if not matches:
-        return None
+def _promising_first(parent: _Candidate, rules: list[Rule]) -> list[tuple[Rule, list]]:
+    """The rules not yet applied on ``parent``'s path that match its graph, with their
+    matches, those that save the most bytes first (then the most FLOPs; ties in registry
+    order): where the deadline leaves time for a few candidates only, they are the ones that
+    can move the peak (or the step)."""
+    found = [(r, r.find(parent.graph)) for r in rules if r.name not in parent.rules]
+    found = [(r, ms) for r, ms in found if ms]
+    return sorted(found, key=lambda f: (-sum(m.bytes_saved for m in f[1]),
+                                        -sum(m.flops_saved for m in f[1])))
+
+
+def _child(problem: Problem, parent: _Candidate, rule: Rule, matches: list, seen: set[str],
+           time_s: float, limit_s: float | None, budget_mode: bool) -> _Candidate | None:
+    """``rule`` (its ``matches`` on ``parent``'s graph) applied and the result planned; None
+    where it makes a graph seen before."""
     graph = rule.rewrite(parent.graph)
     key = graph_fingerprint(graph)
     if key in seen:
