@@ -145,3 +145,19 @@ def test_the_search_plan_measures_the_peak_it_simulates():
     graph = s.graph_for(g)
     measured = measure_plan(graph, s.plan, model, batch, repeats=0)
     assert measured.peak_bytes == s.sim.peak_bytes <= budget
+
+
+def test_rules_that_save_the_most_bytes_are_tried_first():
+    """Each expansion tries the matching rules not yet on its path, the most bytes saved
+    first (a deadline that leaves time for few candidates spends it on those)."""
+    from fitgraph.solvers.coordinated import _Candidate, _promising_first
+    from fitgraph.transform.rules import Rule
+
+    def rule(name, saved):
+        return Rule(name, lambda g: [type("M", (), {"bytes_saved": b, "flops_saved": 0.0})()
+                                     for b in saved], lambda g: g, exact=True, changes="")
+
+    rules = [rule("none", []), rule("small", [1, 2]), rule("big", [10]),
+             rule("negative", [-5]), rule("done", [100])]
+    parent = _Candidate((0,), None, ("done",), None, None)
+    assert [r.name for r, _ in _promising_first(parent, rules)] == ["big", "small", "negative"]

@@ -23,7 +23,12 @@ binds) is tried, and where it misses too and results need not be bitwise, ``spli
 in every block alike; up to the time budget again, stopping at its first plan within the
 budget): the first that fits is returned, else BudgetInfeasible names the least peak found.
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
-limit; ties keep the plan without splits (no rewritten graph). ``notes["winner"]`` names the
+limit; ties keep the plan without splits (no rewritten graph). Before all of it, where large
+parameters' optimizer updates can run on row slices (``transform.optimizer_chunks``, bitwise),
+the graph every option plans on is that rewrite: in latency mode always (each update holds the
+weights, the state, the gradients and its temporaries whatever a plan drops: a floor under
+every plan's peak that only chunking lowers), in budget mode where that floor is over the
+budget (``notes["optimizer_chunks"]`` says which). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
 ``notes["compact_masks"]`` / ``notes["joint"]`` / ``notes["fission"]`` what each reached.
 Deterministic as its solvers are: only the deadline (``time_budget_s``) cuts them short.
@@ -50,8 +55,10 @@ import time
 
 from .. import progress
 from ..plan.eager import eager_plan
+from ..plan.instructions import Compute
 from ..sim.simulate import SimResult, simulate
 from ..transform.compact_masks import dropout_masks
+from ..transform.optimizer_chunks import chunk_updates, find_chunkable_updates
 from ..transform.registry import TRANSFORMS
 from .base import BudgetInfeasible, Problem, Solution, dominated_by, register
 from .fission.peak_regions import peak_starts, shared_regions
@@ -207,6 +214,57 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
     ``fallback=False``: where every option misses the budget, raise at once (no least-peak
     search, no ``split_backward``: the coordinated search's rewritten graphs, which must keep
     to its deadline)."""
+    t0 = time.perf_counter()
+    on, why = _chunked_updates(problem)
+    if on is problem:
+        sol = _solve_auto(problem, fallback)
+        return dataclasses.replace(sol, notes=dict(sol.notes, optimizer_chunks=why))
+    try:
+        sol = _solve_auto(on, fallback)
+    except BudgetInfeasible as e:
+        if e.solution is not None and e.solution.graph is None:
+            e.solution = dataclasses.replace(e.solution, graph=on.graph)
+        raise
+    return dataclasses.replace(sol, graph=sol.graph_for(on.graph),
+                               solve_s=time.perf_counter() - t0,
+                               notes=dict(sol.notes, optimizer_chunks=why))
+
+
+def _chunked_updates(problem: Problem) -> tuple[Problem, str]:
+    """``problem`` on ``transform.optimizer_chunks``'s rewrite (large parameters' updates run on
+    row slices: their temporaries a slice's size), and why (or why not). Every plan holds, at
+    each update, the weights, the optimizer state, the gradients not yet used and the update's
+    temporaries, whatever it drops: a floor under its peak that only chunking lowers. So: in
+    latency mode (least peak) wherever the rule matches and its slices keep the eager step
+    within the limit; in budget mode where that floor is over the budget (elsewhere chunks
+    would only add launches)."""
+    matches = find_chunkable_updates(problem.graph)
+    if not matches:
+        return problem, "no optimizer update to run in chunks"
+    cm, budget = problem.cost_model, problem.budget_bytes
+    cm.prepare(problem.graph)
+    plan = eager_plan(problem.graph)
+    eager = simulate(problem.graph, plan, cm)
+    updates = {m.node for m in matches}
+    floor = max(eager.peak_during[i] for i, ins in enumerate(plan.instructions)
+                if isinstance(ins, Compute) and ins.node in updates)
+    if budget is not None and floor <= budget:
+        return problem, "every update fits the budget whole"
+    graph = chunk_updates(problem.graph)
+    cm.prepare(graph)  # NOTE: measured costs: only the chunked updates are profiled
+    factor = None
+    if problem.latency_limit is not None:
+        factor = problem.latency_limit * eager.latency_s / simulate(
+            graph, eager_plan(graph), cm).latency_s
+        if factor < 1.0:
+            return problem, "updates in chunks pass the latency limit"
+    said = (f"{len(matches)} update(s) in row chunks: their temporaries "
+            f"{sum(m.bytes_saved for m in matches) / _MIB:,.1f} MiB smaller")
+    return dataclasses.replace(problem, graph=graph, latency_limit=factor), said
+
+
+def _solve_auto(problem: Problem, fallback: bool) -> Solution:
+    """``solve_auto`` on the graph it plans (see the module doc)."""
     t0 = time.perf_counter()
     cm, budget = problem.cost_model, problem.budget_bytes
     cm.prepare(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
