@@ -161,3 +161,21 @@ def test_rules_that_save_the_most_bytes_are_tried_first():
              rule("negative", [-5]), rule("done", [100])]
     parent = _Candidate((0,), None, ("done",), None, None)
     assert [r.name for r, _ in _promising_first(parent, rules)] == ["big", "small", "negative"]
+
+
+def test_the_bench_counts_auto_made_again_as_no_gain():
+    """A search that returns its first candidate's plan (auto inside the search: no rule, not
+    the exact order) measures auto against itself: neither a gain nor a loss, said as such."""
+    from fitgraph.bench.coordinated_search import gain, markdown, raw_gain, replanned, wins
+
+    base = {"model": "m", "kind": "latency", "value": 1.1, "auto_peak": 0.5, "auto_step": 1.0,
+            "search_peak": 0.4, "search_step": 1.0, "winner": "fission", "same_plan": False}
+    ruled = dict(base, rules=["inverse_pairs"])
+    again = dict(base, rules=[])
+    ordered = dict(again, winner="hotspot (exact order)")
+    assert [replanned(r) for r in (ruled, again, ordered)] == [False, True, False]
+    assert gain(ruled) == gain(ordered) == raw_gain(again) == 1 - 0.4 / 0.5
+    assert gain(again) == 0.0
+    rows = [dict(r, gain=gain(r)) for r in (ruled, again, ordered)]
+    assert wins(rows) == 2
+    assert "auto's plan made again (+20.0% peak)" in markdown(rows)
