@@ -14,7 +14,9 @@ the values are the same bit for bit where ``kernel_facts().optimizer_chunks_alik
 device's kernels make them so (a probe: on this CPU float32 and float64 by the single-tensor and
 foreach updates, not bfloat16, and not the fused Adam in float32, whose vector body and scalar
 tail round apart); elsewhere the rule does not match. It costs a launch per chunk more (nothing measurable on the CPU; on a GPU,
-microseconds a chunk): the search keeps it only where it lowers the peak (or the step).
+microseconds a chunk): ``auto`` plans on it where the updates bound every plan's peak
+(``solvers.portfolio``) — not a rule of the coordinated search, whose every candidate ``auto``
+plans.
 
 Matched: ``fitgraph.optimizer.*`` updates of a real parameter of at least ``MIN_BYTES`` with
 at least two rows, whose parameter, gradient and state are laid out contiguously (a row slice

@@ -27,7 +27,6 @@ from ..graph.ir import Graph
 from .inverse_pairs import find_inverse_pairs, remove_inverse_pairs
 from .merge_matmuls import find_shared_matmuls, merge_shared_matmuls
 from .norm_from_stats import batch_norm_from_stats, find_norms_from_stats
-from .optimizer_chunks import chunk_updates, find_chunkable_updates
 from .rewrite import Transform
 from .scale_across_matmul import find_scaled_products, scale_across_matmul
 from .split_matmul import find_packed_matmuls, split_packed_matmuls
@@ -77,8 +76,4 @@ RULES: dict[str, Rule] = {r.name: r for r in (
          changes="as norm_from_stats, and where a residual sum lies between the BatchNorm and "
                  "the activation (its other tensor kept for the backward anyway): one pass "
                  "more re-made"),
-    Rule("optimizer_chunks", find_chunkable_updates, chunk_updates, exact=True,
-         changes="a large parameter's optimizer update run on slices of its rows, one after "
-                 "another: its temporaries (Adam's denominator) a slice's size; a call more "
-                 "a slice"),
 )}
