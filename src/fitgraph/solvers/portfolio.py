@@ -245,11 +245,12 @@ def _chunked_updates(problem: Problem) -> tuple[Problem, str]:
     cm.prepare(problem.graph)
     plan = eager_plan(problem.graph)
     eager = simulate(problem.graph, plan, cm)
-    updates = {m.node for m in matches}
-    floor = max(eager.peak_during[i] for i, ins in enumerate(plan.instructions)
-                if isinstance(ins, Compute) and ins.node in updates)
-    if budget is not None and floor <= budget:
-        return problem, "every update fits the budget whole"
+    if budget is not None:
+        updates = {m.node for m in matches}
+        floor = max(eager.peak_during[i] for i, ins in enumerate(plan.instructions)
+                    if isinstance(ins, Compute) and ins.node in updates)
+        if floor <= budget:
+            return problem, "every update fits the budget whole"
     graph = chunk_updates(problem.graph)
     cm.prepare(graph)  # NOTE: measured costs: only the chunked updates are profiled
     factor = None
