@@ -3,6 +3,7 @@ measure it against eager PyTorch, print the before/after table; CSV (MAGIS colum
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -54,7 +55,8 @@ def _budget(value: str | None):
 
 def cmd_optimize(args) -> int:
     from .api import optimize
-    from .measure import measure_eager, measure_plan
+    from .execute.executor import Executor
+    from .measure import eager_step, measure_eager, measure_plan, time_interleaved
     from .transform.optimizer_in_backward import OptimizerInBackwardError
 
     if args.optimizer_in_backward == "on" and args.optimizer == "none":
@@ -84,7 +86,17 @@ def cmd_optimize(args) -> int:
     plan_m = None
     if measured:
         plan_m = measure_plan(planned.graph, planned.solution.plan, case.model, case.batch, opt,
-                              repeats=args.repeats)
+                              repeats=0)
+        # NOTE: both steps timed in interleaved rounds after planning (eager's before and the
+        # plan's after it drifted apart by several % on this machine: GPT-2 within 1.05x read
+        # +10.5% so, where the latency check's paired rounds read +2.5%)
+        ex = Executor(planned.graph, planned.solution.plan, case.model, opt)
+        timed = time_interleaved({"eager": eager_step(case.model, case.batch, case.loss_fn, opt),
+                                  "plan": lambda: ex(case.batch)}, case.model, args.repeats)
+        eager_m = dataclasses.replace(eager_m, step_s=timed["eager"].step_s,
+                                      step_times=timed["eager"].step_times)
+        plan_m = dataclasses.replace(plan_m, step_s=timed["plan"].step_s,
+                                     step_times=timed["plan"].step_times)
     row = _row(args, case, rep, planned, eager_m, plan_m)
     out = {"model": args.model, "config": args.config, "description": case.description,
            "solver": rep.solver, "solve_s": rep.solve_s, "plan_s": plan_s,

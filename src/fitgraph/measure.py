@@ -30,8 +30,8 @@ from .execute.meter import MemoryMeter
 from .graph.ir import Graph
 from .plan.instructions import Plan
 
-__all__ = ["StepMeasurement", "constant_bytes", "measure_eager", "measure_plan",
-           "resident_bytes", "trainable_grad_bytes"]
+__all__ = ["StepMeasurement", "constant_bytes", "eager_step", "measure_eager", "measure_plan",
+           "resident_bytes", "time_interleaved", "trainable_grad_bytes"]
 
 WARMUP_STEPS = 1
 
@@ -121,17 +121,54 @@ def _zeroer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
     return zero
 
 
-def measure_eager(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
-                  optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3,
-                  device=None) -> StepMeasurement:
-    """Eager PyTorch: forward, loss, ``backward()``, ``optimizer.step()``."""
+def eager_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
+               optimizer: torch.optim.Optimizer | None = None) -> Callable[[], torch.Tensor]:
+    """One eager PyTorch step as a callable: forward, loss, ``backward()``,
+    ``optimizer.step()``; returns the loss."""
     def step():
         loss = compute_loss(model, batch, loss_fn)
         loss.backward()
         if optimizer is not None:
             optimizer.step()
         return loss.detach()
+    return step
 
+
+def time_interleaved(steps: dict[str, Callable[[], Any]], model: torch.nn.Module,
+                     rounds: int, device=None) -> dict[str, StepMeasurement]:
+    """Each of ``steps`` timed in ``rounds`` rounds, the steps one after another within a
+    round and in the reverse order every other round (none always runs on another's warm
+    caches; drift lands on all alike), after a warm-up round; gradients set to None before
+    each step. Returns each step's times (``step_s``: the median; no peak: 0 bytes).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(4, 1)
+        >>> t = time_interleaved({"a": lambda: m(torch.ones(4)).sum().backward()}, m, 3)
+        >>> len(t["a"].step_times)
+        3
+    """
+    zero = _zeroer(model, None)
+    names = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            zero()
+            _sync(device)
+            t0 = time.perf_counter()
+            steps[name]()
+            _sync(device)
+            if r:   # NOTE: round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    zero()
+    return {k: StepMeasurement(0, 0, _median(tuple(v)), tuple(v)) for k, v in times.items()}
+
+
+def measure_eager(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3,
+                  device=None) -> StepMeasurement:
+    """Eager PyTorch: forward, loss, ``backward()``, ``optimizer.step()``."""
+    step = eager_step(model, batch, loss_fn, optimizer)
     zero = _zeroer(model, optimizer)
     zero()
     step()  # NOTE: the first step creates optimizer state; resident bytes include it afterwards
