@@ -87,11 +87,7 @@ def run_optimizer_node(node: Node, param: torch.Tensor, grad: torch.Tensor,
     ``fresh``: the state was created by ``init_missing_state`` for this step, which torch's
     first step treats apart (SGD copies the gradient into a new momentum buffer)."""
     u = _prepare(node, param, grad, state_tensors, fresh, optimizer)
-    chunks = node.kwargs.get("chunks", 1)
-    if chunks > 1:
-        apply_in_chunks(u, chunks)
-    else:
-        _apply([u])
+    apply_in_chunks(u, node.kwargs.get("chunks", 1))
     return u.created()
 
 
@@ -99,7 +95,11 @@ def apply_in_chunks(u: _Update, chunks: int) -> None:
     """``u``'s update run on ``chunks`` slices of the parameter's rows, one after another
     (``transform.optimizer_chunks``): the same elementwise kernels on each slice of the
     parameter, gradient and state; each slice's update starts from the step counter as it was
-    (a copy) and the counter ends as the last slice's left it (advanced once)."""
+    (a copy) and the counter ends as the last slice's left it (advanced once). One chunk:
+    the update as torch runs it."""
+    if chunks <= 1:
+        _apply([u])
+        return
     rows = u.param.shape[0]
     size = -(-rows // chunks)
     counters = {k: v for k, v in u.state.items()

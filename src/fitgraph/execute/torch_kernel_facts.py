@@ -140,7 +140,7 @@ def _probe_steps(kind: str, group: dict, impl: dict, tensors: list, chunks: int)
     torch refuses."""
     from types import SimpleNamespace
 
-    from .optimizer_ops import _apply, _Update, apply_in_chunks
+    from .optimizer_ops import _Update, apply_in_chunks
 
     param, grad, start = tensors
     keys = {"adam": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
@@ -151,10 +151,7 @@ def _probe_steps(kind: str, group: dict, impl: dict, tensors: list, chunks: int)
                 impl.get("foreach", False), None, impl.get("fused", False))
     try:
         for _ in range(2):
-            if chunks > 1:
-                apply_in_chunks(u, chunks)
-            else:
-                _apply([u])
+            apply_in_chunks(u, chunks)
     except (RuntimeError, TypeError, ValueError):
         return None
     return [u.param, *(u.state[k] for k in keys)]
