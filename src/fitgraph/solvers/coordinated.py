@@ -10,9 +10,12 @@ masks as bits, offloading and operator fission) and judged by the simulator. The
 candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time
 budget: ``search`` is never worse than that plan. The frontier is expanded best first (budget
 mode: the fastest plan within the budget; latency mode: the least peak within the limit;
-an infeasible candidate ranks by the least peak it reached); each expansion applies every rule
-not yet applied on that path that matches, those whose matches save the most bytes first; a
-graph seen before (``graph_fingerprint``) is skipped. A
+an infeasible candidate ranks by the least peak it reached); each expansion first takes the
+graph the candidate's plan runs, where auto rewrote it (fission's splits, masks as bits,
+chunked updates), as a candidate of its own (``AGAIN``: auto plans it again, on its measured
+costs, and its fission may split the parts further), then applies every rule not yet applied
+on that path that matches, those whose matches save the most bytes first; a graph seen
+before (``graph_fingerprint``) is skipped. A
 rewritten graph's plan replaces the best only where it is better by the simulator — in budget
 mode by ``TIME_MARGIN`` of the step time, since simulated times are estimates and peaks are
 not — and a rewritten graph is planned without auto's fallbacks for a missed budget (its
@@ -71,6 +74,10 @@ MIN_CANDIDATE_S = 1.0
 # (so in latency mode any lower peak counts): GPT-2 small at 0.4, measured, a plan simulated
 # 2.3% faster ran 3% slower
 TIME_MARGIN = 0.02
+# NOTE: the move that takes a candidate's plan's own graph (auto's splits, masks as bits,
+# chunked updates) as a candidate graph: auto plans once, its fission greedy stops where its
+# estimates say, and a second plan on the split graph, measured, may split deeper or drop less
+AGAIN = "auto_rewrite_again"
 
 
 @dataclass(order=True)
@@ -141,12 +148,16 @@ def solve_search(problem: Problem) -> Solution:
     frontier, tried, best = [first], [first], first
     while frontier and deadline - time.perf_counter() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        for rule, matches in _promising_first(parent, rules):
+        moves = [*([(AGAIN, None)] if _rewritten(parent) else []),
+                 *_promising_first(parent, rules)]
+        for rule, matches in moves:
             left = deadline - time.perf_counter()
             if left <= MIN_CANDIDATE_S:
                 break
-            child = _child(problem, parent, rule, matches, seen, min(each_s, left), limit_s,
-                           budget_mode)
+            child = (_again(problem, parent, seen, min(each_s, left), limit_s, budget_mode)
+                     if rule is AGAIN else
+                     _child(problem, parent, rule, matches, seen, min(each_s, left), limit_s,
+                            budget_mode))
             if child is None:
                 continue
             tried.append(child)
@@ -202,6 +213,30 @@ def _child(problem: Problem, parent: _Candidate, rule: Rule, matches: list, seen
                           "bytes_saved": sum(m.bytes_saved for m in matches),
                           "flops_saved": sum(m.flops_saved for m in matches)}
     return _plan(problem, graph, parent.rules + (rule.name,), changes, time_s, limit_s,
+                 budget_mode)
+
+
+def _rewritten(c: _Candidate) -> bool:
+    """Whether ``c``'s plan runs a graph auto rewrote (fission's splits, masks as bits, chunked
+    updates)."""
+    return c.solution is not None and c.solution.graph is not None
+
+
+def _again(problem: Problem, parent: _Candidate, seen: set[str], time_s: float,
+           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
+    """The graph ``parent``'s plan runs (auto's rewrite of it) planned by auto again, as a
+    candidate graph of its own (``AGAIN`` among its rules): fission may split its parts
+    further, remat plans on its measured costs, and later rules apply to it; None where that
+    graph was seen before."""
+    graph = parent.solution.graph
+    key = graph_fingerprint(graph)
+    if key in seen:
+        return None
+    seen.add(key)
+    changes = dict(parent.changes)
+    changes[AGAIN] = {"planned_by": parent.solution.notes.get("winner", parent.solution.solver),
+                      "splits": list(parent.solution.notes.get("splits", []))}
+    return _plan(problem, graph, parent.rules + (AGAIN,), changes, time_s, limit_s,
                  budget_mode)
 
 
