@@ -26,7 +26,8 @@ drop set is re-planned over the exact scheduler's order (``hotspot(exact=True)``
 peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
 what made its plan.
 
-Deterministic as its parts: only the deadline (``time_budget_s``) cuts it short.
+Deterministic as its parts: only the deadline (``time_budget_s``, on the planning clock:
+``cost.clock``) cuts it short.
 
 Example:
     >>> import torch, fitgraph
@@ -49,10 +50,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import time
 from dataclasses import dataclass, field
 
 from .. import progress
+from ..cost.clock import planning_now
 from ..graph.analysis import graph_fingerprint
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
@@ -130,7 +131,7 @@ def _rank(sol: Solution | None, least: int | None, budget_mode: bool) -> tuple:
 @register("search")
 def solve_search(problem: Problem) -> Solution:
     """Plan ``problem`` by the coordinated search (see the module doc)."""
-    t0 = time.perf_counter()
+    t0 = planning_now()
     deadline = t0 + problem.time_budget_s
     each_s = AUTO_SHARE * problem.time_budget_s
     budget_mode = problem.budget_bytes is not None
@@ -146,12 +147,12 @@ def solve_search(problem: Problem) -> Solution:
                       fallback=True)
     seen = {graph_fingerprint(problem.graph)}
     frontier, tried, best = [first], [first], first
-    while frontier and deadline - time.perf_counter() > MIN_CANDIDATE_S:
+    while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
         moves = [*([(AGAIN, None)] if _rewritten(parent) else []),
                  *_promising_first(parent, rules)]
         for rule, matches in moves:
-            left = deadline - time.perf_counter()
+            left = deadline - planning_now()
             if left <= MIN_CANDIDATE_S:
                 break
             child = (_again(problem, parent, seen, min(each_s, left), limit_s, budget_mode)
@@ -184,7 +185,7 @@ def solve_search(problem: Problem) -> Solution:
     notes = dict(sol.notes, winner=sol.notes.get("winner", sol.solver), rules=list(best.rules),
                  candidates=[c.summary() for c in tried], auto=first.summary())
     sol.plan.meta["solver"] = "search"
-    return Solution(sol.plan, sol.sim, "search", time.perf_counter() - t0, sol.optimal, sol.gap,
+    return Solution(sol.plan, sol.sim, "search", planning_now() - t0, sol.optimal, sol.gap,
                     notes, sol.graph_for(best.graph) if best.rules or sol.graph else None)
 
 
@@ -281,7 +282,7 @@ def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
     """``best`` re-planned by hotspot over the exact scheduler's order too, where its plan is
     hotspot's (on its graph: masks as bits, fission's splits); the better of the two."""
     sol = best.solution
-    left = deadline - time.perf_counter()
+    left = deadline - planning_now()
     if sol is None or left <= MIN_CANDIDATE_S or not _remat_plan(sol):
         return best
     graph = sol.graph_for(best.graph)

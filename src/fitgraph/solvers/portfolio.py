@@ -31,7 +31,9 @@ every plan's peak that only chunking lowers), in budget mode where that floor is
 budget (``notes["optimizer_chunks"]`` says which). ``notes["winner"]`` names the
 solver whose plan is returned, ``notes["why"]`` says why, ``notes["hotspot"]`` /
 ``notes["compact_masks"]`` / ``notes["joint"]`` / ``notes["fission"]`` what each reached.
-Deterministic as its solvers are: only the deadline (``time_budget_s``) cuts them short.
+Deterministic as its solvers are: only the deadline (``time_budget_s``) cuts them short, on the
+planning clock (``cost.clock``: the ops it measures for its new graphs do not count), so a plan
+does not depend on which ops the cost cache already held.
 
 Example:
     >>> import torch, fitgraph
@@ -51,9 +53,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from .. import progress
+from ..cost.clock import planning_now
 from ..plan.eager import eager_plan
 from ..plan.instructions import Compute
 from ..sim.simulate import SimResult, simulate
@@ -122,7 +124,7 @@ def _joint(problem: Problem, hot: Solution | None, eager: SimResult, t0: float):
             eager.peak_bytes <= problem.budget_bytes
             or (hot is not None and hot.sim.latency_s <= eager.latency_s)):
         return None, None, "remat alone is as fast as the eager plan"
-    left = problem.time_budget_s - (time.perf_counter() - t0)
+    left = problem.time_budget_s - (planning_now() - t0)
     if left < MIN_FISSION_S:
         return None, None, f"no time left ({max(left, 0.0):.1f} s)"
     try:
@@ -146,7 +148,7 @@ def _compacted(problem: Problem, hot: Solution | None, eager: SimResult, remat_f
         # NOTE: the rewrite's eager plan makes the bits too, so it is slower than the captured
         # graph's: it cannot beat an eager-fast plan
         return None, None, "hotspot's plan is as fast as the eager plan"
-    left = problem.time_budget_s - (time.perf_counter() - t0)
+    left = problem.time_budget_s - (planning_now() - t0)
     if left < MIN_FISSION_S:
         return None, None, f"no time left ({max(left, 0.0):.1f} s)"
     cm = problem.cost_model
@@ -186,7 +188,7 @@ def _least_peak(problem: Problem, t0: float) -> Solution | None:
     """hotspot's least-peak plan (latency mode, no limit that binds), within the time left
     (at least ``MIN_FISSION_S``): what an infeasible budget is checked against, so that the
     smallest peak reported does not depend on the budget asked."""
-    left = max(problem.time_budget_s - (time.perf_counter() - t0), MIN_FISSION_S)
+    left = max(problem.time_budget_s - (planning_now() - t0), MIN_FISSION_S)
     try:
         return solve_hotspot(dataclasses.replace(problem, budget_bytes=None,
                                                  latency_limit=_UNBOUNDED, time_budget_s=left))
@@ -214,7 +216,7 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
     ``fallback=False``: where every option misses the budget, raise at once (no least-peak
     search, no ``split_backward``: the coordinated search's rewritten graphs, which must keep
     to its deadline)."""
-    t0 = time.perf_counter()
+    t0 = planning_now()
     on, why = _chunked_updates(problem)
     if on is problem:
         sol = _solve_auto(problem, fallback)
@@ -226,7 +228,7 @@ def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
             e.solution = dataclasses.replace(e.solution, graph=on.graph)
         raise
     return dataclasses.replace(sol, graph=sol.graph_for(on.graph),
-                               solve_s=time.perf_counter() - t0,
+                               solve_s=planning_now() - t0,
                                notes=dict(sol.notes, optimizer_chunks=why))
 
 
@@ -266,7 +268,7 @@ def _chunked_updates(problem: Problem) -> tuple[Problem, str]:
 
 def _solve_auto(problem: Problem, fallback: bool) -> Solution:
     """``solve_auto`` on the graph it plans (see the module doc)."""
-    t0 = time.perf_counter()
+    t0 = planning_now()
     cm, budget = problem.cost_model, problem.budget_bytes
     cm.prepare(problem.graph)  # NOTE: a no-op when the caller profiled (the cache holds it)
     hot, hot_err = None, None
@@ -310,7 +312,7 @@ def _solve_auto(problem: Problem, fallback: bool) -> Solution:
     if off is not None and (hot is None or _key(off, budget) < _key(hot, budget)):
         # NOTE: remat + offload beats remat alone: it is the no-split option fission must beat
         hot, hot_err = off, None
-    left = problem.time_budget_s - (time.perf_counter() - t0)
+    left = problem.time_budget_s - (planning_now() - t0)
     skip = None
     if problem.exact:
         skip = ("exact=True: fission sums in parts (results allclose to eager's, not bitwise)")
@@ -329,7 +331,7 @@ def _solve_auto(problem: Problem, fallback: bool) -> Solution:
     if skip is None:
         config = _SEARCH_OFFLOAD if cm.host_memory_apart else _SEARCH
         for i, on in enumerate([base, *also]):
-            share = (problem.time_budget_s - (time.perf_counter() - t0)) / (1 + len(also) - i)
+            share = (problem.time_budget_s - (planning_now() - t0)) / (1 + len(also) - i)
             try:
                 found = solve_fission(dataclasses.replace(on, time_budget_s=share),
                                       config=config, remat_alone=(hot, hot_err))
@@ -408,5 +410,5 @@ def _as_auto(win: Solution, notes: dict, name: str, why: str, t0: float) -> Solu
     """``win`` as auto's answer: its notes with what each option reached, who won and why."""
     win.plan.meta["solver"] = "auto"
     notes = dict(win.notes, **notes, winner=name, why=why)
-    return Solution(win.plan, win.sim, "auto", time.perf_counter() - t0, win.optimal, win.gap,
+    return Solution(win.plan, win.sim, "auto", planning_now() - t0, win.optimal, win.gap,
                     notes, win.graph)

@@ -22,9 +22,9 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
+from ...cost.clock import planning_now
 from ...graph.analysis import GraphError, new_storages, storage_producer
 from ...graph.dim_region import Region, grow_region
 from ...graph.dim_rules import SHAPE_ONLY
@@ -277,7 +277,7 @@ def _for_each_alike(name: str, rewrite, then=None) -> Recipe:
         for k, other in enumerate(names):
             # NOTE: each rewrite walks the whole graph: an unrolled GRU's 256 steps are alike
             # (23,615 nodes: hours for one candidate)
-            if time.perf_counter() > deadline:
+            if planning_now() > deadline:
                 raise FissionError(f"out of time after {k} of {len(names)} alike starts")
             if done and not any(v.name == other for v in g.values):
                 continue   # NOTE: a region grown from a later block's start took it in

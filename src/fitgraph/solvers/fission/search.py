@@ -27,8 +27,8 @@ over budget goes to ``hotspot`` (remat and reordering on the split graph; ``join
 offloading, with ``FissionConfig(offload=True)`` where device memory is apart); remat alone on the
 original graph is one more option, and the best option is returned. The Solution carries the
 split graph (``Solution.graph``). Deterministic: candidates are tried in a fixed order and ties
-keep the first; only the deadline (``time_budget_s``) cuts the search short
-(``notes["timed_out"]``).
+keep the first; only the deadline (``time_budget_s``, on the planning clock: the split graphs it
+profiles do not count, ``cost.clock``) cuts the search short (``notes["timed_out"]``).
 
 Measured costs (a cost model that must ``profile`` a graph before costing it): the search costs
 split graphs from the original graph's measurements (``cost.scaled.ScaledCostModel``), so it
@@ -59,9 +59,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
+from ...cost.clock import planning_now
 from ...cost.scaled import ScaledCostModel
 from ...graph.analysis import verify_graph
 from ...graph.dim_region import Region
@@ -134,7 +134,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     """Plan ``problem`` with fission and then remat (see the module doc). ``remat_alone``:
     hotspot's answer on ``problem`` itself (a plan, or why not), when the caller has it
     already (the ``auto`` portfolio); it is the option without splits."""
-    t0 = time.perf_counter()
+    t0 = planning_now()
     deadline = t0 + problem.time_budget_s
     cm, budget = problem.cost_model, problem.budget_bytes
     eager = _simulate(problem.graph, cm)
@@ -166,7 +166,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     strategies = LATENCY_STRATEGIES if budget is None else STRATEGIES
     for i, strategy in enumerate(strategies):
         # NOTE: each path gets its share of the time left: the first must not starve the next
-        now = time.perf_counter()
+        now = planning_now()
         share = now + max(deadline - now, 0.0) / (len(strategies) - i)
         steps, cur, out_of_time = _greedy(start, search, budget, search_limit, config,
                                           share, strategy, memo)
@@ -210,7 +210,7 @@ def solve_fission(problem: Problem, *, config: FissionConfig = FissionConfig(),
     if cur.graph is not problem.graph:
         verify_graph(cur.graph)
     sol.plan.meta["solver"] = "fission"
-    return Solution(sol.plan, sol.sim, "fission", time.perf_counter() - t0, notes=notes,
+    return Solution(sol.plan, sol.sim, "fission", planning_now() - t0, notes=notes,
                     graph=None if cur.graph is problem.graph else cur.graph)
 
 
@@ -264,7 +264,7 @@ def _resplits(problem: Problem, measured: _Step, ks: list[int], t0: float):
     """The last split of ``measured`` made again in each of ``ks`` parts (each profiled, with
     measured costs), while time is left and the region splits."""
     for k in ks:
-        if time.perf_counter() - t0 > problem.time_budget_s:
+        if planning_now() - t0 > problem.time_budget_s:
             return
         step = _split(measured.base, measured.region, k, problem.cost_model)
         if isinstance(step, FissionError):
@@ -436,7 +436,7 @@ def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: Fissio
     for base, region, ks in tries:
         last_peak = cur.sim.peak_bytes
         for k in ks:
-            if time.perf_counter() > deadline:
+            if planning_now() > deadline:
                 return best, True, seen
             if k > region.length:
                 break
@@ -465,7 +465,7 @@ def _remat(problem: Problem, cm, cur: _Step, limit: float, config: FissionConfig
     budget."""
     budget = problem.budget_bytes
     plain = Solution(eager_plan(cur.graph), cur.sim, "fission", 0.0)
-    left = max(problem.time_budget_s - (time.perf_counter() - t0), 1.0)
+    left = max(problem.time_budget_s - (planning_now() - t0), 1.0)
     # NOTE: joint is never slower than hotspot (it starts from hotspot's plan), only slower to
     # search; it offloads only where the host's memory is apart from the device's
     plan_on = (solve_joint if config.offload and cm.host_memory_apart

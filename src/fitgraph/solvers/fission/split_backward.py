@@ -60,9 +60,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import NamedTuple
 
+from ...cost.clock import planning_now
 from ...cost.scaled import original_name
 from ...graph.analysis import GraphError
 from ...graph.ir import Graph
@@ -118,7 +118,7 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     peaks within ``target_bytes`` (where given); None where hotspot finds no plan.
     ``notes``: ``splits`` (what each round did), ``tried`` (each candidate and the peak it
     reached), ``least_peak_before`` (the peak before the first split)."""
-    t0 = time.perf_counter()
+    t0 = planning_now()
     deadline = t0 + problem.time_budget_s
     cm = problem.cost_model
     # NOTE: as fission reads the graph: a loss counts its targets apart and reads every
@@ -154,7 +154,7 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
         others = sorted(others + left, key=lambda o: o.sol.sim.peak_bytes)[:BRANCHES]
         if path.sol.sim.peak_bytes < final.sol.sim.peak_bytes:
             final = path
-        if (not others or time.perf_counter() > search_end
+        if (not others or planning_now() > search_end
                 or final.sol.sim.peak_bytes <= target):
             break
         # NOTE: rounds are greedy: where they end, go on from the lowest runner-up a round
@@ -170,7 +170,7 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
         # grew otherwise (ALBERT's MLP re-made in parts kept two whole [512, 512] tensors once
         # its attention ran in head parts). Planned in a plan's time, past the deadline where
         # the search used it all
-        sol = _least(folded, cm, max(deadline, time.perf_counter() + _plan_s(total)), t0,
+        sol = _least(folded, cm, max(deadline, planning_now() + _plan_s(total)), t0,
                      total)
         if sol is not None and sol.sim.peak_bytes < best.sim.peak_bytes:
             graph, best = folded, sol
@@ -178,7 +178,7 @@ def split_backward(problem: Problem, target_bytes: int | None = None) -> Solutio
     notes = dict(best.notes, splits=done, tried=tried, least_peak_before=before,
                  masks="bits" if graph is not problem.graph else "as captured")
     return dataclasses.replace(best, solver="split_backward", notes=notes,
-                               solve_s=time.perf_counter() - t0,
+                               solve_s=planning_now() - t0,
                                graph=None if graph is problem.graph else graph)
 
 
@@ -195,7 +195,7 @@ def _replayed(final: _Path, start: Graph, cm, deadline: float, t0: float, total:
     NOTE: a split's parts hold a share of its region's tensors at a time (Falcon's attention
     re-made in 8 parts holds an eighth of its scores, softmax and their gradients at once);
     twice the parts halve it, and the search's rounds choose the splits in ``PARTS``."""
-    if REPLAY_PARTS <= PARTS or not final.recipes or time.perf_counter() > deadline:
+    if REPLAY_PARTS <= PARTS or not final.recipes or planning_now() > deadline:
         return final
     n = len(final.recipes)
     what = (f"the {n} splits" if n > 1 else "the split") + f" again in up to {REPLAY_PARTS} parts"
@@ -229,7 +229,7 @@ def _widened(final: _Path, start: Graph, cm, deadline: float, t0: float, total: 
         if i >= len(best.recipes):
             break   # NOTE: a wider region kept left a later split out
         wider = getattr(best.recipes[i], "wider", None)
-        if wider is None or time.perf_counter() > deadline:
+        if wider is None or planning_now() > deadline:
             continue
         # NOTE: a looser trim that re-makes the same nodes costs a plan for nothing (Swin's
         # MLP, twice: 1.16x -> 1.19x, its runners-up short of time)
@@ -274,7 +274,7 @@ def _rounds(path: _Path, cm, deadline: float, t0: float, total: float, tried: li
         ranked, seen = candidates(graph, best), set()
         better, below = None, []
         for page in range(PAGES):
-            if (better is not None or time.perf_counter() > deadline
+            if (better is not None or planning_now() > deadline
                     or (page and len(seen) >= len(ranked))):
                 break
             better = _round(graph, best, done, recipes, ranked, seen, cm, deadline, t0, total,
@@ -301,7 +301,7 @@ def _round(graph: Graph, best: Solution, done: list[str], recipes: list[Recipe],
     better = None
     at = _peak_at(graph, best)
     for peak, _, what, g2, recipe in _to_plan(screened):
-        if time.perf_counter() > deadline:
+        if planning_now() > deadline:
             break
         sol = _least(g2, cm, deadline, t0, total)
         tried.append(f"{what}: screened {peak:,} B, planned "
@@ -339,7 +339,7 @@ def _least(graph: Graph, cm, deadline: float, t0: float, total: float) -> Soluti
         cm.prepare(graph)  # NOTE: measured costs: the parts' new shapes, once each
     except RuntimeError:
         return None  # NOTE: an op of the split graph cannot run: no plan
-    left = max(deadline - time.perf_counter(), 1.0)
+    left = max(deadline - planning_now(), 1.0)
     try:
         # NOTE: a share of the whole per plan: each round plans several candidates
         return solve_hotspot(Problem(graph, cm, latency_limit=_UNBOUNDED,
@@ -377,7 +377,7 @@ def _screened(graph: Graph, best: Solution, cm, deadline: float, tried: list[str
     out: list[_Screened] = []
     made, starts = {COPIES: 0, PLAIN: 0}, set()
     for rank, (what, kind, start, recipe) in enumerate(ranked):
-        if time.perf_counter() > deadline or sum(made.values()) >= SCREEN:
+        if planning_now() > deadline or sum(made.values()) >= SCREEN:
             break
         if rank in seen:
             continue
