@@ -149,16 +149,12 @@ def solve_search(problem: Problem) -> Solution:
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        moves = [*([(AGAIN, None)] if _rewritten(parent) else []),
-                 *_promising_first(parent, rules)]
-        for rule, matches in moves:
+        for name, make, change in _moves(parent, rules):
             left = deadline - planning_now()
             if left <= MIN_CANDIDATE_S:
                 break
-            child = (_again(problem, parent, seen, min(each_s, left), limit_s, budget_mode)
-                     if rule is AGAIN else
-                     _child(problem, parent, rule, matches, seen, min(each_s, left), limit_s,
-                            budget_mode))
+            child = _child(problem, parent, name, make(), change, seen, min(each_s, left),
+                           limit_s, budget_mode)
             if child is None:
                 continue
             tried.append(child)
@@ -200,44 +196,37 @@ def _promising_first(parent: _Candidate, rules: list[Rule]) -> list[tuple[Rule, 
                                         -sum(m.flops_saved for m in f[1])))
 
 
-def _child(problem: Problem, parent: _Candidate, rule: Rule, matches: list, seen: set[str],
-           time_s: float, limit_s: float | None, budget_mode: bool) -> _Candidate | None:
-    """``rule`` (its ``matches`` on ``parent``'s graph) applied and the result planned; None
-    where it makes a graph seen before."""
-    graph = rule.rewrite(parent.graph)
+def _moves(parent: _Candidate, rules: list[Rule]) -> list[tuple[str, Graph, dict]]:
+    """The graphs one move from ``parent``, each with its move's name and what it changes:
+    first the graph its plan runs where auto rewrote it (``AGAIN``: fission's splits, masks as
+    bits, chunked updates, planned again by auto, whose fission may split the parts further),
+    then each matching rule not yet on its path applied (``_promising_first``'s order).
+    Graphs are made lazily by the caller: a rule's rewrite only when its turn comes."""
+    moves = []
+    sol = parent.solution
+    if sol is not None and sol.graph is not None:
+        moves.append((AGAIN, lambda: sol.graph, {
+            "planned_by": sol.notes.get("winner", sol.solver),
+            "splits": list(sol.notes.get("splits", []))}))
+    for rule, matches in _promising_first(parent, rules):
+        moves.append((rule.name, lambda rule=rule: rule.rewrite(parent.graph), {
+            "matches": len(matches), "bytes_saved": sum(m.bytes_saved for m in matches),
+            "flops_saved": sum(m.flops_saved for m in matches)}))
+    return moves
+
+
+def _child(problem: Problem, parent: _Candidate, name: str, graph: Graph, change: dict,
+           seen: set[str], time_s: float, limit_s: float | None,
+           budget_mode: bool) -> _Candidate | None:
+    """``graph``, made from ``parent``'s by the move ``name``, planned; None where it is a
+    graph seen before."""
     key = graph_fingerprint(graph)
     if key in seen:
         return None
     seen.add(key)
     changes = dict(parent.changes)
-    changes[rule.name] = {"matches": len(matches),
-                          "bytes_saved": sum(m.bytes_saved for m in matches),
-                          "flops_saved": sum(m.flops_saved for m in matches)}
-    return _plan(problem, graph, parent.rules + (rule.name,), changes, time_s, limit_s,
-                 budget_mode)
-
-
-def _rewritten(c: _Candidate) -> bool:
-    """Whether ``c``'s plan runs a graph auto rewrote (fission's splits, masks as bits, chunked
-    updates)."""
-    return c.solution is not None and c.solution.graph is not None
-
-
-def _again(problem: Problem, parent: _Candidate, seen: set[str], time_s: float,
-           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
-    """The graph ``parent``'s plan runs (auto's rewrite of it) planned by auto again, as a
-    candidate graph of its own (``AGAIN`` among its rules): fission may split its parts
-    further, remat plans on its measured costs, and later rules apply to it; None where that
-    graph was seen before."""
-    graph = parent.solution.graph
-    key = graph_fingerprint(graph)
-    if key in seen:
-        return None
-    seen.add(key)
-    changes = dict(parent.changes)
-    changes[AGAIN] = {"planned_by": parent.solution.notes.get("winner", parent.solution.solver),
-                      "splits": list(parent.solution.notes.get("splits", []))}
-    return _plan(problem, graph, parent.rules + (AGAIN,), changes, time_s, limit_s,
+    changes[name] = change
+    return _plan(problem, graph, parent.rules + (name,), changes, time_s, limit_s,
                  budget_mode)
 
 
