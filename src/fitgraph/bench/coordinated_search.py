@@ -39,8 +39,8 @@ import statistics
 import time
 from pathlib import Path
 
-__all__ = ["gain", "main", "markdown", "own_gain", "raw_gain", "replanned", "rule_effects", "rule_markdown",
-           "rule_rows", "run_model", "wins"]
+__all__ = ["gain", "main", "markdown", "own_gain", "raw_gain", "replanned", "rule_effects",
+           "rule_markdown", "rule_rows", "run_model", "wins"]
 
 MODELS = ("gpt2", "bert-base", "llama", "vit-b16", "resnet50", "unet")
 SEARCH_FACTOR = 3.0
@@ -203,9 +203,10 @@ def own_gain(row: dict) -> float | None:
     simulated: the step time in budget mode, the peak in latency mode; None where either has no
     plan (or the row no candidates). The search's doing, apart from auto's run-to-run spread."""
     cands = row.get("candidates") or []
-    what = "latency_s" if row["kind"] == "budget" else "peak_bytes"
+    what, sim = (("latency_s", "latency_s") if row["kind"] == "budget"
+                 else ("peak_bytes", "peak"))   # NOTE: a candidate's key, the row's
     first = cands[0].get(what) if cands else None
-    mine = row.get("search_sim_" + ("latency_s" if row["kind"] == "budget" else "peak"))
+    mine = row.get(f"search_sim_{sim}")
     if not first or mine is None:
         return None
     return 1 - mine / first

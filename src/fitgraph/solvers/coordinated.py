@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import progress
@@ -196,7 +197,8 @@ def _promising_first(parent: _Candidate, rules: list[Rule]) -> list[tuple[Rule, 
                                         -sum(m.flops_saved for m in f[1])))
 
 
-def _moves(parent: _Candidate, rules: list[Rule]) -> list[tuple[str, Graph, dict]]:
+def _moves(parent: _Candidate,
+           rules: list[Rule]) -> list[tuple[str, Callable[[], Graph], dict]]:
     """The graphs one move from ``parent``, each with its move's name and what it changes:
     first the graph its plan runs where auto rewrote it (``AGAIN``: fission's splits, masks as
     bits, chunked updates, planned again by auto, whose fission may split the parts further),
