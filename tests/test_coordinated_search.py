@@ -217,3 +217,29 @@ def test_a_plans_own_graph_is_planned_again_as_a_candidate():
     assert s.sim.peak_bytes <= budget and s.graph is not None
     verify_plan(s.graph, s.plan)
     assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)
+
+
+def test_a_larger_budget_tries_more_candidates_not_longer_ones(monkeypatch):
+    """auto's plan (the first candidate) gets ``AUTO_SHARE`` of the budget, every later one at
+    most ``CANDIDATE_S``: fission runs to its deadline, so candidates given a share of a large
+    budget would each take all of it and the search would try as few as with a small one."""
+    from fitgraph.solvers import coordinated
+
+    now = [0.0]
+    given_s = []
+    real_plan = coordinated._plan
+
+    def timed_plan(problem, graph, rules, changes, time_s, *args, **kwargs):
+        given_s.append(time_s)
+        found = real_plan(problem, graph, rules, changes, min(time_s, 5.0), *args, **kwargs)
+        now[0] += time_s   # NOTE: as fission does: every second it was given
+        return found
+
+    monkeypatch.setattr(coordinated, "planning_now", lambda: now[0])
+    monkeypatch.setattr(coordinated, "_plan", timed_plan)
+    torch.manual_seed(0)
+    g = fitgraph.capture(Packed(8, [16, 16, 16], True, 2), torch.randn(2, 32, 8))
+    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=90), "search")
+    assert given_s[0] == AUTO_SHARE * 90
+    assert len(given_s) > 2 and all(t <= coordinated.CANDIDATE_S for t in given_s[1:])
+    assert len(s.notes["candidates"]) == len(given_s)

@@ -1,15 +1,16 @@
 """The coordinated search (``solver="search"``) against ``auto``, measured (issue 30).
 
     python -m fitgraph.bench.coordinated_search [--models gpt2,bert-base,...]
-        [--budgets 0.8,0.6,0.4] [--limits 1.05,1.10] [--time-budget 10] [--repeats 7]
+        [--budgets 0.8,0.6,0.4] [--limits 1.05,1.10] [--time-budget 30] [--repeats 7]
         [--out docs/bench/coordinated_search.json] [--resume]
     python -m fitgraph.bench.coordinated_search --rules [--out docs/bench/rules.json]
 
 For each zoo model (small configuration, AdamW in the step, torch on one thread, this
 machine's measured op costs) and each constraint — a budget (a fraction of the eager plan's
 simulated peak; least time) or a latency limit (a factor of the eager step; least peak) —
-``fitgraph.optimize`` plans with ``auto`` (``--time-budget`` seconds) and with ``search``
-(three times as long: its first candidate is auto's plan with a third of it), both on one
+``fitgraph.optimize`` plans with ``auto`` (``--time-budget`` seconds, optimize's default 30)
+and with ``search`` (three times as long: its first candidate is auto's plan with a third of
+it, every later one at most ``solvers.coordinated.CANDIDATE_S``), both on one
 measured cost model (so that the search's first candidate is auto's very plan), without
 optimize's latency check (which times a plan and plans again for a tighter limit: it acts on
 any solver's plan, so the rows compare the solvers' own). Both plans and
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--budgets", default="0.8,0.6,0.4")
     p.add_argument("--limits", default="1.05,1.10")
-    p.add_argument("--time-budget", type=float, default=10.0)
+    p.add_argument("--time-budget", type=float, default=30.0)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None)
     p.add_argument("--resume", action="store_true",

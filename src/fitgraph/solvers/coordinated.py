@@ -8,7 +8,8 @@ from the captured one by composing rewrite rules (``transform.rules.RULES``: eac
 its matches at once), planned by ``auto`` (which itself composes hotspot's remat and reordering,
 masks as bits, offloading and operator fission) and judged by the simulator. The first
 candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time
-budget: ``search`` is never worse than that plan. The frontier is expanded best first (budget
+budget: ``search`` is never worse than that plan. Every later candidate is planned by auto
+within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates. The frontier is expanded best first (budget
 mode: the fastest plan within the budget; latency mode: the least peak within the limit;
 an infeasible candidate ranks by the least peak it reached); each expansion first takes the
 graph the candidate's plan runs, where auto rewrote it (fission's splits, masks as bits,
@@ -67,8 +68,13 @@ from .remat.hotspot import solve_hotspot
 __all__ = ["solve_search"]
 
 # NOTE: the first candidate (the captured graph planned by auto) gets this share of the time
-# budget; every later candidate at most as much (auto stops well before on the zoo's graphs)
+# budget; every later candidate at most as much, and at most CANDIDATE_S
 AUTO_SHARE = 1 / 3
+# NOTE: fission's search runs to its deadline, so a candidate given a share of the budget takes
+# all of it: a larger budget would plan the same few candidates longer, not try more (GPT-2
+# small within 1.05x, 10 s each: 4 candidates in 30 s, 10 in 90 s, the peak 142.5 MiB then
+# 135.5). auto's plans on the zoo's small graphs come within 10 s.
+CANDIDATE_S = 10.0
 # NOTE: a candidate planned in less than this only gets hotspot's first moves
 MIN_CANDIDATE_S = 1.0
 # NOTE: budget mode: a rewritten graph's plan replaces a plan only where it simulates this
@@ -134,7 +140,8 @@ def solve_search(problem: Problem) -> Solution:
     """Plan ``problem`` by the coordinated search (see the module doc)."""
     t0 = planning_now()
     deadline = t0 + problem.time_budget_s
-    each_s = AUTO_SHARE * problem.time_budget_s
+    first_s = AUTO_SHARE * problem.time_budget_s
+    each_s = min(first_s, CANDIDATE_S)
     budget_mode = problem.budget_bytes is not None
     rules = [r for r in RULES.values() if r.exact or not problem.exact]
     cm = problem.cost_model
@@ -144,7 +151,7 @@ def solve_search(problem: Problem) -> Solution:
         limit_s = problem.latency_limit * simulate(problem.graph, eager_plan(problem.graph),
                                                    cm).latency_s
     with progress.stage("search: auto on the captured graph"):
-        first = _plan(problem, problem.graph, (), {}, each_s, limit_s, budget_mode,
+        first = _plan(problem, problem.graph, (), {}, first_s, limit_s, budget_mode,
                       fallback=True)
     seen = {graph_fingerprint(problem.graph)}
     frontier, tried, best = [first], [first], first
