@@ -9,7 +9,7 @@ from helpers import assert_split_like_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
-from test_rewrite_rules import Packed, Scaled
+from test_rewrite_rules import Packed, Scaled, Twice
 
 import fitgraph
 from fitgraph.cost import RooflineCostModel, get_device
@@ -243,3 +243,59 @@ def test_a_larger_budget_tries_more_candidates_not_longer_ones(monkeypatch):
     assert given_s[0] == AUTO_SHARE * 90
     assert len(given_s) > 2 and all(t <= coordinated.CANDIDATE_S for t in given_s[1:])
     assert len(s.notes["candidates"]) == len(given_s)
+
+
+def test_a_rule_that_does_not_pay_is_tried_on_its_better_half():
+    """A rule with two or more matches carries a move on the half of them that save the most
+    bytes (``HALF``), tried where the whole rule does not pay: all at once may cost more time
+    than a latency limit leaves. The rule is then off that path, whole or half."""
+    from fitgraph.solvers.coordinated import HALF, _Candidate, _moves
+    from fitgraph.transform.rules import Rule
+
+    def match(b):
+        return type("M", (), {"bytes_saved": b, "flops_saved": 0.0})()
+
+    given = {}
+
+    def rule(name, saved):
+        ms = [match(b) for b in saved]
+        return Rule(name, lambda g: ms,
+                    lambda g, matches=None: given.setdefault(name, []).append(matches) or g,
+                    exact=True, changes="")
+
+    rules = [rule("three", [1, 5, 3]), rule("one", [100]), rule("two", [2, 8])]
+    parent = _Candidate((0,), None, (), None, None)
+    moves = _moves(parent, rules)
+    assert [m.name for m in moves] == ["one", "two", "three"]
+    assert [m.half and m.half.name for m in moves] == [None, "two" + HALF, "three" + HALF]
+    assert [m.half.change["matches"] for m in moves[1:]] == [1, 2]
+    for m in moves[1:]:
+        m.make(), m.half.make()
+    assert [[m.bytes_saved for m in ms] for ms in given["three"]] == [[1, 5, 3], [5, 3]]
+    assert [[m.bytes_saved for m in ms] for ms in given["two"]] == [[2, 8], [8]]
+    halfway = _Candidate((0,), None, ("two" + HALF,), None, None)
+    assert [m.name for m in _moves(halfway, rules)] == ["one", "three"]
+
+
+def test_the_half_is_planned_only_where_the_whole_rule_does_not_pay(monkeypatch):
+    """On a graph whose two scaled products the scaling rule rewrites, the whole rule pays
+    (a lower peak at the limit): its half is not planned; where a whole rule's graph plans
+    worse than its parent, the half is."""
+    from fitgraph.solvers import coordinated
+
+    torch.manual_seed(0)
+    g = fitgraph.capture(Twice(lambda: Scaled(8, 4, 2, 0.125, divide=False)),
+                         torch.randn(2, 64, 8))
+    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
+    names = [c["rules"] for c in s.notes["candidates"]]
+    assert ["scale_across_matmul"] in names and ["scale_across_matmul" + coordinated.HALF] \
+        not in names
+    real = coordinated._better
+    monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: a.rules != (
+        "scale_across_matmul",) and real(a, b, budget_mode))
+    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
+    names = [c["rules"] for c in s.notes["candidates"]]
+    half = [c for c in s.notes["candidates"]
+            if c["rules"] == ["scale_across_matmul" + coordinated.HALF]]
+    assert ["scale_across_matmul"] in names and len(half) == 1
+    assert half[0]["changes"]["scale_across_matmul" + coordinated.HALF]["matches"] == 1

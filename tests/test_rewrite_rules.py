@@ -291,3 +291,51 @@ def test_a_rewritten_step_measures_the_peak_it_simulates(name):
     plan = fitgraph.eager_plan(g2)
     measured = measure_plan(g2, plan, model, batch, repeats=0)
     assert measured.peak_bytes == simulate(g2, plan, cost).peak_bytes
+
+
+class Twice(torch.nn.Module):
+    """Two copies of a module, on the batch and on half of it, their losses added: each rule
+    matches in both (apart: the copies read different inputs)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.a, self.b = make(), make()
+
+    def forward(self, x):
+        return self.a(x) + self.b(x * 0.5)
+
+
+def _norm_block():
+    from test_norm_from_stats import Block
+    return Block(4, "relu", True, 2)
+
+
+_TWICE = dict(_MATCHING, norm_from_stats=(_norm_block, (3, 3, 6, 6)),
+              norm_from_stats_through_sums=(_norm_block, (3, 3, 6, 6)))
+
+
+@pytest.mark.parametrize("name", sorted(_TWICE))
+def test_a_rule_on_some_of_its_matches_keeps_the_values(name):
+    """The search also applies a rule to half of its matches (``coordinated.HALF``): each
+    match stands alone, so any one of them rewritten keeps the step's results (bitwise for an
+    exact rule), and the others stay as captured."""
+    make, shape = _TWICE[name]
+    torch.manual_seed(0)
+    model, batch = Twice(make), torch.randn(*shape)
+    g = fitgraph.capture(copy.deepcopy(model), batch)
+    rule = RULES[name]
+    matches = rule.find(g)
+    assert len(matches) >= 2
+    for one in matches:
+        g2 = rule.rewrite(g, matches=[one])
+        verify_graph(g2)
+        assert 0 < len(rule.find(g2)) < len(matches)   # the others still match
+        if rule.exact:
+            a, b = copy.deepcopy(model), copy.deepcopy(model)
+            la = execute(g, fitgraph.eager_plan(g), a, batch)
+            lb = execute(g2, fitgraph.eager_plan(g2), b, batch)
+            assert torch.equal(la, lb)
+            assert all(torch.equal(p.grad, q.grad)
+                       for p, q in zip(a.parameters(), b.parameters()))
+        else:
+            assert_split_like_eager(g, g2, model, batch, atol=1e-5)

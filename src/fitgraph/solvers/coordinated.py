@@ -9,14 +9,15 @@ its matches at once), planned by ``auto`` (which itself composes hotspot's remat
 masks as bits, offloading and operator fission) and judged by the simulator. The first
 candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time
 budget: ``search`` is never worse than that plan. Every later candidate is planned by auto
-within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates. The frontier is expanded best first (budget
-mode: the fastest plan within the budget; latency mode: the least peak within the limit;
+within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates.
+The frontier is expanded best first (budget mode: the fastest plan within the budget; latency mode: the least peak within the limit;
 an infeasible candidate ranks by the least peak it reached); each expansion first takes the
 graph the candidate's plan runs, where auto rewrote it (fission's splits, masks as bits,
 chunked updates), as a candidate of its own (``AGAIN``: auto plans it again, on its measured
 costs, and its fission may split the parts further), then applies every rule not yet applied
-on that path that matches, those whose matches save the most bytes first; a graph seen
-before (``graph_fingerprint``) is skipped. A
+on that path that matches, those whose matches save the most bytes first — where a rule with
+two or more matches does not pay on that candidate, on the half of them that save the most
+bytes (``HALF``: MAGIS mutates a match at a time); a graph seen before (``graph_fingerprint``) is skipped. A
 rewritten graph's plan replaces the best only where it is better by the simulator — in budget
 mode by ``TIME_MARGIN`` of the step time, since simulated times are estimates and peaks are
 not — and a rewritten graph is planned without auto's fallbacks for a missed budget (its
@@ -86,6 +87,11 @@ TIME_MARGIN = 0.02
 # chunked updates) as a candidate graph: auto plans once, its fission greedy stops where its
 # estimates say, and a second plan on the split graph, measured, may split deeper or drop less
 AGAIN = "auto_rewrite_again"
+# NOTE: a rule on the half of its matches that save the most bytes, where the whole rule does
+# not pay (MAGIS mutates one match at a time; all at once can cost more time than a latency
+# limit leaves: ResNet-50 within 1.05x, every BatchNorm through its residual sum); its name
+# on the path gets this suffix
+HALF = " (half)"
 
 
 @dataclass(order=True)
@@ -157,21 +163,26 @@ def solve_search(problem: Problem) -> Solution:
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        for name, make, change in _moves(parent, rules):
-            left = deadline - planning_now()
-            if left <= MIN_CANDIDATE_S:
-                break
-            child = _child(problem, parent, name, make(), change, seen, min(each_s, left),
-                           limit_s, budget_mode)
-            if child is None:
-                continue
-            tried.append(child)
-            heapq.heappush(frontier, child)
-            if _better(child, best, budget_mode):
-                best = child
-            if progress.enabled():
-                progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so far "
-                              f"{' + '.join(best.rules) or 'auto'}: {_said(best)}")
+        for move in _moves(parent, rules):
+            child = None
+            for m in (move, move.half):
+                # NOTE: a rule's half only where the whole rule did not pay on this parent
+                if m is None or (child is not None and _better(child, parent, budget_mode)):
+                    break
+                left = deadline - planning_now()
+                if left <= MIN_CANDIDATE_S:
+                    break
+                child = _child(problem, parent, m.name, m.make(), m.change, seen,
+                               min(each_s, left), limit_s, budget_mode)
+                if child is None:
+                    continue
+                tried.append(child)
+                heapq.heappush(frontier, child)
+                if _better(child, best, budget_mode):
+                    best = child
+                if progress.enabled():
+                    progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
+                                  f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")
     best = _schedule_exactly(problem, best, deadline, limit_s, budget_mode)
     if best.solution is None:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
@@ -194,33 +205,56 @@ def solve_search(problem: Problem) -> Solution:
 
 
 def _promising_first(parent: _Candidate, rules: list[Rule]) -> list[tuple[Rule, list]]:
-    """The rules not yet applied on ``parent``'s path that match its graph, with their
-    matches, those that save the most bytes first (then the most FLOPs; ties in registry
-    order): where the deadline leaves time for a few candidates only, they are the ones that
-    can move the peak (or the step)."""
-    found = [(r, r.find(parent.graph)) for r in rules if r.name not in parent.rules]
+    """The rules not yet applied on ``parent``'s path (whole or half) that match its graph,
+    with their matches, those that save the most bytes first (then the most FLOPs; ties in
+    registry order): where the deadline leaves time for a few candidates only, they are the
+    ones that can move the peak (or the step)."""
+    applied = {name.removesuffix(HALF) for name in parent.rules}
+    found = [(r, r.find(parent.graph)) for r in rules if r.name not in applied]
     found = [(r, ms) for r, ms in found if ms]
     return sorted(found, key=lambda f: (-sum(m.bytes_saved for m in f[1]),
                                         -sum(m.flops_saved for m in f[1])))
 
 
-def _moves(parent: _Candidate,
-           rules: list[Rule]) -> list[tuple[str, Callable[[], Graph], dict]]:
-    """The graphs one move from ``parent``, each with its move's name and what it changes:
-    first the graph its plan runs where auto rewrote it (``AGAIN``: fission's splits, masks as
-    bits, chunked updates, planned again by auto, whose fission may split the parts further),
-    then each matching rule not yet on its path applied (``_promising_first``'s order).
-    Graphs are made lazily by the caller: a rule's rewrite only when its turn comes."""
+def _half(matches: list) -> list:
+    """The half of ``matches`` (rounded up) that save the most bytes (then FLOPs)."""
+    ranked = sorted(matches, key=lambda m: (-m.bytes_saved, -m.flops_saved))
+    return ranked[:(len(ranked) + 1) // 2]
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One move from a candidate: its name on the path, the graph it makes (lazily: a rule's
+    rewrite only when its turn comes), what it changes; for a rule with two or more matches,
+    the same rule on the half of them that save the most bytes (``HALF``), tried where the
+    whole rule does not pay."""
+
+    name: str
+    make: Callable[[], Graph]
+    change: dict
+    half: _Move | None = None
+
+
+def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
+    """The moves from ``parent``: first the graph its plan runs where auto rewrote it
+    (``AGAIN``: fission's splits, masks as bits, chunked updates, planned again by auto,
+    whose fission may split the parts further), then each matching rule not yet on its path
+    applied (``_promising_first``'s order), each with its half."""
     moves = []
     sol = parent.solution
     if sol is not None and sol.graph is not None:
-        moves.append((AGAIN, lambda: sol.graph, {
+        moves.append(_Move(AGAIN, lambda: sol.graph, {
             "planned_by": sol.notes.get("winner", sol.solver),
             "splits": list(sol.notes.get("splits", []))}))
-    for rule, matches in _promising_first(parent, rules):
-        moves.append((rule.name, lambda rule=rule: rule.rewrite(parent.graph), {
+
+    def rewrite(rule: Rule, matches: list, suffix: str = "", half: _Move | None = None):
+        return _Move(rule.name + suffix, lambda: rule.rewrite(parent.graph, matches=matches), {
             "matches": len(matches), "bytes_saved": sum(m.bytes_saved for m in matches),
-            "flops_saved": sum(m.flops_saved for m in matches)}))
+            "flops_saved": sum(m.flops_saved for m in matches)}, half)
+
+    for rule, matches in _promising_first(parent, rules):
+        half = rewrite(rule, _half(matches), HALF) if len(matches) > 1 else None
+        moves.append(rewrite(rule, matches, half=half))
     return moves
 
 

@@ -181,10 +181,10 @@ def _disjoint(found: list[InversePair]) -> list[InversePair]:
     return out
 
 
-def remove_inverse_pairs(graph: Graph) -> Graph:
-    """A copy of ``graph`` without the pairs of ``find_inverse_pairs`` (module doc); ``graph``
-    itself where there is none."""
-    found = find_inverse_pairs(graph)
+def remove_inverse_pairs(graph: Graph, matches: list[InversePair] | None = None) -> Graph:
+    """A copy of ``graph`` without the pairs of ``find_inverse_pairs`` (or those of
+    ``matches``, some of them; module doc); ``graph`` itself where there is none."""
+    found = find_inverse_pairs(graph) if matches is None else matches
     if not found:
         return graph
     replaced = {old: new for m in found for old, new in m.replaced}

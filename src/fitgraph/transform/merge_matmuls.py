@@ -105,10 +105,11 @@ def find_shared_matmuls(graph: Graph) -> list[SharedMatmuls]:
     return found
 
 
-def merge_shared_matmuls(graph: Graph) -> Graph:
-    """A copy of ``graph`` with every group of ``find_shared_matmuls`` made by one batched
-    matmul (module doc); ``graph`` itself where there is none."""
-    groups = find_shared_matmuls(graph)
+def merge_shared_matmuls(graph: Graph, matches: list[SharedMatmuls] | None = None) -> Graph:
+    """A copy of ``graph`` with every group of ``find_shared_matmuls`` (or those of
+    ``matches``, some of them) made by one batched matmul (module doc); ``graph`` itself where
+    there is none."""
+    groups = find_shared_matmuls(graph) if matches is None else matches
     if not groups:
         return graph
     # NOTE: the merged matmuls go, and the weight views copied ahead, where the merged matmul

@@ -194,11 +194,14 @@ def _needed(graph: Graph, chain: set[int], wanted: set[int]) -> tuple[int, ...]:
     return tuple(sorted(need))
 
 
-def batch_norm_from_stats(graph: Graph, through_sums: bool = False) -> Graph:
+def batch_norm_from_stats(graph: Graph, through_sums: bool = False,
+                          matches: list[NormFromStats] | None = None) -> Graph:
     """A copy of ``graph`` in which the backward reads each matched BatchNorm's output (and the
     chain made from it) re-made from the saved statistics (module doc; ``through_sums`` as in
-    ``find_norms_from_stats``); ``graph`` itself where nothing matches."""
-    matches = find_norms_from_stats(graph, through_sums)
+    ``find_norms_from_stats``; ``matches``: some of them only); ``graph`` itself where nothing
+    matches."""
+    if matches is None:
+        matches = find_norms_from_stats(graph, through_sums)
     if not matches:
         return graph
     at: dict[int, list[NormFromStats]] = {}

@@ -3,8 +3,8 @@
 A ``Rule`` is a declarative object: ``find`` (the pattern: every place in a graph it matches,
 each match saying what it changes — ``bytes_saved``, the bytes of the tensors it no longer
 makes less the ones it adds, and ``flops_saved``), ``rewrite`` (every match rewritten at once,
-the validity checks inside ``find``: a match is only found where the rewrite keeps the graph's
-values), ``exact`` (results bitwise as before, else allclose) and ``changes`` (what it changes,
+or, given ``matches``, some of ``find``'s: each match stands alone; the validity checks inside
+``find``: a match is only found where the rewrite keeps the graph's values), ``exact`` (results bitwise as before, else allclose) and ``changes`` (what it changes,
 in words, for reports). Rules rewrite values, not autograd: the captured graph is one dataflow
 graph of the whole step, and a rule replaces nodes by others making the same values, so the
 backward, which reads what it read, stays the gradient of the same function. A rule's
@@ -37,12 +37,13 @@ __all__ = ["RULES", "Rule"]
 @dataclass(frozen=True)
 class Rule:
     """A rewrite rule (module doc). ``find(graph)``: its matches, each with ``bytes_saved``
-    and ``flops_saved``; ``rewrite(graph)``: the graph with every match rewritten (``graph``
-    itself where none)."""
+    and ``flops_saved``; ``rewrite(graph, matches=None)``: the graph with every match (or
+    every one of ``matches``, some of ``find(graph)``) rewritten (``graph`` itself where
+    none)."""
 
     name: str
     find: Callable[[Graph], list]
-    rewrite: Callable[[Graph], Graph]
+    rewrite: Callable[..., Graph]
     exact: bool
     changes: str
 

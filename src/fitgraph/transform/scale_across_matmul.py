@@ -116,10 +116,12 @@ def _scales(node: Node, reads: int) -> bool:
             and not isinstance(c, bool))
 
 
-def scale_across_matmul(graph: Graph) -> Graph:
-    """A copy of ``graph`` with every scaled product of ``find_scaled_products`` made from its
-    scaled operand (module doc); ``graph`` itself where there is none."""
-    matches = {m.product: m for m in find_scaled_products(graph)}
+def scale_across_matmul(graph: Graph, matches: list[ScaledProduct] | None = None) -> Graph:
+    """A copy of ``graph`` with every scaled product of ``find_scaled_products`` (or those of
+    ``matches``, some of them) made from its scaled operand (module doc); ``graph`` itself
+    where there is none."""
+    matches = {m.product: m for m in (find_scaled_products(graph) if matches is None
+                                      else matches)}
     if not matches:
         return graph
     at = {k: partial(_write, graph=graph, m=m) for k, m in matches.items()}

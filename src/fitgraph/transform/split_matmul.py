@@ -119,10 +119,12 @@ def _part_readers(graph: Graph, split, readers) -> set[int]:
     return out
 
 
-def split_packed_matmuls(graph: Graph) -> Graph:
-    """A copy of ``graph`` with every packed matmul of ``find_packed_matmuls`` made part by part
-    (module doc); ``graph`` itself where there is none."""
-    matches = {m.matmul: m for m in find_packed_matmuls(graph)}
+def split_packed_matmuls(graph: Graph, matches: list[PackedMatmul] | None = None) -> Graph:
+    """A copy of ``graph`` with every packed matmul of ``find_packed_matmuls`` (or those of
+    ``matches``, some of them) made part by part (module doc); ``graph`` itself where there is
+    none."""
+    matches = {m.matmul: m for m in (find_packed_matmuls(graph) if matches is None
+                                     else matches)}
     if not matches:
         return graph
     skipped = {m.split for m in matches.values()} | {v for m in matches.values() for v in m.views}
