@@ -5,28 +5,28 @@ transformation and scheduling").
 MAGIS mutates the graph with rules, schedules each candidate for memory, simulates it and keeps
 the best, in a relaxed best-first search under a time budget. Here a candidate is a graph made
 from the captured one by composing rewrite rules (``transform.rules.RULES``: each rewrites all
-its matches at once), planned by ``auto`` (which itself composes hotspot's remat and reordering,
-masks as bits, offloading and operator fission) and judged by the simulator. The first
-candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time
-budget: ``search`` is never worse than that plan. Every later candidate is planned by auto
-within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates.
-The frontier is expanded best first (budget mode: the fastest plan within the budget; latency mode: the least peak within the limit;
-an infeasible candidate ranks by the least peak it reached); each expansion first takes the
-graph the candidate's plan runs, where auto rewrote it (fission's splits, masks as bits,
-chunked updates), as a candidate of its own (``AGAIN``: auto plans it again, on its measured
-costs, and its fission may split the parts further), then applies every rule not yet applied
-on that path that matches, those whose matches save the most bytes first — where a rule with
-two or more matches does not pay on that candidate, on the half of them that save the most
-bytes (``HALF``: MAGIS mutates a match at a time); a graph seen before (``graph_fingerprint``) is skipped. A
-rewritten graph's plan replaces the best only where it is better by the simulator — in budget
-mode by ``TIME_MARGIN`` of the step time, since simulated times are estimates and peaks are
-not — and a rewritten graph is planned without auto's fallbacks for a missed budget (its
-minutes-long ``split_backward``), so the search keeps to its deadline. Last, the best plan's
-drop set is re-planned over the exact scheduler's order (``hotspot(exact=True)``,
-``plan.exact_order``), where that plan is hotspot's (or fission's remat on its split graph).
-``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
-peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
-what made its plan.
+its matches at once), planned by ``auto`` (which itself composes hotspot's remat and
+reordering, masks as bits, offloading and operator fission) and judged by the simulator. The
+first candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the
+time budget: ``search`` is never worse than that plan. Every later candidate is planned by auto
+within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates. The
+frontier is expanded best first (budget mode: the fastest plan within the budget; latency mode:
+the least peak within the limit; an infeasible candidate ranks by the least peak it reached);
+each expansion first takes the graph the candidate's plan runs, where auto rewrote it
+(fission's splits, masks as bits, chunked updates), as a candidate of its own (``AGAIN``: auto
+plans it again, on its measured costs, and its fission may split the parts further), then
+applies every rule not yet applied on that path that matches, those whose matches save the most
+bytes first — where a rule with two or more matches does not pay on that candidate, on the half
+of them that save the most bytes (``HALF``: MAGIS mutates a match at a time); a graph seen
+before (``graph_fingerprint``) is skipped. A rewritten graph's plan replaces the best only
+where it is better by the simulator — in budget mode by ``TIME_MARGIN`` of the step time, since
+simulated times are estimates and peaks are not — and a rewritten graph is planned without
+auto's fallbacks for a missed budget (its minutes-long ``split_backward``), so the search keeps
+to its deadline. Last, the best plan's drop set is re-planned over the exact scheduler's order
+(``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's (or fission's
+remat on its split graph). ``notes["candidates"]`` lists every candidate (its rules, what each
+rule's matches change, its peak and latency or why it failed), ``notes["rules"]`` the winner's
+rules, ``notes["winner"]`` what made its plan.
 
 Deterministic as its parts: only the deadline (``time_budget_s``, on the planning clock:
 ``cost.clock``) cuts it short.

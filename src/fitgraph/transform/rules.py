@@ -4,8 +4,9 @@ A ``Rule`` is a declarative object: ``find`` (the pattern: every place in a grap
 each match saying what it changes — ``bytes_saved``, the bytes of the tensors it no longer
 makes less the ones it adds, and ``flops_saved``), ``rewrite`` (every match rewritten at once,
 or, given ``matches``, some of ``find``'s: each match stands alone; the validity checks inside
-``find``: a match is only found where the rewrite keeps the graph's values), ``exact`` (results bitwise as before, else allclose) and ``changes`` (what it changes,
-in words, for reports). Rules rewrite values, not autograd: the captured graph is one dataflow
+``find``: a match is only found where the rewrite keeps the graph's values), ``exact``
+(results bitwise as before, else allclose) and ``changes`` (what it changes, in words, for
+reports). Rules rewrite values, not autograd: the captured graph is one dataflow
 graph of the whole step, and a rule replaces nodes by others making the same values, so the
 backward, which reads what it read, stays the gradient of the same function. A rule's
 ``transform`` is its rewrite in the one shape of every graph rewrite (``rewrite.Transform``:
