@@ -265,11 +265,41 @@ def test_a_cat_in_another_order_is_not_undone():
     assert not [m for m in matches if m.kind == "cat of a split"]
 
 
+class Fused(torch.nn.Module):
+    """Operands concatenated along the channels, then a convolution (a U-Net's skip
+    connection, a feature pyramid's fusion)."""
+
+    def __init__(self, widths, k, bias):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(torch.nn.Conv2d(3, w, 3, padding=1) for w in widths)
+        self.fuse = torch.nn.Conv2d(sum(widths), 4, k, padding=k // 2, bias=bias)
+
+    def forward(self, x):
+        return self.fuse(torch.cat([p(x).relu() for p in self.parts], 1)).square().mean()
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 3), st.integers(3, 9), st.lists(st.integers(1, 5), min_size=2, max_size=3),
+       st.sampled_from([1, 3]), st.booleans())
+def test_per_operand_convolution_keeps_the_values_on_random_shapes(b, size, widths, k, bias):
+    torch.manual_seed(0)
+    model = Fused(widths, k, bias)
+    batch = torch.randn(b, 3, size, size)
+    g, g2, matches = _rewritten("per_operand_convolution", model, batch)
+    assert len(matches) == 1 and len(matches[0].convolutions) == 2   # forward and backward
+    assert matches[0].bytes_saved == b * sum(widths) * size * size * 4
+    # NOTE: the one concatenation left is the weight gradient's columns, put back together
+    assert [g2.values[n.outputs[0]].shape for n in g2.nodes if n.target == "aten.cat.default"
+            ] == [(4, sum(widths), k, k)]
+    assert_split_like_eager(g, g2, model, batch, atol=1e-5)
+
+
 _MATCHING = {   # NOTE: a module on which each rule matches, and its batch
     "scale_across_matmul": (lambda: Scaled(8, 4, 2, 0.125, divide=False), (2, 32, 8)),
     "split_packed_matmuls": (lambda: Packed(5, [4, 6, 2], True, heads=2), (2, 8, 5)),
     "merge_shared_matmuls": (lambda: Shared(6, 5, 3, True), (2, 7, 6)),
     "inverse_pairs": (lambda: Undone([2, 3], [2, 0, 1]), (4, 3)),
+    "per_operand_convolution": (lambda: Fused([3, 5], 3, True), (2, 3, 8, 8)),
 }
 
 

@@ -59,7 +59,7 @@ from .elementwise_expands import strides_kept
 from .fission_meta import Meta, dense_like, narrow
 from .fission_writer import GraphWriter, OutSpec
 
-__all__ = ["convolutions_per_operand"]
+__all__ = ["CatConvolutions", "convolutions_per_operand", "find_convolutions_per_operand"]
 
 CAT = "aten.cat.default"
 CONVOLUTION = "aten.convolution.default"
@@ -88,10 +88,59 @@ class _Backward:
     grad_metas: tuple[Meta | None, ...]
 
 
-def convolutions_per_operand(graph: Graph) -> Graph:
+@dataclass(frozen=True)
+class CatConvolutions:
+    """A concatenation along the channels that only convolutions read (forward and backward),
+    each of which can run per operand: rewritten, the concatenation is not made.
+    ``bytes_saved``: its bytes (the forward keeps it for the weight gradient)."""
+
+    cat: int
+    convolutions: tuple[int, ...]
+    bytes_saved: int
+    flops_saved: float = 0.0
+
+
+def find_convolutions_per_operand(graph: Graph) -> list[CatConvolutions]:
+    """Every concatenation that ``convolutions_per_operand`` no longer makes, with the
+    convolutions that read it (the rule's matches: ``transform.rules``)."""
+    readers, found = _per_operand(graph)
+    return [CatConvolutions(n.id, tuple(readers[n.outputs[0]]),
+                            graph.storages[graph.values[n.outputs[0]].storage].nbytes)
+            for n in _unmade_cats(graph, readers, found)]
+
+
+def convolutions_per_operand(graph: Graph,
+                             matches: list[CatConvolutions] | None = None) -> Graph:
     """A copy of ``graph`` where each convolution (forward or backward) that reads a
-    concatenation runs once per operand, and a concatenation no longer read is not made (see
-    the module doc); ``graph`` itself where none qualifies."""
+    concatenation runs once per operand (or those reading the concatenations of ``matches``,
+    some of ``find_convolutions_per_operand``'s), and a concatenation no longer read is not
+    made (see the module doc); ``graph`` itself where none qualifies."""
+    readers, found = _per_operand(graph)
+    if matches is not None:
+        chosen = {c for m in matches for c in m.convolutions}
+        found = {k: p for k, p in found.items() if k in chosen}
+    if not found:
+        return graph
+    skipped = {s for p in found.values() if isinstance(p, _Backward)
+               for group in p.slices for s in group}
+    skipped |= {n.id for n in _unmade_cats(graph, readers, found)}
+    w = GraphWriter(graph)
+    for n in graph.nodes:
+        p = found.get(n.id)
+        if isinstance(p, _Backward):
+            _write_backward(w, graph, n, p)
+        elif p is not None:
+            _write_forward(w, graph, n, p)
+        elif n.id not in skipped:
+            w.copy_node(n)
+    out = w.finish(dict(graph.meta))
+    verify_graph(out)
+    return out
+
+
+def _per_operand(graph: Graph) -> tuple[dict[int, list[int]], dict[int, _Operands | _Backward]]:
+    """The graph's readers, and each convolution (forward or backward) that can run per
+    operand, with how."""
     readers = users(graph)
     written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
     outputs = set(graph.outputs.values())
@@ -105,10 +154,15 @@ def convolutions_per_operand(graph: Graph) -> Graph:
             continue
         if p is not None:
             found[n.id] = p
-    if not found:
-        return graph
-    skipped = {s for p in found.values() if isinstance(p, _Backward)
-               for group in p.slices for s in group}
+    return readers, found
+
+
+def _unmade_cats(graph: Graph, readers: dict[int, list[int]],
+                 found: dict[int, _Operands | _Backward]) -> list[Node]:
+    """The concatenations that every reader of which, in ``found``, reads per operand."""
+    written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
+    outputs = set(graph.outputs.values())
+    cats = []
     for n in graph.nodes:
         out = n.outputs[0] if n.target == CAT else None
         if (out is not None and out not in outputs and graph.values[out].storage not in written
@@ -116,19 +170,8 @@ def convolutions_per_operand(graph: Graph) -> Graph:
                                                        graph.nodes[r].kwargs)).count(out) == 1
                         for r in readers[out])):
             # NOTE: read per operand by every reader, and by none as another of its operands
-            skipped.add(n.id)
-    w = GraphWriter(graph)
-    for n in graph.nodes:
-        p = found.get(n.id)
-        if isinstance(p, _Backward):
-            _write_backward(w, graph, n, p)
-        elif p is not None:
-            _write_forward(w, graph, n, p)
-        elif n.id not in skipped:
-            w.copy_node(n)
-    out = w.finish(dict(graph.meta))
-    verify_graph(out)
-    return out
+            cats.append(n)
+    return cats
 
 
 def _ref(arg) -> int | None:

@@ -23,7 +23,6 @@ from .fission_loss import count_targets_apart
 from .fission_shift import unshift_losses
 from .group_norm_stats import group_norms_from_stats
 from .optimizer_in_backward import optimizer_in_backward, why_not
-from .per_operand_convolution import convolutions_per_operand
 from .products_into_sums import products_into_sums
 from .rewrite import Transform
 from .rules import RULES
@@ -45,12 +44,12 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("optimizer_in_backward", optimizer_in_backward, exact=True, why_not=why_not),
     Transform("unshift_losses", unshift_losses, exact=False),
     Transform("group_norm_stats", group_norms_from_stats, exact=False),
-    Transform("per_operand_convolution", convolutions_per_operand, exact=False),
     Transform("scatter_sums", stack_scatter_sums, exact=False),
     Transform("products_into_sums", products_into_sums, exact=False),
     Transform("sums_in_place", sums_in_place, exact=False),
     Transform("separate_input_grads", separate_input_grads, exact=False),
-    # NOTE: the rewrite rules the coordinated search composes (solvers.coordinated)
+    # NOTE: the rewrite rules the coordinated search composes (solvers.coordinated); fission
+    # reads per_operand_convolution, one of them, too
     *(rule.transform for rule in RULES.values()),
 )}
 

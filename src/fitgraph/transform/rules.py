@@ -28,6 +28,7 @@ from ..graph.ir import Graph
 from .inverse_pairs import find_inverse_pairs, remove_inverse_pairs
 from .merge_matmuls import find_shared_matmuls, merge_shared_matmuls
 from .norm_from_stats import batch_norm_from_stats, find_norms_from_stats
+from .per_operand_convolution import convolutions_per_operand, find_convolutions_per_operand
 from .rewrite import Transform
 from .scale_across_matmul import find_scaled_products, scale_across_matmul
 from .split_matmul import find_packed_matmuls, split_packed_matmuls
@@ -78,4 +79,10 @@ RULES: dict[str, Rule] = {r.name: r for r in (
          changes="as norm_from_stats, and where a residual sum lies between the BatchNorm and "
                  "the activation (its other tensor kept for the backward anyway): one pass "
                  "more re-made"),
+    Rule("per_operand_convolution", find_convolutions_per_operand, convolutions_per_operand,
+         exact=False,
+         changes="a convolution of a concatenation along its channels (a U-Net's skip "
+                 "connection, a feature pyramid's fusion) made per operand on the weight's "
+                 "columns, forward and backward: the concatenation is not made (nor kept for "
+                 "the weight gradient), each operand's gradient made apart"),
 )}
