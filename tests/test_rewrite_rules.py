@@ -294,6 +294,25 @@ def test_per_operand_convolution_keeps_the_values_on_random_shapes(b, size, widt
     assert_split_like_eager(g, g2, model, batch, atol=1e-5)
 
 
+def test_per_operand_convolution_matches_in_a_step_with_its_optimizer():
+    """The weight gradient, put back together dense as the kernel made it, is read by the
+    captured optimizer's update as before (a reader that cannot run on meta tensors, asked
+    about the layout it already reads)."""
+    torch.manual_seed(0)
+    model, batch = Fused([3, 5], 3, True), torch.randn(2, 3, 8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = fitgraph.capture(model, batch, None, opt)
+    matches = RULES["per_operand_convolution"].find(g)
+    assert len(matches) == 1
+    g2 = RULES["per_operand_convolution"].rewrite(g)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    for m, graph in ((a, g), (b, g2)):
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        execute(graph, fitgraph.eager_plan(graph), m, batch, optimizer=o)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
 _MATCHING = {   # NOTE: a module on which each rule matches, and its batch
     "scale_across_matmul": (lambda: Scaled(8, 4, 2, 0.125, divide=False), (2, 32, 8)),
     "split_packed_matmuls": (lambda: Packed(5, [4, 6, 2], True, heads=2), (2, 8, 5)),

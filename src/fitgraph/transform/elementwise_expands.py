@@ -173,7 +173,10 @@ def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
 def strides_kept(graph: Graph, n: Node, vid: int, stride: tuple[int, ...]) -> bool:
     """Whether node ``n``, run on meta tensors with value ``vid`` strided as ``stride``, makes
     tensors strided as the graph records them (the runtime's answer: ``graph.kernel_facts``;
-    False without one)."""
+    False without one). True where ``stride`` is the one recorded: the node reads what it
+    read (an op that cannot run on meta tensors, a captured optimizer's update, included)."""
+    if tuple(stride) == tuple(graph.values[vid].stride):
+        return True
     return kernel_facts().strides_kept(graph, n, vid, stride)
 
 
