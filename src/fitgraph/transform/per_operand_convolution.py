@@ -103,10 +103,10 @@ class CatConvolutions:
 def find_convolutions_per_operand(graph: Graph) -> list[CatConvolutions]:
     """Every concatenation that ``convolutions_per_operand`` no longer makes, with the
     convolutions that read it (the rule's matches: ``transform.rules``)."""
-    readers, found = _per_operand(graph)
-    return [CatConvolutions(n.id, tuple(readers[n.outputs[0]]),
+    scan = _scan(graph)
+    return [CatConvolutions(n.id, tuple(scan.readers[n.outputs[0]]),
                             graph.storages[graph.values[n.outputs[0]].storage].nbytes)
-            for n in _unmade_cats(graph, readers, found)]
+            for n in _unmade_cats(graph, scan, _per_operand(graph, scan))]
 
 
 def convolutions_per_operand(graph: Graph,
@@ -115,7 +115,8 @@ def convolutions_per_operand(graph: Graph,
     concatenation runs once per operand (or those reading the concatenations of ``matches``,
     some of ``find_convolutions_per_operand``'s), and a concatenation no longer read is not
     made (see the module doc); ``graph`` itself where none qualifies."""
-    readers, found = _per_operand(graph)
+    scan = _scan(graph)
+    found = _per_operand(graph, scan)
     if matches is not None:
         chosen = {c for m in matches for c in m.convolutions}
         found = {k: p for k, p in found.items() if k in chosen}
@@ -123,7 +124,7 @@ def convolutions_per_operand(graph: Graph,
         return graph
     skipped = {s for p in found.values() if isinstance(p, _Backward)
                for group in p.slices for s in group}
-    skipped |= {n.id for n in _unmade_cats(graph, readers, found)}
+    skipped |= {n.id for n in _unmade_cats(graph, scan, found)}
     w = GraphWriter(graph)
     for n in graph.nodes:
         p = found.get(n.id)
@@ -138,37 +139,47 @@ def convolutions_per_operand(graph: Graph,
     return out
 
 
-def _per_operand(graph: Graph) -> tuple[dict[int, list[int]], dict[int, _Operands | _Backward]]:
-    """The graph's readers, and each convolution (forward or backward) that can run per
-    operand, with how."""
-    readers = users(graph)
-    written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
-    outputs = set(graph.outputs.values())
+@dataclass(frozen=True)
+class _Scan:
+    """What the checks read of a graph: each value's readers, the storages some node writes in
+    place, the step's outputs."""
+
+    readers: dict[int, list[int]]
+    written: set[int]
+    outputs: set[int]
+
+
+def _scan(graph: Graph) -> _Scan:
+    return _Scan(users(graph), {graph.values[v].storage for n in graph.nodes for v in n.mutates},
+                 set(graph.outputs.values()))
+
+
+def _per_operand(graph: Graph, scan: _Scan) -> dict[int, _Operands | _Backward]:
+    """Each convolution (forward or backward) that can run per operand, with how."""
     found: dict[int, _Operands | _Backward] = {}
     for n in graph.nodes:
         if n.target == CONVOLUTION:
-            p = _forward(graph, n, written, outputs)
+            p = _forward(graph, n, scan.written, scan.outputs)
         elif n.target == CONV_BACKWARD:
-            p = _backward(graph, n, readers, written, outputs)
+            p = _backward(graph, n, scan.readers, scan.written, scan.outputs)
         else:
             continue
         if p is not None:
             found[n.id] = p
-    return readers, found
+    return found
 
 
-def _unmade_cats(graph: Graph, readers: dict[int, list[int]],
+def _unmade_cats(graph: Graph, scan: _Scan,
                  found: dict[int, _Operands | _Backward]) -> list[Node]:
     """The concatenations that every reader of which, in ``found``, reads per operand."""
-    written = {graph.values[v].storage for n in graph.nodes for v in n.mutates}
-    outputs = set(graph.outputs.values())
     cats = []
     for n in graph.nodes:
         out = n.outputs[0] if n.target == CAT else None
-        if (out is not None and out not in outputs and graph.values[out].storage not in written
+        if (out is not None and out not in scan.outputs
+                and graph.values[out].storage not in scan.written
                 and all(r in found and flatten_refs((graph.nodes[r].args,
                                                        graph.nodes[r].kwargs)).count(out) == 1
-                        for r in readers[out])):
+                        for r in scan.readers[out])):
             # NOTE: read per operand by every reader, and by none as another of its operands
             cats.append(n)
     return cats
