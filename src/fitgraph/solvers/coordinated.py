@@ -72,9 +72,9 @@ __all__ = ["solve_search"]
 # budget; every later candidate at most as much, and at most CANDIDATE_S
 AUTO_SHARE = 1 / 3
 # NOTE: fission's search runs to its deadline, so a candidate given a share of the budget takes
-# all of it: a larger budget would plan the same few candidates longer, not try more (GPT-2
-# small within 1.05x, 10 s each: 4 candidates in 30 s, 10 in 90 s, the peak 142.5 MiB then
-# 135.5). auto's plans on the zoo's small graphs come within 10 s.
+# all of it: a larger budget would plan the same few candidates longer, not try more (the
+# zoo's small models, 10 s each: a median of 4 candidates per case in 30 s, 8 in 90 s; auto's
+# plans on their graphs come within 10 s)
 CANDIDATE_S = 10.0
 # NOTE: a candidate planned in less than this only gets hotspot's first moves
 MIN_CANDIDATE_S = 1.0
