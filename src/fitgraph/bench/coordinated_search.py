@@ -22,6 +22,9 @@ the eager steps around it), the rules of the search's plan and what they changed
 (``notes["candidates"]``), and its winner; where the search returns auto's very plan (same
 graph, same instructions) the gain is 0 by definition, whatever the rounds measured. With
 ``--rules``: each rule alone on each captured step, its eager plan simulated (``rule_rows``).
+Plans follow the cost cache's numbers: where its entries were measured in different states of
+the machine (a split graph's parts under load, the captured ops quiet), a plan simulates far
+from what it measures; ``FITGRAPH_CACHE_DIR=<an empty folder>`` measures every op in the run.
 
 Example:
     >>> row = {"kind": "budget", "auto_step": 1.10, "search_step": 1.05, "auto_peak": 0.6,
