@@ -194,7 +194,10 @@ def test_remat_plans_on_the_rewrite_run_bitwise_and_the_search_tries_it():
         assert torch.equal(ga[k], p.grad), k
     s = solve(Problem(g, cm, latency_limit=1.5, time_budget_s=20, exact=True), "search")
     tried = {tuple(c["rules"]) for c in s.notes["candidates"]}
-    assert {("norm_from_stats",), ("norm_from_stats_through_sums",)} <= tried
+    # NOTE: the through-sums rule on its better half (the first block's norm) makes the plain
+    # rule's graph: planned once, under whichever name reached it first
+    assert ("norm_from_stats_through_sums",) in tried
+    assert {("norm_from_stats",), ("norm_from_stats_through_sums (half)",)} & tried
 
 
 @pytest.mark.parametrize("name", ["resnet", "mobilenet_v2"])
