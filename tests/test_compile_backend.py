@@ -224,6 +224,7 @@ def test_dynamic_shapes_are_refused_with_what_to_do():
         _step(compiled, [], _batch(64), mlp_loss, 0)
 
 
+@pytest.mark.slow  # NOTE: ~30 s of inductor compiling; the planned partition runs eager-equal above
 def test_inductor_inner_compiles_the_planned_partition():
     """inner="inductor": inductor's pipeline runs with fitgraph's plan as its partitioner; the
     backward recomputes what the plan drops and the gradients match eager (fused kernels round

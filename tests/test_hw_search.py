@@ -64,7 +64,9 @@ def test_the_space_keeps_what_fits_the_budget():
     assert len({c.name for c in chips}) == len(chips)
 
 
-@pytest.mark.parametrize("objective", ["throughput", "perf-per-area"])
+# NOTE: ~12 s each: the second objective runs in `make test-slow`
+@pytest.mark.parametrize("objective", ["throughput",
+                                       pytest.param("perf-per-area", marks=pytest.mark.slow)])
 def test_the_co_search_finds_what_planning_every_configuration_finds(objective):
     r = co_search(SHAPE, DEVICES, BATCH, space=SMALL, objective=objective)
     assert r.configs_evaluated + r.pruned + r.unresolved == r.configs_in_budget
