@@ -1,10 +1,12 @@
 """Where does the simulated step miss the measured one? Each instruction timed in place.
 
-    python -m fitgraph.bench.instruction_times [--model gpt2] [--sweep] [--latency-limit 1.10]
+    python -m fitgraph.bench.instruction_times [--model gpt2] [--sweep]
+                                    [--latency-limit 1.10 | --budget 0.4]
                                     [--solver hotspot] [--repeats 5] [--top 12]
 
-Plans the zoo model's small configuration (``--sweep``: the sweep's model of that name) (AdamW, this machine's measured op costs, one torch
-thread) for the latency limit, then runs eager's plan and the planned one through the executor
+Plans the zoo model's small configuration (``--sweep``: the sweep's model of that name)
+(AdamW, this machine's measured op costs, one torch thread) for the latency limit (or the
+budget: a fraction of eager's peak), then runs eager's plan and the planned one through the executor
 instruction by instruction, interleaved, timing each (median over ``--repeats`` steps), and sets
 every instruction's time beside what the cost model charged for it. Prints, per plan, the
 measured and simulated totals and the (kind, op) groups that miss by the most. Inputs are the
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="the sweep's model of that name (bench/sweep_models.py)")
     ap.add_argument("--latency-limit", type=float, default=1.10)
+    ap.add_argument("--budget", type=float, default=None,
+                    help="a fraction of eager's peak: plan for least time within it instead")
     ap.add_argument("--solver", default="hotspot")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--top", type=int, default=12)
@@ -113,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     compute_loss(model, case.batch, case.loss_fn).backward()  # NOTE: AdamW state exists
     opt.step()
     opt.zero_grad(set_to_none=True)
-    step = optimize(model, case.batch, case.loss_fn, opt, latency_limit=args.latency_limit,
-                    solver=args.solver)
+    limit = None if args.budget is not None else args.latency_limit
+    step = optimize(model, case.batch, case.loss_fn, opt, budget=args.budget,
+                    latency_limit=limit, solver=args.solver)
     g, cm = step.graph, step._cost()
+    constraint = f"budget {args.budget:g}" if limit is None else f"{limit:g}"
     plans = {"eager": solve(Problem(g, cm, latency_limit=1.0), "eager").plan,
-             f"{args.solver} {args.latency_limit:g}": step.plan}
+             f"{args.solver} {constraint}": step.plan}
     times = timed_plans(g, plans, model, opt, case.batch, args.repeats)
     print(f"{case.name}, measured op costs ({cm.name}); medians of {args.repeats} steps\n")
     for label, plan in plans.items():
