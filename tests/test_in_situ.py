@@ -24,7 +24,7 @@ def _graph():
         m(b[0]), b[1]), torch.optim.Adam(model.parameters()))
 
 
-def _fake_times(graph, device, repeats, warmup, densities=None):
+def _fake_times(graph, device, repeats, warmup, densities=None, basis=None):
     return [1e-3 * (n.id + 1) for n in graph.nodes]
 
 
@@ -105,7 +105,7 @@ def test_a_node_failing_in_its_step_is_named(monkeypatch):
 
 
 def _scaled_times(factor):
-    def times(graph, device, repeats, warmup, densities=None):
+    def times(graph, device, repeats, warmup, densities=None, basis=None):
         return [factor * t for t in _fake_times(graph, device, repeats, warmup)]
     return times
 
@@ -162,3 +162,65 @@ def test_ops_are_timed_with_subnormal_floats_flushed_and_the_mode_is_put_back(mo
     in_situ.time_in_situ(g, torch.device("cpu"), repeats=2, warmup=1)
     assert seen == [True] * 3
     assert not synthetic._flushing()
+
+
+def _batch_of(n):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    batch = (torch.randn(n, 32), torch.randint(0, 10, (n,)))
+    return fitgraph.capture(model, batch, lambda m, b: torch.nn.functional.cross_entropy(
+        m(b[0]), b[1]), torch.optim.Adam(model.parameters()))
+
+
+def test_a_new_graphs_nodes_are_timed_against_those_already_held(tmp_path, monkeypatch):
+    """The nodes of a second graph whose keys the model holds (the optimizer's updates: the
+    same parameters) are the yardstick its new nodes are timed against."""
+    first, second = _batch_of(16), _batch_of(8)
+    cm = ProfiledCostModel(cache=tmp_path, repeats=1, warmup=0, progress=False)
+    monkeypatch.setattr(in_situ, "time_in_situ", _fake_times)
+    cm.profile(first)
+    seen = []
+
+    def times(graph, device, repeats, warmup, densities=None, basis=None):
+        seen.append(basis)
+        return _fake_times(graph, device, repeats, warmup)
+
+    monkeypatch.setattr(in_situ, "time_in_situ", times)
+    cm.profile(second)
+    held = {cm.key(first, n) for n in first.nodes}
+    want = {n.id for n in second.nodes if cm.key(second, n) in held}
+    assert want and len(want) < len(second.nodes)
+    assert set(seen[0]) == want
+    assert all(seen[0][nid] == cm.node_cost(first, next(
+        n for n in first.nodes if cm.key(first, n) == cm.key(second, second.nodes[nid]))).seconds
+        for nid in want)
+
+
+class _Clock:
+    """``time`` as ``in_situ`` reads it, on a machine ``factor`` times slower."""
+
+    def __init__(self, factor):
+        import time
+        self.factor, self._time = factor, time
+
+    def perf_counter(self):
+        return self.factor * self._time.perf_counter()
+
+
+def test_a_run_timed_while_the_machine_is_slower_is_put_on_the_basis_footing(monkeypatch):
+    g = _graph()
+    cpu = torch.device("cpu")
+    # NOTE: the clock magnified (a thousandfold) so that the tiny step's yardstick is long
+    monkeypatch.setattr(in_situ, "time", _Clock(1000.0))
+    before = time_in_situ(g, cpu, repeats=5, warmup=2)
+    updates = {n.id for n in g.nodes if n.target.startswith("fitgraph.optimizer")}
+    basis = {nid: before[nid] for nid in updates}
+    assert sum(basis.values()) > 0.02
+    monkeypatch.setattr(in_situ, "time", _Clock(3000.0))   # NOTE: three times slower now
+    slower = time_in_situ(g, cpu, repeats=5, warmup=2)
+    footed = time_in_situ(g, cpu, repeats=5, warmup=2, basis=basis)
+    rest = [n.id for n in g.nodes if n.id not in updates]
+    total = {k: sum(ts[nid] for nid in rest)
+             for k, ts in (("before", before), ("slower", slower), ("footed", footed))}
+    assert total["slower"] / total["before"] > 2.0
+    assert 0.5 < total["footed"] / total["before"] < 1.6

@@ -39,7 +39,7 @@ from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from .cache import CacheEntry
 
-__all__ = ["cached_over_now", "check_cache", "profile_in_situ", "time_in_situ"]
+__all__ = ["cached_over_now", "check_cache", "on_basis", "profile_in_situ", "time_in_situ"]
 
 log = logging.getLogger("fitgraph.cost.profiler")
 
@@ -53,16 +53,19 @@ STALE_CACHE = 1.5
 
 
 def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
-                 densities: dict[int, float] | None = None) -> list[float]:
+                 densities: dict[int, float] | None = None,
+                 basis: dict[int, float] | None = None) -> list[float]:
     """Seconds of each node of ``graph`` (by node id) run in its eager plan, median over
     ``repeats`` runs after ``warmup``; RuntimeError naming the node where one fails on
-    synthetic inputs. ``densities``: storage -> density of the random bits it holds."""
+    synthetic inputs. ``densities``: storage -> density of the random bits it holds.
+    ``basis``: node id -> seconds already held for it (timed earlier): each run is put on
+    their footing (``on_basis``) before the median."""
     from ..execute.executor import Executor
 
     plan = eager_plan(graph)
     ex = Executor(graph, plan, model=None)
     runner = SyntheticRunner(graph, device, densities)
-    per: list[list[float]] = [[] for _ in graph.nodes]
+    runs: list[list[float]] = []
     steps = list(zip(ex.steps, plan))
     clock = time.perf_counter
     # NOTE: synthetic inputs carried through a whole step make subnormal floats (see
@@ -71,6 +74,7 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
         for run in range(warmup + repeats):
             ex.env = runner.values(graph.inputs)
             timed = run >= warmup
+            per = [0.0] * len(graph.nodes)
             for step, ins in steps:
                 t0 = clock()
                 try:
@@ -83,12 +87,48 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
                         f"timing node {n.name} ({n.target}) in its step failed on synthetic "
                         f"inputs: {type(e).__name__}: {e}; profile with in_situ=False to cost "
                         "ops timed alone") from e
-                dt = clock() - t0
-                if timed and ins.op == "compute":
-                    per[ins.node].append(dt)
+                if ins.op == "compute":
+                    per[ins.node] = clock() - t0
+            if timed:
+                runs.append(per)
             ex.env = []
     overhead = _timer_seconds()
-    return [max(statistics.median(p) - overhead, 0.0) if p else 0.0 for p in per]
+    runs = [[max(t - overhead, 0.0) for t in run] for run in runs]
+    if basis:
+        runs = on_basis(runs, basis)
+    return [statistics.median(ts) for ts in zip(*runs)]
+
+
+def on_basis(runs: list[list[float]], basis: dict[int, float]) -> list[list[float]]:
+    """Each run's times (``runs[r][node id]``) scaled so that the nodes of ``basis`` (node id
+    -> seconds timed earlier) sum to what they summed then; runs unchanged where those nodes
+    took under 20 ms (too short a yardstick).
+
+    NOTE: this machine's speed drifts by up to a third within minutes (a shared VM: Llama's
+    step timed in situ three times in a row summed 1.12, 1.10 and 0.86 s), and a cost model
+    gathers its times graph by graph as the planner makes them. A split graph timed in a slow
+    minute then costs more than the captured graph it came from, timed in a quick one, and
+    the planner picks between them on the machine's mood: Llama at 0.4 of its peak simulated
+    its 4-part plan 1.09 s, measured 0.86 s (the unsplit plans: 0.75 s simulated, 0.87 s
+    measured). The nodes a new graph shares with those already timed (the optimizer's
+    updates, the layers outside a split region) are a yardstick timed in the same run as the
+    new nodes, and each run is scaled by it: every time the model holds is then on one
+    footing, the first one's.
+
+    Example:
+        >>> on_basis([[0.25, 0.5, 1.0], [0.5, 1.0, 2.0]], {0: 0.25, 1: 0.5})  # twice slower
+        [[0.25, 0.5, 1.0], [0.25, 0.5, 1.0]]
+        >>> on_basis([[0.001, 0.5]], {0: 0.002})   # a yardstick under 20 ms: kept as timed
+        [[0.001, 0.5]]
+    """
+    held = sum(basis.values())
+    if held < _CHECK_FLOOR_SECONDS:
+        return runs
+    out = []
+    for run in runs:
+        now = sum(run[nid] for nid in basis)
+        out.append([t * held / now for t in run] if now > 0 else run)
+    return out
 
 
 def _timer_seconds() -> float:
@@ -164,10 +204,12 @@ def profile_in_situ(cm, graph: Graph) -> None:
         missing = [k for k in missing if k not in cm._situ]
     if not missing:
         return
+    # NOTE: the nodes whose keys already have a time: the new ones are put on their footing
+    basis = {nid: cm._situ[k] for k, nids in keys.items() if k in cm._situ for nid in nids}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # NOTE: synthetic inputs are the same in every process
         seconds = time_in_situ(graph, cm.device, cm.repeats, cm.warmup,
-                               cm._graph_facts(graph)[1])
+                               cm._graph_facts(graph)[1], basis=basis)
     for k in missing:
         # NOTE: one key, many nodes (a deep stack's layers): the median of their times
         cm._situ[k] = statistics.median(seconds[nid] for nid in keys[k])
