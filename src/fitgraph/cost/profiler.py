@@ -187,7 +187,9 @@ class ProfiledCostModel(BaseCostModel):
             keeps the ratio).
         in_situ: also time every node inside its graph's eager step (``cost/in_situ.py``) and
             cost it by that time: ops alone run with warm caches and recycled blocks, and
-            small ops gain more from it than large ones. Default: on the CPU.
+            small ops gain more from it than large ones. A graph timed after others is timed
+            against the nodes it shares with them (``in_situ.on_basis``: the machine's speed
+            drifts between profiles). Default: on the CPU.
 
     Measurements are valid for this device, torch version and ``torch.get_num_threads()`` (all
     part of the key): change the thread count and the graph must be profiled again. Nodes and
