@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from helpers import assert_split_like_eager
@@ -299,3 +300,67 @@ def test_the_half_is_planned_only_where_the_whole_rule_does_not_pay(monkeypatch)
             if c["rules"] == ["scale_across_matmul" + coordinated.HALF]]
     assert ["scale_across_matmul"] in names and len(half) == 1
     assert half[0]["changes"]["scale_across_matmul" + coordinated.HALF]["matches"] == 1
+
+
+def _dropout_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(256, 64)) for _ in range(3)))
+    return model, torch.randn(1024, 64)
+
+
+def test_auto_can_be_held_to_either_mask_choice():
+    """``masks_as_bits``: True plans every later option on the masks-as-bits rewrite, False
+    never makes it, None weighs both (``notes["masks_as_bits"]`` says which was planned on)."""
+    from fitgraph.solvers.portfolio import solve_auto
+
+    model, batch = _dropout_mlp()
+    g = fitgraph.capture(model, batch, lambda m, x: m(x).square().mean())
+    problem = Problem(g, CPU, latency_limit=1.2, time_budget_s=10)
+    on = solve_auto(problem, masks_as_bits=True)
+    off = solve_auto(problem, masks_as_bits=False)
+    free = solve_auto(problem)
+    def bits(sol):   # NOTE: split graphs' masks are parts: look for the bits' own ops
+        return any("pack_bits" in n.target for n in sol.graph_for(g).nodes)
+
+    assert on.notes["masks_as_bits"] and bits(on)
+    assert not off.notes["masks_as_bits"] and off.notes["compact_masks"].endswith("=False")
+    assert not bits(off)
+    chosen = on if free.notes["masks_as_bits"] else off
+    assert (free.sim.peak_bytes, free.sim.latency_s) == (chosen.sim.peak_bytes,
+                                                         chosen.sim.latency_s)
+
+
+def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
+    """Where auto weighed the dropout masks as bits, the search plans the same graph with the
+    other choice (``MASKS``), and every candidate descended from it keeps that choice; the
+    candidate's plan is auto's held to the choice, within the limit."""
+    from fitgraph.solvers import coordinated
+    from fitgraph.solvers.coordinated import MASKS
+    from fitgraph.solvers.portfolio import solve_auto
+
+    model, batch = _dropout_mlp()
+    g = fitgraph.capture(model, batch, lambda m, x: m(x).square().mean())
+    problem = Problem(g, CPU, latency_limit=1.2, time_budget_s=30)
+    auto_on = solve_auto(dataclasses.replace(problem, time_budget_s=AUTO_SHARE * 30))
+    other = not auto_on.notes["masks_as_bits"]
+    held = []
+    real = coordinated.solve_auto
+
+    def spy(sub, **kw):
+        held.append(kw.get("masks_as_bits"))
+        return real(sub, **kw)
+
+    monkeypatch.setattr(coordinated, "solve_auto", spy)
+    s = solve(problem, "search")
+    cands = s.notes["candidates"]
+    flipped = [i for i, c in enumerate(cands) if MASKS[other] in c["rules"]]
+    assert flipped and cands[flipped[0]]["rules"] == [MASKS[other]]
+    assert all(held[i] is other for i in flipped) and held[0] is None
+    assert MASKS[not other] not in str([c["rules"] for c in cands])
+    first = cands[flipped[0]]
+    assert first["latency_s"] <= 1.2 * _eager(g, CPU).latency_s * (1 + 1e-9)
+    direct = solve_auto(dataclasses.replace(problem, time_budget_s=coordinated.CANDIDATE_S),
+                        masks_as_bits=other)
+    assert first["peak_bytes"] == direct.sim.peak_bytes

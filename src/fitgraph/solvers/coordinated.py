@@ -15,7 +15,9 @@ the least peak within the limit; an infeasible candidate ranks by the least peak
 each expansion first takes the graph the candidate's plan runs, where auto rewrote it
 (fission's splits, masks as bits, chunked updates), as a candidate of its own (``AGAIN``: auto
 plans it again, on its measured costs, and its fission may split the parts further), then
-applies every rule not yet applied on that path that matches, those whose matches save the most
+its graph planned with the choice auto made greedily the other way (``MASKS``: the dropout
+masks kept as bits, or kept full, on which fission then splits; descendants keep the choice),
+then applies every rule not yet applied on that path that matches, those whose matches save the most
 bytes first — where a rule with two or more matches does not pay on that candidate, on the half
 of them that save the most bytes (``HALF``: MAGIS mutates a match at a time); a graph seen
 before (``graph_fingerprint``) is skipped. A rewritten graph's plan replaces the best only
@@ -87,6 +89,13 @@ TIME_MARGIN = 0.02
 # chunked updates) as a candidate graph: auto plans once, its fission greedy stops where its
 # estimates say, and a second plan on the split graph, measured, may split deeper or drop less
 AGAIN = "auto_rewrite_again"
+# NOTE: the moves that plan a candidate's graph with the choice auto made greedily the other
+# way: its dropout masks as bits (or kept full) whatever hotspot's two plans said. auto picks
+# the graph every later option (fission) plans on by hotspot's plans on both; fission may
+# split the other graph further (ViT-B/16 small within 1.05x, measured: hotspot's plan on the
+# bits beat its plan on the captured graph, 137 MiB against 147; fission on the bits found no
+# better split, on the captured graph 84 MiB)
+MASKS = {True: "masks_as_bits", False: "masks_kept_full"}
 # NOTE: a rule on the half of its matches that save the most bytes, where the whole rule does
 # not pay (MAGIS mutates one match at a time; all at once can cost more time than a latency
 # limit leaves: ResNet-50 within 1.05x, every BatchNorm through its residual sum); its name
@@ -104,6 +113,8 @@ class _Candidate:
     changes: dict = field(compare=False, default_factory=dict)
     # NOTE: auto's own error where it missed the budget (its least-peak plan rides on it)
     infeasible: BudgetInfeasible | None = field(compare=False, default=None)
+    # NOTE: auto's choices fixed on this candidate's path (``MASKS``): its descendants keep them
+    options: dict = field(compare=False, default_factory=dict)
 
     def summary(self) -> dict:
         out: dict = {"rules": list(self.rules), "changes": self.changes}
@@ -159,7 +170,7 @@ def solve_search(problem: Problem) -> Solution:
     with progress.stage("search: auto on the captured graph"):
         first = _plan(problem, problem.graph, (), {}, first_s, limit_s, budget_mode,
                       fallback=True)
-    seen = {graph_fingerprint(problem.graph)}
+    seen = {_seen_key(problem.graph, {})}
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
@@ -172,8 +183,8 @@ def solve_search(problem: Problem) -> Solution:
                 left = deadline - planning_now()
                 if left <= MIN_CANDIDATE_S:
                     break
-                child = _child(problem, parent, m.name, m.make(), m.change, seen,
-                               min(each_s, left), limit_s, budget_mode)
+                child = _child(problem, parent, m, seen, min(each_s, left), limit_s,
+                               budget_mode)
                 if child is None:
                     continue
                 tried.append(child)
@@ -233,19 +244,28 @@ class _Move:
     make: Callable[[], Graph]
     change: dict
     half: _Move | None = None
+    options: dict = field(default_factory=dict)
 
 
 def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
     """The moves from ``parent``: first the graph its plan runs where auto rewrote it
     (``AGAIN``: fission's splits, masks as bits, chunked updates, planned again by auto,
-    whose fission may split the parts further), then each matching rule not yet on its path
-    applied (``_promising_first``'s order), each with its half."""
+    whose fission may split the parts further), then its graph planned with auto's mask
+    choice the other way (``MASKS``), then each matching rule not yet on its path applied
+    (``_promising_first``'s order), each with its half."""
     moves = []
     sol = parent.solution
     if sol is not None and sol.graph is not None:
         moves.append(_Move(AGAIN, lambda: sol.graph, {
             "planned_by": sol.notes.get("winner", sol.solver),
             "splits": list(sol.notes.get("splits", []))}))
+    if (sol is not None and "masks_as_bits" not in parent.options
+            and isinstance(sol.notes.get("compact_masks"), dict)):
+        # NOTE: only where auto weighed the bits (hotspot planned them): elsewhere (the eager
+        # plan fits, remat is eager-fast) forcing them changes nothing
+        on = not sol.notes.get("masks_as_bits", False)
+        moves.append(_Move(MASKS[on], lambda: parent.graph, {"masks_as_bits": on},
+                           options={"masks_as_bits": on}))
 
     def rewrite(rule: Rule, matches: list, suffix: str = "", half: _Move | None = None):
         return _Move(rule.name + suffix, lambda: rule.rewrite(parent.graph, matches=matches), {
@@ -258,27 +278,34 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
     return moves
 
 
-def _child(problem: Problem, parent: _Candidate, name: str, graph: Graph, change: dict,
-           seen: set[str], time_s: float, limit_s: float | None,
-           budget_mode: bool) -> _Candidate | None:
-    """``graph``, made from ``parent``'s by the move ``name``, planned; None where it is a
-    graph seen before."""
-    key = graph_fingerprint(graph)
+def _seen_key(graph: Graph, options: dict) -> tuple:
+    """A candidate's identity: its graph and the choices auto is held to on it."""
+    return graph_fingerprint(graph), tuple(sorted(options.items()))
+
+
+def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], time_s: float,
+           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
+    """The graph ``move`` makes from ``parent``'s, planned (with the path's and the move's
+    choices of auto's); None where that graph was planned so before."""
+    graph, options = move.make(), {**parent.options, **move.options}
+    key = _seen_key(graph, options)
     if key in seen:
         return None
     seen.add(key)
     changes = dict(parent.changes)
-    changes[name] = change
-    return _plan(problem, graph, parent.rules + (name,), changes, time_s, limit_s,
-                 budget_mode)
+    changes[move.name] = move.change
+    return _plan(problem, graph, parent.rules + (move.name,), changes, time_s, limit_s,
+                 budget_mode, options=options)
 
 
 def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict, time_s: float,
-          limit_s: float | None, budget_mode: bool, fallback: bool = False) -> _Candidate:
-    """``graph`` planned by ``auto`` for ``problem``'s budget or latency limit (the limit in
-    seconds of the captured graph's eager step, as a factor of this graph's own); only the
-    captured graph gets auto's fallbacks where the budget is missed (``split_backward``
-    searches for minutes)."""
+          limit_s: float | None, budget_mode: bool, fallback: bool = False,
+          options: dict | None = None) -> _Candidate:
+    """``graph`` planned by ``auto`` (held to ``options``, its choices fixed on the path) for
+    ``problem``'s budget or latency limit (the limit in seconds of the captured graph's eager
+    step, as a factor of this graph's own); only the captured graph gets auto's fallbacks
+    where the budget is missed (``split_backward`` searches for minutes)."""
+    options = options or {}
     cm = problem.cost_model
     sub = dataclasses.replace(problem, graph=graph, time_budget_s=time_s)
     if not budget_mode:
@@ -286,19 +313,21 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
         own = simulate(graph, eager_plan(graph), cm).latency_s
         if limit_s < own:
             return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
-                              "its eager step is over the latency limit", changes)
+                              "its eager step is over the latency limit", changes,
+                              options=options)
         sub = dataclasses.replace(sub, latency_limit=limit_s / own)
     try:
         # NOTE: a rewritten graph's own options are not said: one line per candidate is
         with progress.listening(False if rules else None):
-            sol = solve_auto(sub, fallback=fallback)
+            sol = solve_auto(sub, fallback=fallback, **options)
     except BudgetInfeasible as e:
         return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
-                          str(e), changes, infeasible=e)
+                          str(e), changes, infeasible=e, options=options)
     if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
-                          "over the latency limit", changes)
-    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
+                          "over the latency limit", changes, options=options)
+    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes,
+                      options=options)
 
 
 def _remat_plan(sol: Solution) -> bool:
@@ -334,5 +363,5 @@ def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
     again = dataclasses.replace(again, graph=None if graph is best.graph else graph,
                                 notes=dict(again.notes, winner="hotspot (exact order)"))
     cand = _Candidate(_rank(again, None, budget_mode), best.graph, best.rules, again, None,
-                      best.changes)
+                      best.changes, options=best.options)
     return cand if _better(cand, best, budget_mode) else best

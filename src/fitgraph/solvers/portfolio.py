@@ -211,18 +211,23 @@ def _split_backward(problem: Problem, least: Solution | None) -> Solution | None
 
 
 @register("auto")
-def solve_auto(problem: Problem, *, fallback: bool = True) -> Solution:
+def solve_auto(problem: Problem, *, fallback: bool = True,
+               masks_as_bits: bool | None = None) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc).
     ``fallback=False``: where every option misses the budget, raise at once (no least-peak
     search, no ``split_backward``: the coordinated search's rewritten graphs, which must keep
-    to its deadline)."""
+    to its deadline). ``masks_as_bits``: None chooses the graph every later option plans on
+    by hotspot's plans on both (the module doc); True takes the masks-as-bits rewrite wherever
+    hotspot plans it, False never makes it (the coordinated search tries the choice auto did
+    not make: fission may split the other graph further). ``notes["masks_as_bits"]`` says
+    which graph the later options planned on."""
     t0 = planning_now()
     on, why = _chunked_updates(problem)
     if on is problem:
-        sol = _solve_auto(problem, fallback)
+        sol = _solve_auto(problem, fallback, masks_as_bits)
         return dataclasses.replace(sol, notes=dict(sol.notes, optimizer_chunks=why))
     try:
-        sol = _solve_auto(on, fallback)
+        sol = _solve_auto(on, fallback, masks_as_bits)
     except BudgetInfeasible as e:
         if e.solution is not None and e.solution.graph is None:
             e.solution = dataclasses.replace(e.solution, graph=on.graph)
@@ -266,7 +271,7 @@ def _chunked_updates(problem: Problem) -> tuple[Problem, str]:
     return dataclasses.replace(problem, graph=graph, latency_limit=factor), said
 
 
-def _solve_auto(problem: Problem, fallback: bool) -> Solution:
+def _solve_auto(problem: Problem, fallback: bool, masks_as_bits: bool | None = None) -> Solution:
     """``solve_auto`` on the graph it plans (see the module doc)."""
     t0 = planning_now()
     cm, budget = problem.cost_model, problem.budget_bytes
@@ -287,11 +292,14 @@ def _solve_auto(problem: Problem, fallback: bool) -> Solution:
                                   f"formula failed; costed by bytes moved alone), e.g. "
                                   f"{first[0]} ({first[1]})")
     remat_fast = budget is not None and hot is not None and hot.sim.latency_s <= eager.latency_s
-    bits, bits_err, bits_skip = _compacted(problem, hot, eager, remat_fast, t0)
+    bits, bits_err, bits_skip = (_compacted(problem, hot, eager, remat_fast, t0)
+                                 if masks_as_bits is not False else
+                                 (None, None, "masks_as_bits=False"))
     notes["compact_masks"] = (_summary(bits, bits_err, "masks as bits") if bits_skip is None
                               else f"not run: {bits_skip}")
     base, also = problem, []
-    if bits is not None and (hot is None or _key(bits, budget) < _key(hot, budget)):
+    if bits is not None and (masks_as_bits or hot is None
+                             or _key(bits, budget) < _key(hot, budget)):
         # NOTE: the dropout masks kept as bits: the graph every later option plans on
         hot, hot_err = bits, None
     elif hot is None and bits_err is not None:
@@ -301,6 +309,7 @@ def _solve_auto(problem: Problem, fallback: bool) -> Solution:
         also = [dataclasses.replace(problem,
                                     graph=TRANSFORMS["compact_masks"](problem.graph).graph)]
         hot_err = min(hot_err, bits_err, key=lambda e: e.smallest_peak_bytes)
+    notes["masks_as_bits"] = bits is not None and hot is bits
     if hot is not None and hot.graph is not None:
         base = dataclasses.replace(problem, graph=hot.graph,
                                    latency_limit=hot.notes["latency_factor"])
