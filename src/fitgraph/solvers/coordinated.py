@@ -92,9 +92,9 @@ AGAIN = "auto_rewrite_again"
 # NOTE: the moves that plan a candidate's graph with the choice auto made greedily the other
 # way: its dropout masks as bits (or kept full) whatever hotspot's two plans said. auto picks
 # the graph every later option (fission) plans on by hotspot's plans on both; fission may
-# split the other graph further (ViT-B/16 small within 1.05x, measured: hotspot's plan on the
-# bits beat its plan on the captured graph, 137 MiB against 147; fission on the bits found no
-# better split, on the captured graph 84 MiB)
+# split the other graph further (ViT-B/16 small within 1.05x, one process's measured costs:
+# auto planned on the bits, hotspot's plan at 131.1 MiB, fission finding no better split
+# there; the same graph with the masks kept full, fission split it: 102.1 MiB)
 MASKS = {True: "masks_as_bits", False: "masks_kept_full"}
 # NOTE: a rule on the half of its matches that save the most bytes, where the whole rule does
 # not pay (MAGIS mutates one match at a time; all at once can cost more time than a latency
