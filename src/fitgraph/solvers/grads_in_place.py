@@ -1,13 +1,11 @@
 """An activation's gradient written over the gradient it is made from, where that one dies there.
 
 Eager autograd runs every activation's backward (``gelu_backward(dy, x)``, ReLU's
-``threshold_backward``, ``silu_backward``, dropout's ``native_dropout_backward``, softmax's and
-log-softmax's ``_softmax_backward_data`` / ``_log_softmax_backward_data``, ...) into a new
+``threshold_backward``, ``silu_backward``, dropout's ``native_dropout_backward``, ...) into a new
 tensor beside ``dy``, and ``dy`` is freed right after: at that op two activation-sized tensors
 are live where one would do. A transformer's MLP backward peaks there (``[tokens, 4 x hidden]``
 twice), and so does a convolution stack's (wav2vec2's first layer: four 3.1 MiB tensors at its
-GELU backward, one of them this op's output), and a language model's loss backward
-(``[tokens, vocab]``: the log-softmax, nll_loss's gradient and their product).
+GELU backward, one of them this op's output).
 
 ``grads_in_place(sol, graph, cm)`` rewrites a plan after it is made: where ``dy`` is made in the
 backward, read last by the activation's backward, laid out as its output, and the plan neither
@@ -51,13 +49,9 @@ from .base import Solution
 
 __all__ = ["OUT_VARIANTS", "grads_in_place"]
 
-# NOTE: backward ops whose first argument is the gradient they scale, and their out= variant
-# with its keyword: pointwise TensorIterator kernels, which run an output that is wholly one of
-# their inputs as the in-place ops do; and softmax's and log-softmax's backward, whose kernels
-# (CPU and CUDA) reduce each row of the gradient before they write any of it, then write each
-# element from that element's reads alone (bitwise on every dim, tests/test_grads_in_place.py):
-# a language model's loss backward holds the logits' log-softmax, nll_loss's dense gradient
-# and their product, three vocabulary-sized tensors where two do
+# NOTE: pointwise backward ops whose first argument is the gradient they scale, and their out=
+# variant with its keyword: TensorIterator kernels, which run an output that is wholly one of
+# their inputs as the in-place ops do
 OUT_VARIANTS = {
     f"aten.{name}.default": (f"aten.{name}.{overload}", keyword)
     for name, overload, keyword in (
@@ -73,8 +67,6 @@ OUT_VARIANTS = {
         ("hardsigmoid_backward", "grad_input", "grad_input"),
         ("hardswish_backward", "out", "out"),
         ("native_dropout_backward", "out", "out"),
-        ("_softmax_backward_data", "out", "grad_input"),
-        ("_log_softmax_backward_data", "out", "out"),
     )
 }
 
