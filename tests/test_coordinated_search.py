@@ -321,6 +321,7 @@ def test_auto_can_be_held_to_either_mask_choice():
     on = solve_auto(problem, masks_as_bits=True)
     off = solve_auto(problem, masks_as_bits=False)
     free = solve_auto(problem)
+
     def bits(sol):   # NOTE: split graphs' masks are parts: look for the bits' own ops
         return any("pack_bits" in n.target for n in sol.graph_for(g).nodes)
 
@@ -357,7 +358,9 @@ def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
     cands = s.notes["candidates"]
     flipped = [i for i, c in enumerate(cands) if MASKS[other] in c["rules"]]
     assert flipped and cands[flipped[0]]["rules"] == [MASKS[other]]
-    assert all(held[i] is other for i in flipped) and held[0] is None
+    # NOTE: by count, not position: a candidate whose eager step is over the limit calls no auto
+    assert held[0] is None and held.count(other) == len(flipped)
+    assert held.count(None) == len(held) - len(flipped)
     assert MASKS[not other] not in str([c["rules"] for c in cands])
     first = cands[flipped[0]]
     assert first["latency_s"] <= 1.2 * _eager(g, CPU).latency_s * (1 + 1e-9)
