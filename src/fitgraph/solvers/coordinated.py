@@ -113,8 +113,6 @@ class _Candidate:
     changes: dict = field(compare=False, default_factory=dict)
     # NOTE: auto's own error where it missed the budget (its least-peak plan rides on it)
     infeasible: BudgetInfeasible | None = field(compare=False, default=None)
-    # NOTE: auto's choices fixed on this candidate's path (``MASKS``): its descendants keep them
-    options: dict = field(compare=False, default_factory=dict)
 
     def summary(self) -> dict:
         out: dict = {"rules": list(self.rules), "changes": self.changes}
@@ -170,7 +168,7 @@ def solve_search(problem: Problem) -> Solution:
     with progress.stage("search: auto on the captured graph"):
         first = _plan(problem, problem.graph, (), {}, first_s, limit_s, budget_mode,
                       fallback=True)
-    seen = {_seen_key(problem.graph, {})}
+    seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
@@ -244,7 +242,6 @@ class _Move:
     make: Callable[[], Graph]
     change: dict
     half: _Move | None = None
-    options: dict = field(default_factory=dict)
 
 
 def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
@@ -259,13 +256,12 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
         moves.append(_Move(AGAIN, lambda: sol.graph, {
             "planned_by": sol.notes.get("winner", sol.solver),
             "splits": list(sol.notes.get("splits", []))}))
-    if (sol is not None and "masks_as_bits" not in parent.options
+    if (sol is not None and "masks_as_bits" not in _held(parent.rules)
             and isinstance(sol.notes.get("compact_masks"), dict)):
         # NOTE: only where auto weighed the bits (hotspot planned them): elsewhere (the eager
         # plan fits, remat is eager-fast) forcing them changes nothing
         on = not sol.notes.get("masks_as_bits", False)
-        moves.append(_Move(MASKS[on], lambda: parent.graph, {"masks_as_bits": on},
-                           options={"masks_as_bits": on}))
+        moves.append(_Move(MASKS[on], lambda: parent.graph, {"masks_as_bits": on}))
 
     def rewrite(rule: Rule, matches: list, suffix: str = "", half: _Move | None = None):
         return _Move(rule.name + suffix, lambda: rule.rewrite(parent.graph, matches=matches), {
@@ -278,34 +274,37 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
     return moves
 
 
-def _seen_key(graph: Graph, options: dict) -> tuple:
+def _held(rules: tuple[str, ...]) -> dict:
+    """The choices of auto's a path of moves holds it to (``MASKS``: its descendants keep it)."""
+    on = [choice for choice, name in MASKS.items() if name in rules]
+    return {"masks_as_bits": on[0]} if on else {}
+
+
+def _seen_key(graph: Graph, rules: tuple[str, ...]) -> tuple:
     """A candidate's identity: its graph and the choices auto is held to on it."""
-    return graph_fingerprint(graph), tuple(sorted(options.items()))
+    return graph_fingerprint(graph), tuple(sorted(_held(rules).items()))
 
 
 def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], time_s: float,
            limit_s: float | None, budget_mode: bool) -> _Candidate | None:
-    """The graph ``move`` makes from ``parent``'s, planned (with the path's and the move's
-    choices of auto's); None where that graph was planned so before."""
-    graph, options = move.make(), {**parent.options, **move.options}
-    key = _seen_key(graph, options)
+    """The graph ``move`` makes from ``parent``'s, planned; None where that graph was planned
+    so (held to the same choices) before."""
+    graph, rules = move.make(), parent.rules + (move.name,)
+    key = _seen_key(graph, rules)
     if key in seen:
         return None
     seen.add(key)
     changes = dict(parent.changes)
     changes[move.name] = move.change
-    return _plan(problem, graph, parent.rules + (move.name,), changes, time_s, limit_s,
-                 budget_mode, options=options)
+    return _plan(problem, graph, rules, changes, time_s, limit_s, budget_mode)
 
 
 def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict, time_s: float,
-          limit_s: float | None, budget_mode: bool, fallback: bool = False,
-          options: dict | None = None) -> _Candidate:
-    """``graph`` planned by ``auto`` (held to ``options``, its choices fixed on the path) for
-    ``problem``'s budget or latency limit (the limit in seconds of the captured graph's eager
-    step, as a factor of this graph's own); only the captured graph gets auto's fallbacks
-    where the budget is missed (``split_backward`` searches for minutes)."""
-    options = options or {}
+          limit_s: float | None, budget_mode: bool, fallback: bool = False) -> _Candidate:
+    """``graph`` planned by ``auto`` (held to the choices its path ``rules`` fixed: ``_held``)
+    for ``problem``'s budget or latency limit (the limit in seconds of the captured graph's
+    eager step, as a factor of this graph's own); only the captured graph gets auto's
+    fallbacks where the budget is missed (``split_backward`` searches for minutes)."""
     cm = problem.cost_model
     sub = dataclasses.replace(problem, graph=graph, time_budget_s=time_s)
     if not budget_mode:
@@ -313,21 +312,19 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
         own = simulate(graph, eager_plan(graph), cm).latency_s
         if limit_s < own:
             return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
-                              "its eager step is over the latency limit", changes,
-                              options=options)
+                              "its eager step is over the latency limit", changes)
         sub = dataclasses.replace(sub, latency_limit=limit_s / own)
     try:
         # NOTE: a rewritten graph's own options are not said: one line per candidate is
         with progress.listening(False if rules else None):
-            sol = solve_auto(sub, fallback=fallback, **options)
+            sol = solve_auto(sub, fallback=fallback, **_held(rules))
     except BudgetInfeasible as e:
         return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
-                          str(e), changes, infeasible=e, options=options)
+                          str(e), changes, infeasible=e)
     if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
-                          "over the latency limit", changes, options=options)
-    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes,
-                      options=options)
+                          "over the latency limit", changes)
+    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
 
 
 def _remat_plan(sol: Solution) -> bool:
@@ -363,5 +360,5 @@ def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
     again = dataclasses.replace(again, graph=None if graph is best.graph else graph,
                                 notes=dict(again.notes, winner="hotspot (exact order)"))
     cand = _Candidate(_rank(again, None, budget_mode), best.graph, best.rules, again, None,
-                      best.changes, options=best.options)
+                      best.changes)
     return cand if _better(cand, best, budget_mode) else best
