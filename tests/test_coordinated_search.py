@@ -367,3 +367,71 @@ def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
     direct = solve_auto(dataclasses.replace(problem, time_budget_s=coordinated.CANDIDATE_S),
                         masks_as_bits=other)
     assert first["peak_bytes"] == direct.sim.peak_bytes
+
+
+def _loss_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 4096))
+    batch = (torch.randn(512, 16), torch.randint(0, 4096, (512,)))
+    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+def test_fission_first_splits_are_each_regions_best_within_the_limit():
+    """Fission's first round as alternatives: one split per region, each lowering the eager
+    peak within the latency limit, least peak first; a split named in ``skip`` left out; each
+    split graph runs like eager."""
+    from fitgraph.solvers.fission.first_splits import first_splits
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = RooflineCostModel(get_device("rtx3090"))
+    eager = _eager(g, cm)
+    found = first_splits(Problem(g, cm, latency_limit=2.0), deadline=float("inf"))
+    assert len(found) >= 2
+    sims = [_eager(split, cm) for _, split in found]
+    assert all(s.peak_bytes < eager.peak_bytes for s in sims)
+    assert all(s.latency_s <= 2.0 * eager.latency_s for s in sims)
+    assert [s.peak_bytes for s in sims] == sorted(s.peak_bytes for s in sims)
+    regions = [what.rsplit(" in ", 1)[0] for what, _ in found]
+    assert len(set(regions)) == len(regions)
+    rest = first_splits(Problem(g, cm, latency_limit=2.0), deadline=float("inf"),
+                        skip=(found[0][0],))
+    assert found[0][0] not in [what for what, _ in rest] and rest[0] == found[1]
+    for _, split in found:
+        assert_split_like_eager(g, split, model, batch, atol=1e-5)
+    tight = first_splits(Problem(g, cm, latency_limit=1.0), deadline=float("inf"))
+    assert all(_eager(split, cm).latency_s <= eager.latency_s for _, split in tight)
+
+
+def test_the_search_plans_fission_other_first_splits(monkeypatch):
+    """From the captured graph the search plans fission's other first-round splits (``SPLIT``)
+    by auto, not the one auto's fission went on with; where one wins, its plan runs like
+    eager on its split graph."""
+    from fitgraph.solvers import coordinated
+    from fitgraph.solvers.coordinated import SPLIT
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = RooflineCostModel(get_device("rtx3090"))
+    problem = Problem(g, cm, latency_limit=2.0, time_budget_s=30)
+    s = solve(problem, "search")
+    own = s.notes["auto"].get("winner") == "fission"
+    cands = s.notes["candidates"]
+    splits = [c for c in cands if c["rules"] and c["rules"][0].startswith(SPLIT)]
+    assert splits and all(len(c["rules"]) == 1 or c["rules"][1] != c["rules"][0]
+                          for c in splits)
+    planned = {c["rules"][0] for c in splits}
+    first = solve(dataclasses.replace(problem, time_budget_s=AUTO_SHARE * 30), "auto")
+    if own:
+        assert SPLIT + first.notes["splits"][0] not in planned
+    # NOTE: a split move's candidate wins where the simulator says so: made so here
+    def split(c):
+        return bool(c.rules) and c.rules[0].startswith(SPLIT)
+
+    monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: (
+        a.solution is not None and split(a) and not split(b)))
+    s = solve(problem, "search")
+    assert s.notes["rules"][0].startswith(SPLIT)
+    assert s.sim.latency_s <= 2.0 * _eager(g, cm).latency_s * (1 + 1e-9)
+    assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)

@@ -19,8 +19,10 @@ its graph planned with the choice auto made greedily the other way (``MASKS``: t
 masks kept as bits, or kept full, on which fission then splits; descendants keep the choice),
 then applies every rule not yet applied on that path that matches, those whose matches save the most
 bytes first — where a rule with two or more matches does not pay on that candidate, on the half
-of them that save the most bytes (``HALF``: MAGIS mutates a match at a time); a graph seen
-before (``graph_fingerprint``) is skipped. A rewritten graph's plan replaces the best only
+of them that save the most bytes (``HALF``: MAGIS mutates a match at a time). The captured
+graph's expansion also takes fission's other first-round splits (``SPLIT``: each region's best
+part count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each
+planned by auto; a graph seen before (``graph_fingerprint``) is skipped. A rewritten graph's plan replaces the best only
 where it is better by the simulator — in budget mode by ``TIME_MARGIN`` of the step time, since
 simulated times are estimates and peaks are not — and a rewritten graph is planned without
 auto's fallbacks for a missed budget (its minutes-long ``split_backward``), so the search keeps
@@ -65,6 +67,7 @@ from ..plan.eager import eager_plan
 from ..sim.simulate import simulate
 from ..transform.rules import RULES, Rule
 from .base import BudgetInfeasible, Problem, Solution, register
+from .fission.first_splits import first_splits
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
 
@@ -101,6 +104,15 @@ MASKS = {True: "masks_as_bits", False: "masks_kept_full"}
 # limit leaves: ResNet-50 within 1.05x, every BatchNorm through its residual sum); its name
 # on the path gets this suffix
 HALF = " (half)"
+# NOTE: the moves from the captured graph that take one of fission's first-round splits other
+# than the one auto's fission went on with (``first_splits``: each region's best part count),
+# planned by auto (which may split its parts further): fission's greedy commits to the split
+# its estimates rank first, and near-equal estimates rank differently from run to run (Llama
+# small within 1.05x: the whole step in 4 parts, 0.38 of eager's peak, in one process; the
+# loss alone in 4 parts, 0.59, in the next). Their names on the path: this prefix + the split
+SPLIT = "fission: "
+# NOTE: at most this many of them (one each from the best-ranked regions)
+SPLITS = 3
 
 
 @dataclass(order=True)
@@ -168,11 +180,12 @@ def solve_search(problem: Problem) -> Solution:
     with progress.stage("search: auto on the captured graph"):
         first = _plan(problem, problem.graph, (), {}, first_s, limit_s, budget_mode,
                       fallback=True)
+    splits = _split_moves(problem, first, min(each_s, deadline - planning_now()))
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        for move in _moves(parent, rules):
+        for move in _moves(parent, rules) + (splits if parent is first else []):
             child = None
             for m in (move, move.half):
                 # NOTE: a rule's half only where the whole rule did not pay on this parent
@@ -272,6 +285,22 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
         half = rewrite(rule, _half(matches), HALF) if len(matches) > 1 else None
         moves.append(rewrite(rule, matches, half=half))
     return moves
+
+
+def _split_moves(problem: Problem, first: _Candidate, time_s: float) -> list[_Move]:
+    """The moves from the captured graph to fission's other first-round splits (``SPLIT``),
+    weighed within ``time_s``; none where the problem is exact (fission sums in parts) or, in
+    budget mode, where auto's plan is as fast as the eager plan (no split plan is faster)."""
+    sol = first.solution
+    if time_s <= MIN_CANDIDATE_S or problem.exact:
+        return []
+    if problem.budget_bytes is not None and sol is not None and sol.sim.latency_s <= simulate(
+            problem.graph, eager_plan(problem.graph), problem.cost_model).latency_s:
+        return []
+    own = tuple(sol.notes.get("splits", [])[:1]) if sol is not None else ()
+    with progress.stage("search: fission's first splits"):
+        found = first_splits(problem, deadline=planning_now() + time_s, n=SPLITS, skip=own)
+    return [_Move(SPLIT + what, lambda g=g: g, {"split": what}) for what, g in found]
 
 
 def _held(rules: tuple[str, ...]) -> dict:

@@ -1,0 +1,81 @@
+"""Fission's first round as alternatives: the single splits of a graph that ``fission`` weighs
+before it commits to one, the best of each region, for a search to plan each one by itself.
+
+``fission`` is greedy: it takes the split its estimates rank first and goes on from there, and
+near-equal estimates on measured costs rank differently from one process to the next (Llama
+small within 1.05x of its step: the whole step along its batch in 4 parts, 0.38 of eager's
+peak, in one run; the loss alone in 4 parts, 0.59, in the next). ``first_splits`` returns the
+runners-up of that first round — each region's best part count, estimated as fission estimates
+(``ScaledCostModel`` over a measured cost model: nothing is profiled), within the latency limit
+(with fission's estimate slack) or, in budget mode, lowering the peak — ranked by fission's own
+key (latency mode: the least peak; budget mode: within the budget the least time, over it the
+most bytes saved per second added). The coordinated search plans each split graph with
+``auto``, which may split its parts further and puts remat on top.
+
+Example:
+    >>> import torch, fitgraph
+    >>> from fitgraph.cost import RooflineCostModel, get_device
+    >>> from fitgraph.solvers import Problem
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(256, 4096))
+    >>> batch = (torch.randn(512, 16), torch.randint(0, 4096, (512,)))
+    >>> loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    >>> g = fitgraph.capture(model, batch, loss_fn)
+    >>> cm = RooflineCostModel(get_device("rtx3090"))
+    >>> found = first_splits(Problem(g, cm, latency_limit=2.0), deadline=float("inf"))
+    >>> [what for what, _ in found][:2]
+    ['11 nodes from _log_softmax dim 0 in 4 parts', '21 nodes from _log_softmax dim 0 in 2 parts']
+"""
+
+from __future__ import annotations
+
+from ...cost.scaled import ScaledCostModel
+from ...graph.analysis import verify_graph
+from ...graph.ir import Graph
+from ...sim.simulate import SimResult
+from ...transform.registry import FISSION_SEARCH_READS, fission_reads
+from ..base import Problem
+from .search import ESTIMATE_SLACK, FissionConfig, _best_split, _simulate, _Step
+from .walk import rate
+
+__all__ = ["first_splits"]
+
+
+def first_splits(problem: Problem, *, deadline: float, n: int = 3,
+                 skip: tuple[str, ...] = (), config: FissionConfig | None = None
+                 ) -> list[tuple[str, Graph]]:
+    """Up to ``n`` single splits of ``problem.graph`` from different regions, best first (see
+    the module doc), as (what, split graph); those described in ``skip`` (a plan's own
+    splits) left out. Stops weighing splits at ``deadline`` (planning clock)."""
+    config = config or FissionConfig()
+    cm, budget = problem.cost_model, problem.budget_bytes
+    eager = _simulate(problem.graph, cm)
+    scaled = cm.measures
+    search = ScaledCostModel(cm, problem.graph) if scaled else cm
+    graph = fission_reads(problem.graph, FISSION_SEARCH_READS)
+    start = _Step(graph, eager if graph is problem.graph else _simulate(graph, search), "")
+    limit = float("inf")
+    if problem.latency_limit is not None:
+        limit = problem.latency_limit * eager.latency_s * (1 + ESTIMATE_SLACK if scaled else 1)
+    strategy = "least peak" if budget is None else "cheapest"
+    _, _, seen = _best_split(start, search, budget, limit, config, deadline, strategy,
+                             config.max_splits, {})
+
+    def key(sim: SimResult) -> tuple:
+        if budget is None:
+            return (sim.peak_bytes, sim.latency_s)
+        if sim.peak_bytes <= budget:
+            return (0, sim.latency_s, sim.peak_bytes)
+        return (1, -rate(sim, start.sim), sim.peak_bytes)
+
+    best: dict[tuple, _Step] = {}
+    for step in seen:
+        if step.what in skip:
+            continue
+        region = (step.region.start, step.region.nodes)
+        if region not in best or key(step.sim) < key(best[region].sim):
+            best[region] = step
+    ranked = sorted(best.values(), key=lambda s: key(s.sim))[:n]
+    for s in ranked:
+        verify_graph(s.graph)  # NOTE: the search splits without verifying (_split)
+    return [(s.what, s.graph) for s in ranked]
