@@ -435,3 +435,49 @@ def test_the_search_plans_fission_other_first_splits(monkeypatch):
     assert s.notes["rules"][0].startswith(SPLIT)
     assert s.sim.latency_s <= 2.0 * _eager(g, cm).latency_s * (1 + 1e-9)
     assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)
+
+
+class _Timed:
+    """A roofline cost model whose plans "measure" ``ratio`` of one another (``measured_ratio``)."""
+
+    def __init__(self, base, ratio):
+        self.base, self.ratio, self.asked = base, ratio, 0
+
+    def measured_ratio(self, graph, plan, other_graph, other_plan):
+        self.asked += 1
+        return self.ratio
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monkeypatch):
+    """Budget mode: where a candidate's plan replaced auto's on simulated time, it is kept only
+    where its step also measures ``TIME_MARGIN`` faster than auto's (``measured_ratio``);
+    else auto's plan is returned, and what was measured is said (``notes["confirmed"]``)."""
+    from fitgraph.solvers import coordinated
+    from fitgraph.solvers.coordinated import SPLIT, TIME_MARGIN
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    roofline = RooflineCostModel(get_device("rtx3090"))
+    budget = _eager(g, roofline).peak_bytes // 2
+
+    def split(c):
+        return bool(c.rules) and c.rules[0].startswith(SPLIT)
+
+    # NOTE: a split move's candidate wins on the simulator: made so here
+    monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: (
+        a.solution is not None and split(a) and not split(b)))
+    faster = _Timed(roofline, 1 - 2 * TIME_MARGIN)
+    s = solve(Problem(g, faster, budget_bytes=budget, time_budget_s=30), "search")
+    assert faster.asked == 1 and s.notes["rules"][0].startswith(SPLIT)
+    assert s.notes["confirmed"]["kept"] == "search" and s.sim.peak_bytes <= budget
+    same = _Timed(roofline, 1 - TIME_MARGIN / 2)
+    s = solve(Problem(g, same, budget_bytes=budget, time_budget_s=30), "search")
+    assert same.asked == 1 and s.notes["rules"] == [] and s.notes["confirmed"]["kept"] == "auto"
+    assert (s.sim.peak_bytes, s.sim.latency_s) == (s.notes["auto"]["peak_bytes"],
+                                                   s.notes["auto"]["latency_s"])
+    # NOTE: nothing to confirm where the cost model does not measure, or auto's plan stands
+    s = solve(Problem(g, roofline, budget_bytes=budget, time_budget_s=30), "search")
+    assert "confirmed" not in s.notes

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fitgraph.dist",),
     ("fitgraph.capture", "fitgraph.execute"),
     ("fitgraph.cost.profiler", "fitgraph.cost.in_situ", "fitgraph.cost.drawn_bits",
-     "fitgraph.cost.first_touch", "fitgraph.cost.opaque"),
+     "fitgraph.cost.first_touch", "fitgraph.cost.opaque", "fitgraph.cost.plan_timing"),
     ("fitgraph.measure", "fitgraph.latency_check", "fitgraph.regions_latency",
      "fitgraph.ambient", "fitgraph.python_values", "fitgraph.inspection", "fitgraph.report"),
     ("fitgraph.compile_backend", "fitgraph.regions", "fitgraph.api", "fitgraph.dist.runtime"),

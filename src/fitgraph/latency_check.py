@@ -42,20 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from . import progress
+from .cost.plan_timing import MAX_ROUNDS, ROUNDS, WARMUP, paired
+from .cost.plan_timing import runner as _runner
+from .cost.plan_timing import timed_step as _timed
 from .graph.ir import Graph
 from .plan.eager import eager_plan
 from .plan.instructions import Plan
 
-__all__ = ["FACTOR_ROUNDS", "MAX_TRIES", "NEAR", "ROUNDS", "STEP_MARGIN", "LatencyCheck", "eager_factor", "paired",
+__all__ = ["FACTOR_ROUNDS", "MAX_ROUNDS", "MAX_TRIES", "NEAR", "ROUNDS", "STEP_MARGIN", "WARMUP", "LatencyCheck", "eager_factor", "paired",
            "paired_ratio", "torch_forward_backward", "update_overhead_s", "update_times"]
 
-# NOTE: paired rounds per measurement: the median of 7 ratios moves by a point or two here
-ROUNDS = 7
-# NOTE: more rounds, up to MAX_ROUNDS, while the ratios' interquartile range is over SETTLED of
-# their median: the median of 7 noisy rounds can be a few percent off, the limit's whole margin
-MAX_ROUNDS = 21
-SETTLED = 0.04
-WARMUP = 1
 # NOTE: plans made in all (the first included) before falling back to the eager plan
 MAX_TRIES = 3
 # NOTE: the eager factor's rounds: its error lands on every try's ratio
@@ -86,12 +82,6 @@ class Measured:
                 "peak_bytes": self.peak_bytes}
 
 
-def _runner(graph: Graph, cm):
-    from .execute.synthetic import SyntheticRunner
-
-    return SyntheticRunner(graph, cm.device, cm._graph_facts(graph)[1])
-
-
 def _batch_inputs(graph: Graph, batch) -> dict:
     """The user's batch tensors by ``graph`` input id ({} without a batch).
 
@@ -111,51 +101,6 @@ def _batch_inputs(graph: Graph, batch) -> dict:
     return {vid: leaves[s.key] for vid, s in zip(graph.inputs, input_specs(graph))
             if s.kind == "batch" and isinstance(leaves[s.key], torch.Tensor)
             and graph.values[vid].storage not in written}
-
-
-def _timed(ex, runner, graph: Graph, real: dict | None = None) -> float:
-    """Seconds of one step of ``ex`` on fresh synthetic inputs (``real``'s where given): what
-    the executor does in a user's step, the binding checks, the env's set-up and release and
-    the write-back included (``Executor.run_bound``).
-
-    NOTE: around the plan itself the executor checks and binds every input, writes each
-    gradient and state back and drops the env: ~1 ms a step on T5 (750 inputs), 0.65% of
-    it, which the user's step pays and a check that timed the plan alone read under."""
-    from .execute.executor import check_bound
-    from .execute.synthetic import no_subnormals
-
-    env = runner.values(graph.inputs)
-    for vid, t in (real or {}).items():
-        env[vid] = t
-    inputs = [env[v] for v in graph.inputs]
-    # NOTE: the model and the optimizer hold these in a user's step: only the step's own
-    # values are freed at its end
-    held = list(inputs)
-    del env
-    specs, sink = ex.input_specs, {}
-    outputs = list(graph.outputs.items())
-
-    def write_back() -> None:
-        env = ex.env
-        for key, vid in outputs:
-            sink[key.partition(":")[2]] = env[vid]
-
-    if cm_sync := getattr(runner.device, "type", "cpu") == "cuda":
-        torch.cuda.synchronize()
-    # NOTE: a whole step on synthetic inputs makes subnormal floats a real batch does not
-    # (``execute.synthetic.no_subnormals``): timed with them, Gemma-2's eager plan read 2.2x
-    # eager PyTorch on the real batch, 1.0x with them flushed
-    with no_subnormals():
-        t0 = time.perf_counter()
-        check_bound(specs, inputs)
-        loss = ex.run_bound(inputs, write_back)
-        if cm_sync:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    # NOTE: the loss, gradients and state outlive a user's step (their .grad, the optimizer)
-    del loss, held
-    sink.clear()
-    return dt
 
 
 def _torch_optimizer(nodes, env: list):
@@ -303,42 +248,6 @@ def eager_factor(base: Graph, cm, torch_forward_backward, optimizer_s: float,
     # rounds in one order, BART's and BEiT's checks read 0.99x for plans simulated at 1.10x,
     # which the sweep's paired rounds then measured at 1.115x and 1.105x
     return paired(plan_s, lambda: torch_forward_backward() + optimizer_s, rounds)[0]
-
-
-def _unsettled(ratios: list[float]) -> bool:
-    """Whether the middle half of the ratios spans more than ``SETTLED``: a busy machine
-    (another process, frequency changes) spreads single rounds by tens of percent."""
-    q = statistics.quantiles(ratios, n=4)
-    return (q[2] - q[0]) / statistics.median(ratios) > SETTLED
-
-
-def paired(timed, reference, rounds: int = ROUNDS, warmup: int = WARMUP,
-           reference_offset_s: float = 0.0, undecided=None) -> tuple[float, float]:
-    """(median, spread) of ``timed()`` over ``reference()`` (each returns its seconds) in
-    ``rounds`` paired rounds after ``warmup``, more while they are unsettled (``_unsettled``)
-    or ``undecided(median)`` says the median is too close to call, up to ``MAX_ROUNDS``: the
-    reference first, then the other order (neither always runs on the other's warm caches);
-    spread = (max - min) / median of the ratios.
-    ``reference_offset_s`` is taken off each reference time (at most half of it).
-
-    Example:
-        >>> ratio, spread = paired(lambda: 2.0, lambda: 1.0, rounds=3)
-        >>> ratio, spread
-        (2.0, 0.0)
-    """
-    runs = (("ref", reference), ("timed", timed))
-    ratios: list[float] = []
-    r = 0
-    while r < warmup + rounds or (r < warmup + MAX_ROUNDS and (
-            _unsettled(ratios) or (undecided is not None
-                                   and undecided(statistics.median(ratios))))):
-        order = runs if r % 2 == 0 else runs[::-1]
-        r += 1
-        t = {name: fn() for name, fn in order}
-        if r > warmup:
-            ratios.append(t["timed"] / max(t["ref"] - reference_offset_s, t["ref"] / 2))
-    med = statistics.median(ratios)
-    return med, (max(ratios) - min(ratios)) / med
 
 
 def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS,
