@@ -192,6 +192,11 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     assert wins(rows) == 1
     table = markdown(rows)
     assert "auto's plan made again (+20.0% peak)" in table and "| +1.0% |" in table
+    # NOTE: budget mode timed the search's plan against auto's and kept auto's: said
+    timed = dict(again, kind="budget", confirmed={"rules": ["inverse_pairs"],
+                                                  "measured_over_auto": 1.01, "kept": "auto"})
+    assert "fission (timed 1.010× auto's; inverse_pairs dropped)" in markdown(
+        [dict(timed, gain=gain(timed))])
 
 
 def test_a_plans_own_graph_is_planned_again_as_a_candidate():

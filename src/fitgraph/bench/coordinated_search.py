@@ -19,7 +19,8 @@ the step time in interleaved rounds, each plan's step between two eager steps
 (``harness._time_rounds``). A row gives both plans' measured peak and step time (as fractions
 of eager's), the search's over auto's (paired: the median over rounds of each one's step over
 the eager steps around it), the rules of the search's plan and what they changed
-(``notes["candidates"]``), and its winner; where the search returns auto's very plan (same
+(``notes["candidates"]``), and its winner (in budget mode with the search's own timing of its
+plan against auto's, where it replaced it: ``notes["confirmed"]``); where the search returns auto's very plan (same
 graph, same instructions) the gain is 0 by definition, whatever the rounds measured. With
 ``--rules``: each rule alone on each captured step, its eager plan simulated (``rule_rows``).
 Plans follow the cost cache's numbers: where its entries were measured in different states of
@@ -183,7 +184,7 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
         if "search" in sols:
             notes = sols["search"].notes
             row.update(rules=notes.get("rules", []), winner=notes.get("winner"),
-                       candidates=notes.get("candidates", []))
+                       candidates=notes.get("candidates", []), confirmed=notes.get("confirmed"))
         row["gain"] = gain(row)
         rows.append(row)
         progress(json.dumps(row))
@@ -239,8 +240,19 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {what} | {_cell(r, 'auto')} | {_cell(r, 'search')} | "
                      f"{won} | {'—' if own is None else f'{100 * own:+.1f}%'} | "
                      f"{', '.join(r.get('rules', [])) or '—'} | "
-                     f"{r.get('winner') or '—'} | {rule_effects(r)} |")
+                     f"{_winner(r)} | {rule_effects(r)} |")
     return "\n".join(lines)
+
+
+def _winner(row: dict) -> str:
+    """What made the search's plan, and where budget mode timed a candidate's plan against
+    auto's inside the search (``notes["confirmed"]``), that ratio and which plan it kept."""
+    out = row.get("winner") or "—"
+    c = row.get("confirmed")
+    if c:
+        kept = "" if c["kept"] == "search" else f"; {' + '.join(c['rules']) or 'its order'} dropped"
+        out += f" (timed {c['measured_over_auto']:.3f}× auto's{kept})"
+    return out
 
 
 def rule_rows(models: list[str]) -> list[dict]:
