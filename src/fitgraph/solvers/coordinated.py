@@ -112,8 +112,8 @@ HALF = " (half)"
 # than the one auto's fission went on with (``first_splits``: each region's best part count),
 # planned by auto (which may split its parts further): fission's greedy commits to the split
 # its estimates rank first, and near-equal estimates rank differently from run to run (Llama
-# small within 1.05x: the whole step in 4 parts, 0.38 of eager's peak, in one process; the
-# loss alone in 4 parts, 0.59, in the next). Their names on the path: this prefix + the split
+# small within 1.05x: 701 nodes grown from the loss in 4 parts, 0.38 of eager's peak, in one
+# process; the loss's 12 nodes in 4 parts, 0.59, in the next). Their names on the path: this prefix + the split
 SPLIT = "fission: "
 # NOTE: at most this many of them (one each from the best-ranked regions)
 SPLITS = 3
