@@ -20,8 +20,9 @@ the step time in interleaved rounds, each plan's step between two eager steps
 of eager's), the search's over auto's (paired: the median over rounds of each one's step over
 the eager steps around it), the rules of the search's plan and what they changed
 (``notes["candidates"]``), and its winner (in budget mode with the search's own timing of its
-plan against auto's, where it replaced it: ``notes["confirmed"]``); where the search returns auto's very plan (same
-graph, same instructions) the gain is 0 by definition, whatever the rounds measured. With
+plan against auto's, where it replaced it: ``notes["confirmed"]``); where the search returns
+auto's very plan (same graph, same instructions) the gain is 0 by definition, whatever the
+rounds measured. With
 ``--rules``: each rule alone on each captured step, its eager plan simulated (``rule_rows``).
 Plans follow the cost cache's numbers: where its entries were measured in different states of
 the machine (a split graph's parts under load, the captured ops quiet), a plan simulates far

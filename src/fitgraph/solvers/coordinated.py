@@ -5,35 +5,35 @@ transformation and scheduling").
 MAGIS mutates the graph with rules, schedules each candidate for memory, simulates it and keeps
 the best, in a relaxed best-first search under a time budget. Here a candidate is a graph made
 from the captured one by composing rewrite rules (``transform.rules.RULES``: each rewrites all
-its matches at once), planned by ``auto`` (which itself composes hotspot's remat and
-reordering, masks as bits, offloading and operator fission) and judged by the simulator. The
-first candidate is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the
-time budget: ``search`` is never worse than that plan. Every later candidate is planned by auto
-within ``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates. The
-frontier is expanded best first (budget mode: the fastest plan within the budget; latency mode:
-the least peak within the limit; an infeasible candidate ranks by the least peak it reached);
-each expansion first takes the graph the candidate's plan runs, where auto rewrote it
-(fission's splits, masks as bits, chunked updates), as a candidate of its own (``AGAIN``: auto
-plans it again, on its measured costs, and its fission may split the parts further), then
-its graph planned with the choice auto made greedily the other way (``MASKS``: the dropout
-masks kept as bits, or kept full, on which fission then splits; descendants keep the choice),
-then applies every rule not yet applied on that path that matches, those whose matches save the most
-bytes first — where a rule with two or more matches does not pay on that candidate, on the half
-of them that save the most bytes (``HALF``: MAGIS mutates a match at a time). The captured
-graph's expansion also takes fission's other first-round splits (``SPLIT``: each region's best
-part count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each
-planned by auto; a graph seen before (``graph_fingerprint``) is skipped. A rewritten graph's plan replaces the best only
-where it is better by the simulator — in budget mode by ``TIME_MARGIN`` of the step time, since
-simulated times are estimates and peaks are not — and a rewritten graph is planned without
-auto's fallbacks for a missed budget (its minutes-long ``split_backward``), so the search keeps
-to its deadline. Then the best plan's drop set is re-planned over the exact scheduler's order
-(``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's (or fission's
-remat on its split graph). Last, in budget mode, where the cost model measures on this
-machine, a plan that replaced auto's is kept only where it also measures ``TIME_MARGIN``
+its matches at once), planned by ``auto`` (which itself composes hotspot's remat and reordering,
+masks as bits, offloading and operator fission) and judged by the simulator. The first candidate
+is the captured graph itself, planned by ``auto`` with ``AUTO_SHARE`` of the time budget:
+``search`` is never worse than that plan. Every later candidate is planned by auto within
+``CANDIDATE_S`` (or that share, where less): a larger budget tries more candidates. The frontier
+is expanded best first (budget mode: the fastest plan within the budget; latency mode: the least
+peak within the limit; an infeasible candidate ranks by the least peak it reached); each
+expansion first takes the graph the candidate's plan runs, where auto rewrote it (fission's
+splits, masks as bits, chunked updates), as a candidate of its own (``AGAIN``: auto plans it
+again, on its measured costs, and its fission may split the parts further), then its graph
+planned with the choice auto made greedily the other way (``MASKS``: the dropout masks kept as
+bits, or kept full, on which fission then splits; descendants keep the choice), then applies
+every rule not yet applied on that path that matches, those whose matches save the most bytes
+first — where a rule with two or more matches does not pay on that candidate, on the half of
+them that save the most bytes (``HALF``: MAGIS mutates a match at a time). The captured graph's
+expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
+count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
+by auto; a graph seen before (``graph_fingerprint``) is skipped. A rewritten graph's plan
+replaces the best only where it is better by the simulator — in budget mode by ``TIME_MARGIN``
+of the step time, since simulated times are estimates and peaks are not — and a rewritten graph
+is planned without auto's fallbacks for a missed budget (its minutes-long ``split_backward``),
+so the search keeps to its deadline. Then the best plan's drop set is re-planned over the exact
+scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's
+(or fission's remat on its split graph). Last, in budget mode, where the cost model measures on
+this machine, a plan that replaced auto's is kept only where it also measures ``TIME_MARGIN``
 faster than auto's, in paired rounds of both steps (``_confirmed``, ``notes["confirmed"]``).
-``notes["candidates"]`` lists every candidate (its rules, what each
-rule's matches change, its peak and latency or why it failed), ``notes["rules"]`` the winner's
-rules, ``notes["winner"]`` what made its plan.
+``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
+peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
+what made its plan.
 
 Deterministic as its parts: only the deadline (``time_budget_s``, on the planning clock:
 ``cost.clock``) cuts it short, and budget mode's measured check decides on this machine's
@@ -113,7 +113,8 @@ HALF = " (half)"
 # planned by auto (which may split its parts further): fission's greedy commits to the split
 # its estimates rank first, and near-equal estimates rank differently from run to run (Llama
 # small within 1.05x: 701 nodes grown from the loss in 4 parts, 0.38 of eager's peak, in one
-# process; the loss's 12 nodes in 4 parts, 0.59, in the next). Their names on the path: this prefix + the split
+# process; the loss's 12 nodes in 4 parts, 0.59, in the next). Their names on the path: this
+# prefix + the split
 SPLIT = "fission: "
 # NOTE: at most this many of them (one each from the best-ranked regions)
 SPLITS = 3
