@@ -158,3 +158,13 @@ def assert_like_reference(got: dict, ref_params: dict, noise: dict, steps: int,
         torch.testing.assert_close(got[n][keep], ref[keep], rtol=1e-5, atol=1e-9, msg=n)
         assert (got[n] - ref).abs().max() <= 2 * steps * lr, n
 
+
+
+def classifier_mlp(d_in: int, hidden: int, classes: int, rows: int, act=torch.nn.ReLU):
+    """A two-layer classifier whose cross-entropy loss over ``classes`` dominates its peak:
+    (model, batch, loss_fn), seeded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), act(),
+                                torch.nn.Linear(hidden, classes))
+    batch = (torch.randn(rows, d_in), torch.randint(0, classes, (rows,)))
+    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])

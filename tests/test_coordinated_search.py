@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 import torch
-from helpers import assert_split_like_eager
+from helpers import assert_split_like_eager, classifier_mlp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_graph_plan_sim import random_graphs
@@ -375,11 +375,7 @@ def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
 
 
 def _loss_model():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 4096))
-    batch = (torch.randn(512, 16), torch.randint(0, 4096, (512,)))
-    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    return classifier_mlp(16, 256, 4096, 512)
 
 
 def test_fission_first_splits_are_each_regions_best_within_the_limit():
@@ -486,3 +482,25 @@ def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monke
     # NOTE: nothing to confirm where the cost model does not measure, or auto's plan stands
     s = solve(Problem(g, roofline, budget_bytes=budget, time_budget_s=30), "search")
     assert "confirmed" not in s.notes
+
+
+def test_a_graph_whose_eager_step_is_over_the_limit_is_not_expanded(monkeypatch):
+    """A candidate whose eager step is over the latency limit plans nothing, and nothing made
+    from it would start any lower: the search tries it and goes on from the others."""
+    from fitgraph.solvers import coordinated
+
+    torch.manual_seed(0)
+    g = fitgraph.capture(Scaled(8, 4, 2, 0.125, divide=False), torch.randn(2, 64, 8))
+    real = coordinated._plan
+
+    def over(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback=False):
+        if rules:   # NOTE: every rewritten graph over the limit
+            return real(problem, graph, rules, changes, time_s, 0.0, budget_mode)
+        return real(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback)
+
+    monkeypatch.setattr(coordinated, "_plan", over)
+    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
+    cands = s.notes["candidates"]
+    assert len(cands) > 1 and s.notes["rules"] == []
+    assert all(c["failed"] == "its eager step is over the latency limit" for c in cands[1:])
+    assert all(len(c["rules"]) == 1 for c in cands[1:])

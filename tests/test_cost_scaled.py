@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import classifier_mlp
 
 import fitgraph
 from fitgraph import zoo
@@ -94,11 +95,7 @@ class CountingProfiler(ProfiledCostModel):
 
 
 def _loss_heavy_mlp():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
-                                torch.nn.Linear(128, 2048))
-    batch = (torch.randn(256, 32), torch.randint(0, 2048, (256,)))
-    return model, batch, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    return classifier_mlp(32, 128, 2048, 256, torch.nn.GELU)
 
 
 def test_fission_search_profiles_only_the_graph_it_picks(tmp_path):

@@ -131,6 +131,13 @@ class _Candidate:
     # NOTE: auto's own error where it missed the budget (its least-peak plan rides on it)
     infeasible: BudgetInfeasible | None = field(compare=False, default=None)
 
+    @property
+    def dead_end(self) -> bool:
+        """No plan and no least peak: its eager step is over the latency limit, and the search
+        does not expand it (Llama small within 1.05x: six rules' candidates on three such
+        graphs, every one over the limit too)."""
+        return self.solution is None and self.rank[1] == float("inf")
+
     def summary(self) -> dict:
         out: dict = {"rules": list(self.rules), "changes": self.changes}
         if self.solution is not None:
@@ -204,7 +211,8 @@ def solve_search(problem: Problem) -> Solution:
                 if child is None:
                     continue
                 tried.append(child)
-                heapq.heappush(frontier, child)
+                if not child.dead_end:
+                    heapq.heappush(frontier, child)
                 if _better(child, best, budget_mode):
                     best = child
                 if progress.enabled():
