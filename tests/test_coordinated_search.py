@@ -245,7 +245,7 @@ def test_a_larger_budget_tries_more_candidates_not_longer_ones(monkeypatch):
     monkeypatch.setattr(coordinated, "_plan", timed_plan)
     torch.manual_seed(0)
     g = fitgraph.capture(Packed(8, [16, 16, 16], True, 2), torch.randn(2, 32, 8))
-    s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=90), "search")
+    s = solve(Problem(g, CPU, latency_limit=1.5, time_budget_s=90), "search")
     assert given_s[0] == AUTO_SHARE * 90
     assert len(given_s) > 2 and all(t <= coordinated.CANDIDATE_S for t in given_s[1:])
     assert len(s.notes["candidates"]) == len(given_s)
