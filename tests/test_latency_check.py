@@ -120,8 +120,10 @@ def test_the_eager_baseline_is_torchs_own_step_over_the_same_tensors(make):
 def test_the_offset_is_taken_off_the_eager_time(monkeypatch):
     """A plan timed at 1.0x the eager plan is over 1.0x eager PyTorch when the executor spends
     time eager does not: the offset raises the measured ratio (scripted timings)."""
+    from fitgraph.cost import plan_timing
+
     times = iter([1.0, 1.0] * 20)
-    monkeypatch.setattr(latency_check, "_timed", lambda ex, runner, g, real=None: next(times))
+    monkeypatch.setattr(plan_timing, "timed_step", lambda ex, runner, g, real=None: next(times))
     model, batch, lf = _case()
     g = fitgraph.capture(model, batch, lf)
     from fitgraph.cost.profiler import ProfiledCostModel
@@ -211,13 +213,15 @@ def test_the_synthetic_steps_run_with_subnormal_floats_flushed():
 def test_the_plan_is_timed_on_the_users_batch_and_leaves_it_as_it_was(monkeypatch):
     """Synthetic token ids and masks time data-dependent kernels otherwise than the user's
     batch does: the batch's tensors are the user's own, every other input synthetic."""
+    from fitgraph.cost import plan_timing
+
     seen = []
-    real_timed = latency_check._timed
+    real_timed = plan_timing.timed_step
 
     def spy(ex, runner, g, real=None):
         seen.append(real)
         return real_timed(ex, runner, g, real)
-    monkeypatch.setattr(latency_check, "_timed", spy)
+    monkeypatch.setattr(plan_timing, "timed_step", spy)
     model, batch, lf = _case()
     g = fitgraph.capture(model, batch, lf)
     from fitgraph.cost.profiler import ProfiledCostModel

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import progress
-from .cost.plan_timing import MAX_ROUNDS, ROUNDS, WARMUP, paired
+from .cost.plan_timing import MAX_ROUNDS, ROUNDS, WARMUP, paired, plans_ratio
 from .cost.plan_timing import runner as _runner
 from .cost.plan_timing import timed_step as _timed
 from .graph.ir import Graph
@@ -257,17 +257,8 @@ def paired_ratio(base: Graph, graph: Graph, plan: Plan, cm, rounds: int = ROUNDS
     (``paired``), each step on fresh synthetic inputs (the user's ``batch``, where given, for
     the batch). ``eager_offset_s`` is taken off each eager time: what the executor spends
     that eager PyTorch does not (``update_overhead_s``)."""
-    from .execute.executor import Executor
-
-    eager = Executor(base, eager_plan(base), model=None)
-    planned = Executor(graph, plan, model=None)
-    eager_runner, planned_runner = _runner(base, cm), _runner(graph, cm)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        real_p, real_e = _batch_inputs(graph, batch), _batch_inputs(base, batch)
-        return paired(lambda: _timed(planned, planned_runner, graph, real_p),
-                      lambda: _timed(eager, eager_runner, base, real_e), rounds, warmup,
-                      eager_offset_s, undecided)
+    return plans_ratio(graph, plan, base, eager_plan(base), cm, rounds, warmup, eager_offset_s,
+                       _batch_inputs(graph, batch), _batch_inputs(base, batch), undecided)
 
 
 @dataclass

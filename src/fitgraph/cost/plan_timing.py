@@ -131,16 +131,19 @@ def paired(timed, reference, rounds: int = ROUNDS, warmup: int = WARMUP,
 
 
 def plans_ratio(graph: Graph, plan: Plan, other_graph: Graph, other_plan: Plan, cm,
-                rounds: int = ROUNDS) -> tuple[float, float]:
+                rounds: int = ROUNDS, warmup: int = WARMUP, other_offset_s: float = 0.0,
+                real: dict | None = None, other_real: dict | None = None,
+                undecided=None) -> tuple[float, float]:
     """(median, spread) of ``plan``'s step on ``graph`` over ``other_plan``'s on
-    ``other_graph`` (``paired``), each on the same synthetic inputs made once (``cm``: a
-    ``ProfiledCostModel``, whose device and input facts make them)."""
+    ``other_graph`` (``paired``; ``other_offset_s`` taken off each of the other's times), each
+    step on fresh synthetic inputs (``real``'s / ``other_real``'s tensors, by input id, where
+    given); ``cm``: a ``ProfiledCostModel``, whose device and input facts make them."""
     from ..execute.executor import Executor
 
     a, b = Executor(graph, plan, model=None), Executor(other_graph, other_plan, model=None)
     run_a, run_b = runner(graph, cm), runner(other_graph, cm)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return paired(lambda: timed_step(a, run_a, graph), lambda: timed_step(b, run_b,
-                                                                              other_graph),
-                      rounds)
+        return paired(lambda: timed_step(a, run_a, graph, real),
+                      lambda: timed_step(b, run_b, other_graph, other_real), rounds, warmup,
+                      other_offset_s, undecided)
