@@ -185,14 +185,12 @@ def solve_search(problem: Problem) -> Solution:
     rules = [r for r in RULES.values() if r.exact or not problem.exact]
     cm = problem.cost_model
     cm.prepare(problem.graph)
-    limit_s = None
-    if not budget_mode:
-        limit_s = problem.latency_limit * simulate(problem.graph, eager_plan(problem.graph),
-                                                   cm).latency_s
+    eager_s = simulate(problem.graph, eager_plan(problem.graph), cm).latency_s
+    limit_s = None if budget_mode else problem.latency_limit * eager_s
     with progress.stage("search: auto on the captured graph"):
         first = _plan(problem, problem.graph, (), {}, first_s, limit_s, budget_mode,
                       fallback=True)
-    splits = _split_moves(problem, first, min(each_s, deadline - planning_now()))
+    splits = _split_moves(problem, first, eager_s, min(each_s, deadline - planning_now()))
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
     while frontier and deadline - planning_now() > MIN_CANDIDATE_S:
@@ -303,15 +301,16 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
     return moves
 
 
-def _split_moves(problem: Problem, first: _Candidate, time_s: float) -> list[_Move]:
+def _split_moves(problem: Problem, first: _Candidate, eager_s: float,
+                 time_s: float) -> list[_Move]:
     """The moves from the captured graph to fission's other first-round splits (``SPLIT``),
     weighed within ``time_s``; none where the problem is exact (fission sums in parts) or, in
-    budget mode, where auto's plan is as fast as the eager plan (no split plan is faster)."""
+    budget mode, where auto's plan is as fast as the eager plan (``eager_s``: no split plan is
+    faster)."""
     sol = first.solution
     if time_s <= MIN_CANDIDATE_S or problem.exact:
         return []
-    if problem.budget_bytes is not None and sol is not None and sol.sim.latency_s <= simulate(
-            problem.graph, eager_plan(problem.graph), problem.cost_model).latency_s:
+    if problem.budget_bytes is not None and sol is not None and sol.sim.latency_s <= eager_s:
         return []
     own = tuple(sol.notes.get("splits", [])[:1]) if sol is not None else ()
     with progress.stage("search: fission's first splits"):
