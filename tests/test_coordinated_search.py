@@ -160,8 +160,83 @@ def test_rules_that_save_the_most_bytes_are_tried_first():
 
     rules = [rule("none", []), rule("small", [1, 2]), rule("big", [10]),
              rule("negative", [-5]), rule("done", [100])]
-    parent = _Candidate((0,), None, ("done",), None, None)
-    assert [r.name for r, _ in _promising_first(parent, rules)] == ["big", "small", "negative"]
+    parent = _Candidate((0,), object(), ("done",), None, None)
+    assert [r.name for r, _, _ in _promising_first(parent, rules)] == [
+        "big", "small", "negative"]
+
+
+def test_a_rule_rewrites_the_graph_its_parents_plan_ran():
+    """Where auto's plan ran a graph it rewrote (fission's splits, masks as bits), a rule that
+    matches there rewrites that graph (auto's splits kept: a candidate's few seconds seldom
+    reach fission again); a rule that matches only the parent's own graph rewrites that."""
+    from types import SimpleNamespace
+
+    from fitgraph.solvers.coordinated import ON_PLANNED, _Candidate, _moves
+    from fitgraph.transform.rules import Rule
+
+    own, split = object(), object()
+    made = []
+
+    def rule(name, on):
+        match = type("M", (), {"bytes_saved": 1, "flops_saved": 0.0})()
+        return Rule(name, lambda g: [match] if g in on else [],
+                    lambda g, matches=None: made.append((name, g)) or g, exact=True,
+                    changes="")
+
+    rules = [rule("both", (own, split)), rule("own only", (own,)), rule("split only", (split,))]
+    sol = SimpleNamespace(graph=split, notes={"winner": "fission"}, solver="auto")
+    parent = _Candidate((0,), own, (), sol, None)
+    moves = {m.name: m for m in _moves(parent, rules)}
+    for name in ("both", "own only", "split only"):
+        moves[name].make()
+    assert made == [("both", split), ("own only", own), ("split only", split)]
+    assert moves["both"].change["on"] == ON_PLANNED and "on" not in moves["own only"].change
+    # NOTE: a plan on the parent's own graph: every rule rewrites that
+    made.clear()
+    plain = _Candidate((0,), own, (), SimpleNamespace(graph=None, notes={}, solver="hotspot"),
+                       None)
+    for m in _moves(plain, rules):
+        m.make()
+    assert made == [("both", own), ("own only", own)]
+
+
+class _ScoresHead(torch.nn.Module):
+    """Scaled attention scores (scale_across_matmul matches) under a wide classifier head
+    (fission splits its loss)."""
+
+    def __init__(self, d=16, vocab=2048):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        s = (self.q(x) @ self.k(x).transpose(-2, -1)) * 0.25
+        return self.head(s.softmax(-1) @ self.v(x))
+
+
+def test_a_rule_on_autos_split_graph_plans_a_step_like_eager():
+    from fitgraph.solvers.coordinated import ON_PLANNED, _Candidate, _moves
+    from fitgraph.transform.rules import RULES
+
+    torch.manual_seed(0)
+    model = _ScoresHead()
+    batch = (torch.randn(8, 64, 16), torch.randint(0, 2048, (8, 64)))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+
+    g = fitgraph.capture(model, batch, loss_fn)
+    sol = solve(Problem(g, CPU, latency_limit=1.5), "auto")
+    assert sol.notes["winner"] == "fission" and sol.graph is not None
+    rule = RULES["scale_across_matmul"]
+    move = next(m for m in _moves(_Candidate((0,), g, (), sol, None), [rule])
+                if m.name == rule.name)
+    assert move.change["on"] == ON_PLANNED
+    rewritten = move.make()
+    assert rule.find(rewritten) == [] and len(rewritten.nodes) > len(g.nodes)
+    again = solve(Problem(rewritten, CPU, latency_limit=1.5), "auto")
+    assert_split_like_eager(g, again.graph_for(rewritten), model, batch, plan=again.plan,
+                            atol=1e-5)
 
 
 def test_the_bench_counts_auto_made_again_as_no_gain():
@@ -278,7 +353,7 @@ def test_a_rule_that_does_not_pay_is_tried_on_its_better_half():
                     exact=True, changes="")
 
     rules = [rule("three", [1, 5, 3]), rule("one", [100]), rule("two", [2, 8])]
-    parent = _Candidate((0,), None, (), None, None)
+    parent = _Candidate((0,), object(), (), None, None)
     moves = _moves(parent, rules)
     assert [m.name for m in moves] == ["one", "two", "three"]
     assert [m.half and m.half.name for m in moves] == [None, "two" + HALF, "three" + HALF]
@@ -287,7 +362,7 @@ def test_a_rule_that_does_not_pay_is_tried_on_its_better_half():
         m.make(), m.half.make()
     assert [[m.bytes_saved for m in ms] for ms in given["three"]] == [[1, 5, 3], [5, 3]]
     assert [[m.bytes_saved for m in ms] for ms in given["two"]] == [[2, 8], [8]]
-    halfway = _Candidate((0,), None, ("two" + HALF,), None, None)
+    halfway = _Candidate((0,), object(), ("two" + HALF,), None, None)
     assert [m.name for m in _moves(halfway, rules)] == ["one", "three"]
 
 

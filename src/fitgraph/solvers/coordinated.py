@@ -17,8 +17,9 @@ splits, masks as bits, chunked updates), as a candidate of its own (``AGAIN``: a
 again, on its measured costs, and its fission may split the parts further), then its graph
 planned with the choice auto made greedily the other way (``MASKS``: the dropout masks kept as
 bits, or kept full, on which fission then splits; descendants keep the choice), then applies
-every rule not yet applied on that path that matches, those whose matches save the most bytes
-first — where a rule with two or more matches does not pay on that candidate, on the half of
+every rule not yet applied on that path that matches — to the graph the candidate's plan runs
+where auto rewrote it and the rule matches there (``ON_PLANNED``: auto's splits kept), else to
+the candidate's graph — those whose matches save the most bytes first — where a rule with two or more matches does not pay on that candidate, on the half of
 them that save the most bytes (``HALF``: MAGIS mutates a match at a time). The captured graph's
 expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
@@ -120,6 +121,12 @@ HALF = " (half)"
 SPLIT = "fission: "
 # NOTE: at most this many of them (one each from the best-ranked regions)
 SPLITS = 3
+# NOTE: a rule rewrites the graph its parent's plan runs where auto rewrote it (fission's
+# splits, masks as bits; where the rule matches there), not the parent's own: a candidate gets
+# at most CANDIDATE_S, in which auto on the rule's rewrite of the captured graph seldom gets as
+# far as fission again (GPT-2 small within 1.05x: scale_across_matmul on the captured graph,
+# 0.77 of eager's peak, hotspot alone in 10 s; on auto's split graph 0.43 in 4.5 s, auto's 0.43)
+ON_PLANNED = "the graph auto's plan ran"
 # NOTE: budget mode, where the cost model measures: at most this many candidates' steps timed
 # against auto's (those that simulate faster, fastest first), the fastest measured kept: the
 # simulated order of steps a few % apart is not the measured one (GPT-2 small at 0.8 of its
@@ -248,16 +255,25 @@ def solve_search(problem: Problem) -> Solution:
                     notes, sol.graph_for(best.graph) if best.rules or sol.graph else None)
 
 
-def _promising_first(parent: _Candidate, rules: list[Rule]) -> list[tuple[Rule, list]]:
-    """The rules not yet applied on ``parent``'s path (whole or half) that match its graph,
-    with their matches, those that save the most bytes first (then the most FLOPs; ties in
-    registry order): where the deadline leaves time for a few candidates only, they are the
-    ones that can move the peak (or the step)."""
+def _promising_first(parent: _Candidate, rules: list[Rule]
+                     ) -> list[tuple[Rule, Graph, list]]:
+    """The rules not yet applied on ``parent``'s path (whole or half) that match, each with
+    the graph it rewrites and its matches there — the graph ``parent``'s plan runs where auto
+    rewrote it (``ON_PLANNED``), else ``parent``'s own — those that save the most bytes first
+    (then the most FLOPs; ties in registry order): where the deadline leaves time for a few
+    candidates only, they are the ones that can move the peak (or the step)."""
     applied = {name.removesuffix(HALF) for name in parent.rules}
-    found = [(r, r.find(parent.graph)) for r in rules if r.name not in applied]
-    found = [(r, ms) for r, ms in found if ms]
-    return sorted(found, key=lambda f: (-sum(m.bytes_saved for m in f[1]),
-                                        -sum(m.flops_saved for m in f[1])))
+    sol = parent.solution
+    graphs = [g for g in (sol.graph if sol is not None else None, parent.graph) if g is not None]
+    found = []
+    for r in rules:
+        if r.name in applied:
+            continue
+        on = next(((g, ms) for g in graphs if (ms := r.find(g))), None)
+        if on is not None:
+            found.append((r, *on))
+    return sorted(found, key=lambda f: (-sum(m.bytes_saved for m in f[2]),
+                                        -sum(m.flops_saved for m in f[2])))
 
 
 def _half(matches: list) -> list:
@@ -298,14 +314,18 @@ def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
         on = not sol.notes.get("masks_as_bits", False)
         moves.append(_Move(MASKS[on], lambda: parent.graph, {"masks_as_bits": on}))
 
-    def rewrite(rule: Rule, matches: list, suffix: str = "", half: _Move | None = None):
-        return _Move(rule.name + suffix, lambda: rule.rewrite(parent.graph, matches=matches), {
-            "matches": len(matches), "bytes_saved": sum(m.bytes_saved for m in matches),
-            "flops_saved": sum(m.flops_saved for m in matches)}, half)
+    def rewrite(rule: Rule, graph: Graph, matches: list, suffix: str = "",
+                half: _Move | None = None):
+        change = {"matches": len(matches), "bytes_saved": sum(m.bytes_saved for m in matches),
+                  "flops_saved": sum(m.flops_saved for m in matches)}
+        if graph is not parent.graph:
+            change["on"] = ON_PLANNED
+        return _Move(rule.name + suffix, lambda: rule.rewrite(graph, matches=matches), change,
+                     half)
 
-    for rule, matches in _promising_first(parent, rules):
-        half = rewrite(rule, _half(matches), HALF) if len(matches) > 1 else None
-        moves.append(rewrite(rule, matches, half=half))
+    for rule, graph, matches in _promising_first(parent, rules):
+        half = rewrite(rule, graph, _half(matches), HALF) if len(matches) > 1 else None
+        moves.append(rewrite(rule, graph, matches, half=half))
     return moves
 
 
