@@ -233,8 +233,8 @@ def wins(rows: list[dict]) -> int:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | constraint | auto: peak / step | search: peak / step | search's gain | "
-             "over its first candidate (timed, else simulated) | rules in the search's plan | its winner | "
-             "each rule alone (simulated) |",
+             "over its first candidate (timed, else simulated) | rules in the search's plan | "
+             "its winner | each rule alone (simulated) |",
              "|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         what = (f"budget {r['value']:g}" if r["kind"] == "budget" else f"latency ≤ {r['value']:g}×")
@@ -352,8 +352,8 @@ def write(args, rows: list[dict], torch_version: str) -> str:
     worse = sum(r["gain"] is not None and r["gain"] < -0.01 for r in rows)
     again = sum(map(replanned, rows))
     summary = (f"{len(rows)} cases: the search gains ≥ 3% (measured over auto, and over its own "
-               f"first candidate as the search timed it or simulated it; or fits where auto does not) on "
-               f"{wins(rows)}, loses more than 1% on {worse} (measured); returns auto's plan "
+               f"first candidate as the search timed it or simulated it; or fits where auto "
+               f"does not) on {wins(rows)}, loses more than 1% on {worse} (measured); returns auto's plan "
                f"made again on {again}")
     if args.out:
         Path(args.out).write_text(json.dumps({

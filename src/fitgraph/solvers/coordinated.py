@@ -19,8 +19,9 @@ planned with the choice auto made greedily the other way (``MASKS``: the dropout
 bits, or kept full, on which fission then splits; descendants keep the choice), then applies
 every rule not yet applied on that path that matches — to the graph the candidate's plan runs
 where auto rewrote it and the rule matches there (``ON_PLANNED``: auto's splits kept), else to
-the candidate's graph — those whose matches save the most bytes first — where a rule with two or more matches does not pay on that candidate, on the half of
-them that save the most bytes (``HALF``: MAGIS mutates a match at a time). The captured graph's
+the candidate's graph — those whose matches save the most bytes first — where a rule with two
+or more matches does not pay on that candidate, on the half of them that save the most bytes
+(``HALF``: MAGIS mutates a match at a time). The captured graph's
 expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
 by auto; a graph seen before (``graph_fingerprint``) is skipped. A rewritten graph's plan
