@@ -76,8 +76,10 @@ def replanned(row: dict) -> bool:
     the exact scheduler's order. Planning on measured costs is not repeatable to the plan
     (fission's and hotspot's searches stop at a deadline; split graphs are profiled as they
     are picked), so such a row measures auto against itself, not the search."""
+    # NOTE: no winner: not the search's plan at all (optimize's latency check fell back to
+    # eager PyTorch, ``--latency-check``): measured as it is, a loss where it is one
     return (not row.get("same_plan") and "search_peak" in row and not row.get("rules")
-            and "exact order" not in str(row.get("winner")))
+            and row.get("winner") is not None and "exact order" not in str(row.get("winner")))
 
 
 def rule_effects(row: dict) -> str:
