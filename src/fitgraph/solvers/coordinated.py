@@ -441,12 +441,14 @@ def _contenders(first: _Candidate, best: _Candidate, tried: list[_Candidate]
     """The candidates worth timing against auto's plan (``first``): ``best`` where it is not
     ``first``, then those that simulate faster than ``first``, fastest first, one per simulated
     (peak, step) — a plan made again from another path simulates alike — ``MEASURED`` in all."""
-    out = [best] if best is not first and best.solution is not None else []
+    out = [best] if best is not first else []   # NOTE: a feasible first keeps best feasible
     seen = {_simulated(c) for c in [first, *out]}
     for c in sorted((c for c in tried if c.solution is not None
                      and c.solution.sim.latency_s < first.solution.sim.latency_s),
                     key=lambda c: c.solution.sim.latency_s):
-        if len(out) < MEASURED and _simulated(c) not in seen:
+        if len(out) == MEASURED:
+            break
+        if _simulated(c) not in seen:
             seen.add(_simulated(c))
             out.append(c)
     return out
