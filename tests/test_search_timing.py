@@ -1,6 +1,7 @@
 """How the coordinated search and its bench judge time: budget mode times its fastest candidates
-against auto's plan and keeps the fastest measured (``_confirmed``), and the bench counts a win
-only over auto and over the search's own first candidate (``own_gain``)."""
+against auto's plan and keeps the fastest measured, latency mode its lowest peaks against the
+eager plan's step and keeps the first within the limit's margin (``_confirmed``), and the bench
+counts a win only over auto and over the search's own first candidate (``own_gain``)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,50 @@ def test_budget_mode_keeps_the_fastest_measured_of_the_fastest_simulated():
     kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, first,
                              [first, slower])
     assert kept is first and notes is None and timed.asked == 6
+
+
+def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_margin():
+    """Latency mode: the candidates that simulate at a lower peak than auto's plan are timed
+    against the eager plan's step, lowest peak first (one per simulated peak and step,
+    ``MEASURED`` at most); the first measured within the limit less ``STEP_MARGIN`` — what
+    ``optimize``'s latency check keeps — is kept, else auto's plan (``first``)."""
+    from fitgraph.solvers.base import STEP_MARGIN
+    from fitgraph.solvers.coordinated import MEASURED, _Candidate, _confirmed, _rank
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    roofline = RooflineCostModel(get_device("rtx3090"))
+    sol = solve(Problem(g, roofline, latency_limit=1.10), "auto")
+
+    def cand(peak, name):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan),
+                                sim=dataclasses.replace(sol.sim, peak_bytes=peak))
+        return _Candidate(_rank(s, None, False), g, (name,) if name else (), s, None)
+
+    first, best, alike = cand(100, ""), cand(60, "best"), cand(60, "best again")
+    second, third, higher = cand(70, "second"), cand(80, "third"), cand(120, "higher")
+    tried = [first, higher, third, alike, best, second]
+    assert MEASURED == 3
+    within = 1.10 - STEP_MARGIN
+    ratios = {id(best.solution.plan): within + 0.01, id(second.solution.plan): within - 0.01,
+              id(third.solution.plan): 1.0}
+    timed = _Timed(roofline, ratios)
+    problem = Problem(g, timed, latency_limit=1.10)
+    kept, notes = _confirmed(problem, first, best, tried)
+    # NOTE: the lowest peak is over the limit less the margin; the next is within: the third
+    # (within too, at a higher peak) is not timed
+    assert kept is second and timed.asked == 2 and notes["kept"] == "search"
+    assert [t["rules"] for t in notes["timed"]] == [["best"], ["second"]]
+    assert notes["measured_over_eager"] == round(within - 0.01, 4)
+    ratios[id(second.solution.plan)] = within + 0.01
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is third and timed.asked == 5
+    ratios[id(third.solution.plan)] = 1.10   # NOTE: within the limit, not within its margin
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is first and notes["kept"] == "auto" and len(notes["timed"]) == MEASURED
+    # NOTE: no lower peak than auto's plan: nothing is timed
+    kept, notes = _confirmed(problem, first, first, [first, higher])
+    assert kept is first and notes is None and timed.asked == 8
 
 
 def test_the_bench_counts_auto_made_again_as_no_gain():

@@ -19,8 +19,9 @@ the step time in interleaved rounds, each plan's step between two eager steps
 (``harness._time_rounds``). A row gives both plans' measured peak and step time (as fractions
 of eager's), the search's over auto's (paired: the median over rounds of each one's step over
 the eager steps around it), the rules of the search's plan and what they changed
-(``notes["candidates"]``), and its winner (in budget mode with the search's own timing of the
-fastest candidate it timed against auto's: ``notes["confirmed"]``); where the search returns
+(``notes["candidates"]``), and its winner (with the search's own timing of the candidate it
+chose, against auto's step in budget mode, the eager plan's in latency mode:
+``notes["confirmed"]``); where the search returns
 auto's very plan (same graph, same instructions) the gain is 0 by definition, whatever the
 rounds measured. With
 ``--rules``: each rule alone on each captured step, its eager plan simulated (``rule_rows``).
@@ -259,13 +260,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _winner(row: dict) -> str:
-    """What made the search's plan, and where budget mode timed a candidate's plan against
-    auto's inside the search (``notes["confirmed"]``), that ratio and which plan it kept."""
+    """What made the search's plan, and where the search timed a candidate's plan inside
+    (``notes["confirmed"]``: against auto's in budget mode, the eager plan's in latency mode),
+    that ratio and which plan it kept."""
     out = row.get("winner") or "—"
     c = row.get("confirmed")
     if c:
         kept = "" if c["kept"] == "search" else f"; {' + '.join(c['rules']) or 'its order'} dropped"
-        out += f" (timed {c['measured_over_auto']:.3f}× auto's{kept})"
+        over = "auto" if "measured_over_auto" in c else "eager"
+        out += f" (timed {c[f'measured_over_{over}']:.3f}× {over}'s{kept})"
     return out
 
 

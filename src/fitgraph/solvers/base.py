@@ -18,8 +18,15 @@ from ..sim.simulate import SimResult
 from ..units import format_bytes
 from .collector import fewer_collections
 
-__all__ = ["SOLVERS", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solution", "register",
-           "solve"]
+__all__ = ["SOLVERS", "STEP_MARGIN", "BudgetInfeasible", "EvaluatorMismatch", "Problem", "Solution",
+           "register", "solve"]
+
+# NOTE: what the user's step adds to the executor's on synthetic inputs, which the check times:
+# the step's own wrapper, the real batch's inputs bound and read. Pegasus's plan checked at
+# 1.087 and measured +10.4% in the sweep; ConvNeXt's at 1.095 and 1.125 in 21 paired rounds
+# of its step against eager's. ``latency_check`` keeps a try where it measures within the limit
+# less this; a solver that confirms its plan by measurement (``search``) leaves it that margin
+STEP_MARGIN = 0.02
 
 
 class BudgetInfeasible(RuntimeError):

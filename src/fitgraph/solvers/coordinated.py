@@ -30,18 +30,18 @@ of the step time, since simulated times are estimates and peaks are not — and 
 is planned without auto's fallbacks for a missed budget (its minutes-long ``split_backward``),
 so the search keeps to its deadline. Then the best plan's drop set is re-planned over the exact
 scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's
-(or fission's remat on its split graph). Last, in budget mode, where the cost model measures on
-this machine, the best plan and the next fastest that simulate faster than auto's (``MEASURED``
-in all) are each timed against auto's in paired rounds of both steps, and the fastest measured
-is kept where it measures ``TIME_MARGIN`` faster than auto's, else auto's plan
-(``_confirmed``, ``notes["confirmed"]``).
+(or fission's remat on its split graph). Last, where the cost model measures on this machine,
+the best plan and the next best that simulate better than auto's (``MEASURED`` in all) are
+timed in paired rounds: in budget mode each against auto's step, the fastest measured kept
+where it measures ``TIME_MARGIN`` faster; in latency mode against the eager plan's step, lowest
+peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s latency
+check's margin) kept; else auto's plan (``_confirmed``, ``notes["confirmed"]``).
 ``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
 peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
 what made its plan.
 
 Deterministic as its parts: only the deadline (``time_budget_s``, on the planning clock:
-``cost.clock``) cuts it short, and budget mode's measured check decides on this machine's
-timings.
+``cost.clock``) cuts it short, and the measured check decides on this machine's timings.
 
 Example:
     >>> import torch, fitgraph
@@ -74,7 +74,7 @@ from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from ..sim.simulate import simulate
 from ..transform.rules import RULES, Rule
-from .base import BudgetInfeasible, Problem, Solution, register
+from .base import STEP_MARGIN, BudgetInfeasible, Problem, Solution, register
 from .fission.first_splits import first_splits
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
@@ -128,10 +128,10 @@ SPLITS = 3
 # far as fission again (GPT-2 small within 1.05x: scale_across_matmul on the captured graph,
 # 0.77 of eager's peak, hotspot alone in 10 s; on auto's split graph 0.43 in 4.5 s, auto's 0.43)
 ON_PLANNED = "the graph auto's plan ran"
-# NOTE: budget mode, where the cost model measures: at most this many candidates' steps timed
-# against auto's (those that simulate faster, fastest first), the fastest measured kept: the
-# simulated order of steps a few % apart is not the measured one (GPT-2 small at 0.8 of its
-# peak, its fastest candidate by the simulator measured 0.983x auto's step)
+# NOTE: where the cost model measures: at most this many candidates' steps timed (those that
+# simulate better than auto's plan, best first): the simulated order of steps a few % apart is
+# not the measured one (GPT-2 small at 0.8 of its peak, its fastest candidate by the simulator
+# measured 0.983x auto's step)
 MEASURED = 3
 
 
@@ -232,8 +232,7 @@ def solve_search(problem: Problem) -> Solution:
                     progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
                                   f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")
     best = _schedule_exactly(problem, best, deadline, limit_s, budget_mode)
-    best, confirmed = (_confirmed(problem, first, best, tried) if budget_mode
-                       else (best, None))
+    best, confirmed = _confirmed(problem, first, best, tried)
     if best.solution is None:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
         # of "smallest" takes it: solvers.smallest), unless a rewritten graph reached lower
@@ -402,50 +401,64 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
 
 def _confirmed(problem: Problem, first: _Candidate, best: _Candidate, tried: list[_Candidate]
                ) -> tuple[_Candidate, dict | None]:
-    """Budget mode, where the cost model measures on this machine (``measured_ratio``): the
-    fastest *measured* of the candidates that simulate faster than auto's plan (``first``) —
-    ``best`` and the next fastest, ``MEASURED`` at most, each step timed against auto's in
-    paired rounds — kept only where it measures ``TIME_MARGIN`` faster than auto's, else
-    ``first``; and what was measured (None where nothing was).
+    """Where the cost model measures on this machine (``measured_ratio``), the plan kept is one
+    whose step was timed in paired rounds: of the candidates that simulate better than auto's
+    plan (``first``; ``_contenders``, ``MEASURED`` at most), in budget mode the fastest
+    measured, timed against auto's step, kept only where it measures ``TIME_MARGIN`` faster;
+    in latency mode the lowest peak measured within the limit less ``STEP_MARGIN`` of the
+    eager plan's step, timed lowest peak first; else ``first``. Returns it and what was
+    measured (None where nothing was).
 
     NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
     order changes what it does not see (caches, the allocator, the interpreter between ops):
     BERT-base small at 0.6 of its peak, a rewritten graph planned by fission simulated 6.7%
-    faster than auto's plan and measured 6.1% slower; the runner-up may measure faster."""
+    faster than auto's plan and measured 6.1% slower; the runner-up may measure faster. In
+    latency mode a lower peak spends the slack auto's plan leaves, which the simulator
+    under-reads: GPT-2 small within 1.05x, the search's plan measured 1.125x eager's step,
+    auto's 1.093x, and ``optimize``'s latency check planned the search again three times."""
     ratio_of = getattr(problem.cost_model, "measured_ratio", None)
     if ratio_of is None or first.solution is None:
         return best, None
-    auto = first.solution
     contenders = _contenders(first, best, tried)
     if not contenders:
         return best, None
+    budget_mode = problem.budget_bytes is not None
+    if budget_mode:
+        against = "auto"
+        base, plan = first.solution.graph_for(first.graph), first.solution.plan
+        within = 1 - TIME_MARGIN
+    else:
+        against = "eager"
+        base, plan = problem.graph, eager_plan(problem.graph)
+        within = max(1.0, problem.latency_limit - STEP_MARGIN)
     timed = []
     for c in contenders:
         sol = c.solution
-        ratio = ratio_of(sol.graph_for(c.graph), sol.plan, auto.graph_for(first.graph), auto.plan)
+        ratio = ratio_of(sol.graph_for(c.graph), sol.plan, base, plan)
         progress.note(f"search: {' + '.join(c.rules) or 'the exact order'} measured "
-                      f"{ratio:.3f}x auto's step")
+                      f"{ratio:.3f}x {against}'s step")
         timed.append((ratio, c))
-    ratio, fastest = min(timed, key=lambda t: t[0])
-    kept = fastest if ratio <= 1 - TIME_MARGIN else first
-    said = " + ".join(fastest.rules) or "the exact order"
-    progress.note(f"search: {'kept ' + said if kept is fastest else 'auto kept'}")
-    return kept, {"rules": list(fastest.rules), "measured_over_auto": round(ratio, 4),
-                  "kept": "search" if kept is fastest else "auto",
-                  "timed": [{"rules": list(c.rules), "measured_over_auto": round(r, 4)}
+        if not budget_mode and ratio <= within:
+            break   # NOTE: timed lowest peak first: the first within the limit is kept
+    ratio, chosen = min(timed, key=lambda t: t[0]) if budget_mode else timed[-1]
+    kept = chosen if ratio <= within else first
+    said = " + ".join(chosen.rules) or "the exact order"
+    progress.note(f"search: {'kept ' + said if kept is chosen else 'auto kept'}")
+    return kept, {"rules": list(chosen.rules), f"measured_over_{against}": round(ratio, 4),
+                  "kept": "search" if kept is chosen else "auto",
+                  "timed": [{"rules": list(c.rules), f"measured_over_{against}": round(r, 4)}
                             for r, c in timed]}
 
 
 def _contenders(first: _Candidate, best: _Candidate, tried: list[_Candidate]
                 ) -> list[_Candidate]:
-    """The candidates worth timing against auto's plan (``first``): ``best`` where it is not
-    ``first``, then those that simulate faster than ``first``, fastest first, one per simulated
-    (peak, step) — a plan made again from another path simulates alike — ``MEASURED`` in all."""
+    """The candidates worth timing (``_confirmed``): ``best`` where it is not ``first``, then
+    those whose plans rank better than ``first``'s (budget mode: faster; latency mode: lower
+    peak), best first, one per simulated (peak, step) — a plan made again from another path
+    simulates alike — ``MEASURED`` in all."""
     out = [best] if best is not first else []   # NOTE: a feasible first keeps best feasible
     seen = {_simulated(c) for c in [first, *out]}
-    for c in sorted((c for c in tried if c.solution is not None
-                     and c.solution.sim.latency_s < first.solution.sim.latency_s),
-                    key=lambda c: c.solution.sim.latency_s):
+    for c in sorted(c for c in tried if c.solution is not None and c.rank < first.rank):
         if len(out) == MEASURED:
             break
         if _simulated(c) not in seen:
