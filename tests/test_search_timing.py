@@ -175,6 +175,10 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     # NOTE: the exact order gained 1% over the search's own first candidate: the rest of its
     # 20% measured over auto is auto's run-to-run spread, not the search's win
     assert wins(rows) == 1
+    # NOTE: a lower peak whose plan measured over the limit is no win
+    over = dict(ruled, search_step=1.12)
+    assert wins([dict(over, gain=gain(over))]) == 0
+    assert "0.400 / 1.120 (over the limit)" in markdown([dict(over, gain=gain(over))])
     table = markdown(rows)
     assert "auto's plan made again (+20.0% peak)" in table and "| +1.0% |" in table
     # NOTE: budget mode timed the search's plan against auto's and kept auto's: said
