@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import torch
 from test_coordinated_search import _eager, _loss_model
 
 import fitgraph
@@ -19,12 +20,15 @@ class _Timed:
     """A roofline cost model whose plans "measure" ``ratio`` of one another (``measured_ratio``;
     a dict: by the timed plan's id)."""
 
-    def __init__(self, base, ratio):
-        self.base, self.ratio, self.asked = base, ratio, 0
+    def __init__(self, base, ratio, default=None):
+        self.base, self.ratio, self.default, self.asked = base, ratio, default, 0
 
     def measured_ratio(self, graph, plan, other_graph, other_plan):
         self.asked += 1
-        return self.ratio[id(plan)] if isinstance(self.ratio, dict) else self.ratio
+        if isinstance(self.ratio, dict):
+            return self.ratio[id(plan)] if self.default is None else self.ratio.get(
+                id(plan), self.default)
+        return self.ratio
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -146,11 +150,58 @@ def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_m
     assert kept is first and notes is None and timed.asked == 8
 
 
+def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured_over():
+    """Where every timed candidate measured over the limit less the margin and the deadline
+    leaves time, the lowest peak's graph is planned again for the limit its measured step
+    leaves (``RETRY``: its simulated step scaled by the margin's limit over what it measured)
+    and kept where that plan measures within; else auto's plan."""
+    from fitgraph.cost.clock import planning_now
+    from fitgraph.sim.simulate import simulate
+    from fitgraph.solvers.base import STEP_MARGIN
+    from fitgraph.solvers.coordinated import RETRY, _Candidate, _confirmed, _rank
+
+    # NOTE: a chain whose plan within 1.10x spends the slack on remat (cpu-generic's roofline)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
+    g = fitgraph.capture(torch.nn.Sequential(*layers), torch.randn(512, 256),
+                         lambda m, b: m(b).square().mean())
+    roofline = RooflineCostModel(get_device("cpu-generic"))
+    eager_s = simulate(g, fitgraph.eager_plan(g), roofline).latency_s
+    sol = solve(Problem(g, roofline, latency_limit=1.10), "auto")
+
+    def cand(peak, name):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan),
+                                sim=dataclasses.replace(sol.sim, peak_bytes=peak))
+        return _Candidate(_rank(s, None, False), g, (name,) if name else (), s, None)
+
+    # NOTE: auto's plan made to peak above any plan of this graph: the plan made again is lower
+    first, best = cand(10 * _eager(g, roofline).peak_bytes, ""), cand(60, "best")
+    within = 1.10 - STEP_MARGIN
+    over = within + 0.02
+    timed = _Timed(roofline, {id(p.solution.plan): over for p in (first, best)}, default=1.0)
+    problem = Problem(g, timed, latency_limit=1.10)
+    tried = [first, best]
+    kept, notes = _confirmed(problem, first, best, tried, planning_now() + 30, 1.10 * eager_s)
+    assert kept.rules == ("best", RETRY) and notes["kept"] == "search" and kept in tried
+    assert kept.solution.sim.latency_s <= best.solution.sim.latency_s * within / over * (1 + 1e-9)
+    assert [t["rules"] for t in notes["timed"]] == [["best"], ["best", RETRY]]
+    expected = 1.10 * best.solution.sim.latency_s * within / over / (1.10 * eager_s)
+    assert abs(kept.changes[RETRY]["limit"] - expected) < 1e-3
+    # NOTE: the plan made again measures over too: auto's plan; no time left: no plan made
+    timed.default = over
+    kept, notes = _confirmed(problem, first, best, [first, best], planning_now() + 30,
+                             1.10 * eager_s)
+    assert kept is first and len(notes["timed"]) == 2
+    asked = timed.asked
+    kept, notes = _confirmed(problem, first, best, [first, best], planning_now(), 1.10 * eager_s)
+    assert kept is first and len(notes["timed"]) == 1 and timed.asked == asked + 1
+
+
 def test_the_bench_counts_auto_made_again_as_no_gain():
     """A search that returns its first candidate's plan (auto inside the search: no rule, not
     the exact order) measures auto against itself: neither a gain nor a loss, said as such."""
     from fitgraph.bench.coordinated_search import (
         gain,
+        losses,
         markdown,
         own_gain,
         raw_gain,
@@ -179,6 +230,12 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     over = dict(ruled, search_step=1.12)
     assert wins([dict(over, gain=gain(over))]) == 0
     assert "0.400 / 1.120 (over the limit)" in markdown([dict(over, gain=gain(over))])
+    # NOTE: over the limit where auto's plan held it: a loss whatever the peaks; a higher peak
+    # within the limit auto's plan ran over: no loss
+    assert losses([dict(over, gain=gain(over))]) == 1
+    held = dict(ruled, search_peak=0.6, auto_step=1.15)
+    assert losses([dict(held, gain=gain(held))]) == 0 and wins([dict(held, gain=gain(held))]) == 0
+    assert losses([dict(held, auto_step=1.0, gain=gain(held))]) == 1
     table = markdown(rows)
     assert "auto's plan made again (+20.0% peak)" in table and "| +1.0% |" in table
     # NOTE: budget mode timed the search's plan against auto's and kept auto's: said
