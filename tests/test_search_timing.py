@@ -36,10 +36,10 @@ class _Timed:
 
 def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monkeypatch):
     """Budget mode: where a candidate's plan replaced auto's on simulated time, it is kept only
-    where its step also measures ``TIME_MARGIN`` faster than auto's (``measured_ratio``);
+    where its step also measures ``MEASURED_MARGIN`` faster than auto's (``measured_ratio``);
     else auto's plan is returned, and what was measured is said (``notes["confirmed"]``)."""
     from fitgraph.solvers import coordinated
-    from fitgraph.solvers.coordinated import MEASURED, SPLIT, TIME_MARGIN
+    from fitgraph.solvers.coordinated import MEASURED, MEASURED_MARGIN, SPLIT
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -52,12 +52,12 @@ def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monke
     # NOTE: a split move's candidate wins on the simulator: made so here
     monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: (
         a.solution is not None and split(a) and not split(b)))
-    faster = _Timed(roofline, 1 - 2 * TIME_MARGIN)
+    faster = _Timed(roofline, 1 - 2 * MEASURED_MARGIN)
     s = solve(Problem(g, faster, budget_bytes=budget, time_budget_s=30), "search")
     # NOTE: every contender measures alike: the first timed, the simulator's best, is kept
     assert 1 <= faster.asked <= MEASURED and s.notes["rules"][0].startswith(SPLIT)
     assert s.notes["confirmed"]["kept"] == "search" and s.sim.peak_bytes <= budget
-    same = _Timed(roofline, 1 - TIME_MARGIN / 2)
+    same = _Timed(roofline, 1 - MEASURED_MARGIN / 2)
     s = solve(Problem(g, same, budget_bytes=budget, time_budget_s=30), "search")
     assert 1 <= same.asked <= MEASURED
     assert s.notes["rules"] == [] and s.notes["confirmed"]["kept"] == "auto"
@@ -71,8 +71,14 @@ def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monke
 def test_budget_mode_keeps_the_fastest_measured_of_the_fastest_simulated():
     """The best candidate and the next that simulate faster than auto's plan (one per simulated
     peak and step, ``MEASURED`` in all) are each timed against auto's; the fastest measured is
-    kept where it measures ``TIME_MARGIN`` faster, else auto's plan (``first``)."""
-    from fitgraph.solvers.coordinated import MEASURED, TIME_MARGIN, _Candidate, _confirmed, _rank
+    kept where it measures ``MEASURED_MARGIN`` faster, else auto's plan (``first``)."""
+    from fitgraph.solvers.coordinated import (
+        MEASURED,
+        MEASURED_MARGIN,
+        _Candidate,
+        _confirmed,
+        _rank,
+    )
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -90,14 +96,14 @@ def test_budget_mode_keeps_the_fastest_measured_of_the_fastest_simulated():
     fourth, slower = cand(0.97, "fourth"), cand(1.10, "slower")
     tried = [first, best, alike, slower, fourth, third, second]
     assert MEASURED == 3   # NOTE: best, second, third timed; the plan made again is not
-    ratios = {id(best.solution.plan): 1.0, id(second.solution.plan): 1 - 2 * TIME_MARGIN,
+    ratios = {id(best.solution.plan): 1.0, id(second.solution.plan): 1 - 2 * MEASURED_MARGIN,
               id(third.solution.plan): 0.99}
     timed = _Timed(roofline, ratios)
     kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, best, tried)
     assert timed.asked == 3 and kept is second
     assert notes["kept"] == "search" and notes["rules"] == ["second"]
     assert [t["rules"] for t in notes["timed"]] == [["best"], ["second"], ["third"]]
-    ratios[id(second.solution.plan)] = 1 - TIME_MARGIN / 2
+    ratios[id(second.solution.plan)] = 1 - MEASURED_MARGIN / 2
     kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, best, tried)
     assert kept is first and notes["kept"] == "auto"
     # NOTE: nothing simulates faster than auto's plan: nothing is timed
