@@ -202,6 +202,28 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     assert kept is first and len(notes["timed"]) == 1 and timed.asked == asked + 1
 
 
+def test_a_latency_search_whose_plans_measure_over_plans_again_within_its_budget():
+    """A whole search in latency mode whose every timed plan measures over the limit's margin:
+    the plan made again (``RETRY``) is among its candidates, the search within its time budget
+    (its moves stop a candidate's time before the deadline); measured over too: auto's plan."""
+    from fitgraph.solvers.coordinated import RETRY
+
+    class Scores(torch.nn.Module):   # NOTE: scale_across_matmul lowers its peak (module doc)
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            q = x @ self.w
+            return ((q @ q.T) * 0.5).softmax(-1).sum()
+
+    g = fitgraph.capture(Scores(), torch.randn(256, 8))
+    over = _Timed(RooflineCostModel(get_device("cpu-generic")), 1.2)
+    s = solve(Problem(g, over, latency_limit=1.10, time_budget_s=30), "search")
+    assert any(RETRY in c["rules"] for c in s.notes["candidates"]) and over.asked >= 1
+    assert s.notes["confirmed"]["kept"] == "auto" and s.solve_s <= 30 + 5
+
+
 def test_the_bench_counts_auto_made_again_as_no_gain():
     """A search that returns its first candidate's plan (auto inside the search: no rule, not
     the exact order) measures auto against itself: neither a gain nor a loss, said as such."""
