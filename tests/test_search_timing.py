@@ -264,6 +264,8 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     held = dict(ruled, search_peak=0.6, auto_step=1.15)
     assert losses([dict(held, gain=gain(held))]) == 0 and wins([dict(held, gain=gain(held))]) == 0
     assert losses([dict(held, auto_step=1.0, gain=gain(held))]) == 1
+    # NOTE: auto's very plan measured over the limit in the search's rounds: the machine's
+    assert losses([dict(over, same_plan=True, gain=0.0)]) == 0
     table = markdown(rows)
     assert "auto's plan made again (+20.0% peak)" in table and "| +1.0% |" in table
     # NOTE: budget mode timed the search's plan against auto's and kept auto's: said

@@ -252,10 +252,13 @@ def wins(rows: list[dict]) -> int:
 def losses(rows: list[dict]) -> int:
     """Cases where the search's plan measured more than 1% worse than auto's, or (latency
     mode) over the limit where auto's measured within it; not where the search's plan held the
-    limit that auto's measured over (its lower peak was bought with time over the limit)."""
-    return sum(over_limit(r, "search") and "auto_step" in r and not over_limit(r, "auto")
-               or r["gain"] is not None and r["gain"] < -0.01
-               and not (over_limit(r, "auto") and not over_limit(r, "search")) for r in rows)
+    limit that auto's measured over (its lower peak was bought with time over the limit), nor
+    where it is auto's plan (``same_plan``, ``replanned``: the rounds' difference is the
+    machine's)."""
+    return sum(not r.get("same_plan") and not replanned(r) and (
+        over_limit(r, "search") and "auto_step" in r and not over_limit(r, "auto")
+        or r["gain"] is not None and r["gain"] < -0.01
+        and not (over_limit(r, "auto") and not over_limit(r, "search"))) for r in rows)
 
 
 def markdown(rows: list[dict]) -> str:
