@@ -1,6 +1,6 @@
 """How the coordinated search and its bench judge time: budget mode times its fastest candidates
 against auto's plan and keeps the fastest measured, latency mode its lowest peaks against the
-eager plan's step and keeps the first within the limit's margin (``_confirmed``), and the bench
+eager plan's step and keeps the first within the limit's margin (``search_timing``), and the bench
 counts a win only over auto and over the search's own first candidate (``own_gain``)."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monke
     where its step also measures ``MEASURED_MARGIN`` faster than auto's (``measured_ratio``);
     else auto's plan is returned, and what was measured is said (``notes["confirmed"]``)."""
     from fitgraph.solvers import coordinated
-    from fitgraph.solvers.coordinated import MEASURED, MEASURED_MARGIN, SPLIT
+    from fitgraph.solvers.coordinated import SPLIT
+    from fitgraph.solvers.search_timing import MEASURED, MEASURED_MARGIN
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -72,13 +73,9 @@ def test_budget_mode_keeps_the_fastest_measured_of_the_fastest_simulated():
     """The best candidate and the next that simulate faster than auto's plan (one per simulated
     peak and step, ``MEASURED`` in all) are each timed against auto's; the fastest measured is
     kept where it measures ``MEASURED_MARGIN`` faster, else auto's plan (``first``)."""
-    from fitgraph.solvers.coordinated import (
-        MEASURED,
-        MEASURED_MARGIN,
-        _Candidate,
-        _confirmed,
-        _rank,
-    )
+    from fitgraph.solvers.coordinated import _Candidate, _rank
+    from fitgraph.solvers.search_timing import MEASURED, MEASURED_MARGIN
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -118,7 +115,9 @@ def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_m
     ``MEASURED`` at most); the first measured within the limit less ``STEP_MARGIN`` — what
     ``optimize``'s latency check keeps — is kept, else auto's plan (``first``)."""
     from fitgraph.solvers.base import STEP_MARGIN
-    from fitgraph.solvers.coordinated import MEASURED, _Candidate, _confirmed, _rank
+    from fitgraph.solvers.coordinated import _Candidate, _rank
+    from fitgraph.solvers.search_timing import MEASURED
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -164,7 +163,15 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     from fitgraph.cost.clock import planning_now
     from fitgraph.sim.simulate import simulate
     from fitgraph.solvers.base import STEP_MARGIN
-    from fitgraph.solvers.coordinated import RETRY, _Candidate, _confirmed, _rank
+    from fitgraph.solvers.coordinated import (
+        CANDIDATE_S,
+        MIN_CANDIDATE_S,
+        _Candidate,
+        _plan,
+        _rank,
+    )
+    from fitgraph.solvers.search_timing import RETRY
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
     # NOTE: a chain whose plan within 1.10x spends the slack on remat (cpu-generic's roofline)
     layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
@@ -186,7 +193,18 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     timed = _Timed(roofline, {id(p.solution.plan): over for p in (first, best)}, default=1.0)
     problem = Problem(g, timed, latency_limit=1.10)
     tried = [first, best]
-    kept, notes = _confirmed(problem, first, best, tried, planning_now() + 30, 1.10 * eager_s)
+    def until(deadline):
+        """The search's ``plan_again`` (``solve_search``) with this deadline."""
+        def plan_again(c, graph, target_s, changes):
+            left = deadline - planning_now()
+            if left <= MIN_CANDIDATE_S:
+                return None
+            return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
+                         target_s, False)
+        return plan_again
+
+    kept, notes = _confirmed(problem, first, best, tried, until(planning_now() + 30),
+                             1.10 * eager_s)
     assert kept.rules == ("best", RETRY) and notes["kept"] == "search" and kept in tried
     assert kept.solution.sim.latency_s <= best.solution.sim.latency_s * within / over * (1 + 1e-9)
     assert [t["rules"] for t in notes["timed"]] == [["best"], ["best", RETRY]]
@@ -194,11 +212,12 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     assert abs(kept.changes[RETRY]["limit"] - expected) < 1e-3
     # NOTE: the plan made again measures over too: auto's plan; no time left: no plan made
     timed.default = over
-    kept, notes = _confirmed(problem, first, best, [first, best], planning_now() + 30,
+    kept, notes = _confirmed(problem, first, best, [first, best], until(planning_now() + 30),
                              1.10 * eager_s)
     assert kept is first and len(notes["timed"]) == 2
     asked = timed.asked
-    kept, notes = _confirmed(problem, first, best, [first, best], planning_now(), 1.10 * eager_s)
+    kept, notes = _confirmed(problem, first, best, [first, best], until(planning_now()),
+                             1.10 * eager_s)
     assert kept is first and len(notes["timed"]) == 1 and timed.asked == asked + 1
 
 
@@ -206,7 +225,7 @@ def test_a_latency_search_whose_plans_measure_over_plans_again_within_its_budget
     """A whole search in latency mode whose every timed plan measures over the limit's margin:
     the plan made again (``RETRY``) is among its candidates, the search within its time budget
     (its moves stop a candidate's time before the deadline); measured over too: auto's plan."""
-    from fitgraph.solvers.coordinated import RETRY
+    from fitgraph.solvers.search_timing import RETRY
 
     class Scores(torch.nn.Module):   # NOTE: scale_across_matmul lowers its peak (module doc)
         def __init__(self):

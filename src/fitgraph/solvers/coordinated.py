@@ -33,11 +33,11 @@ scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that pl
 (or fission's remat on its split graph). Last, where the cost model measures on this machine,
 the best plan and the next best that simulate better than auto's (``MEASURED`` in all) are
 timed in paired rounds: in budget mode each against auto's step, the fastest measured kept
-where it measures ``MEASURED_MARGIN`` faster; in latency mode against the eager plan's step, lowest
-peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s latency
-check's margin) kept — where none is, the lowest peak's graph is planned again for the limit
-its measured step leaves (``RETRY``) and kept where it measures within; else auto's plan
-(``_confirmed``, ``notes["confirmed"]``).
+where it measures ``MEASURED_MARGIN`` faster; in latency mode against the eager plan's step,
+lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s
+latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
+limit its measured step leaves (``RETRY``) and kept where it measures within; else auto's plan
+(``search_timing``, ``notes["confirmed"]``).
 ``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
 peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
 what made its plan.
@@ -76,10 +76,11 @@ from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from ..sim.simulate import simulate
 from ..transform.rules import RULES, Rule
-from .base import STEP_MARGIN, BudgetInfeasible, Problem, Solution, register
+from .base import BudgetInfeasible, Problem, Solution, register
 from .fission.first_splits import first_splits
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
+from .search_timing import RETRY, confirmed_choice
 
 __all__ = ["solve_search"]
 
@@ -130,21 +131,6 @@ SPLITS = 3
 # far as fission again (GPT-2 small within 1.05x: scale_across_matmul on the captured graph,
 # 0.77 of eager's peak, hotspot alone in 10 s; on auto's split graph 0.43 in 4.5 s, auto's 0.43)
 ON_PLANNED = "the graph auto's plan ran"
-# NOTE: where the cost model measures: at most this many candidates' steps timed (those that
-# simulate better than auto's plan, best first): the simulated order of steps a few % apart is
-# not the measured one (GPT-2 small at 0.8 of its peak, its fastest candidate by the simulator
-# measured 0.983x auto's step)
-MEASURED = 3
-# NOTE: budget mode: a timed candidate is kept where its step measures this much faster than
-# auto's — more than the simulator's TIME_MARGIN: paired medians of two steps move by a few %
-# from one run to the next here (ViT-B/16 small at 0.4 of its peak: a candidate timed 0.978x
-# auto's step in the search, 1.033x in the bench's rounds after it)
-MEASURED_MARGIN = 0.03
-# NOTE: latency mode, where every candidate timed measured over the limit less the margin: the
-# lowest peak's graph planned again for the limit its measured step leaves (its name on the
-# path): the simulator under-reads a plan that spends the slack (GPT-2 small within 1.10x,
-# three candidates at 0.36 of eager's peak measured 1.114-1.121x eager's step)
-RETRY = "planned again for its measured step"
 
 
 @dataclass(order=True)
@@ -249,7 +235,14 @@ def solve_search(problem: Problem) -> Solution:
                     progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
                                   f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")
     best = _schedule_exactly(problem, best, moves_until, limit_s, budget_mode)
-    best, confirmed = _confirmed(problem, first, best, tried, deadline, limit_s)
+    def plan_again(c: _Candidate, graph: Graph, target_s: float, changes: dict):
+        left = deadline - planning_now()
+        if left <= MIN_CANDIDATE_S:
+            return None
+        return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
+                     target_s, False)
+
+    best, confirmed = confirmed_choice(problem, first, best, tried, plan_again, limit_s)
     if best.solution is None:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
         # of "smallest" takes it: solvers.smallest), unless a rewritten graph reached lower
@@ -414,117 +407,6 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
                           "over the latency limit", changes)
     return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
-
-
-def _confirmed(problem: Problem, first: _Candidate, best: _Candidate, tried: list[_Candidate],
-               deadline: float | None = None, limit_s: float | None = None
-               ) -> tuple[_Candidate, dict | None]:
-    """Where the cost model measures on this machine (``measured_ratio``), the plan kept is one
-    whose step was timed in paired rounds: of the candidates that simulate better than auto's
-    plan (``first``; ``_contenders``, ``MEASURED`` at most), in budget mode the fastest
-    measured, timed against auto's step, kept only where it measures ``MEASURED_MARGIN``
-    faster;
-    in latency mode the lowest peak measured within the limit less ``STEP_MARGIN`` of the
-    eager plan's step, timed lowest peak first — where none is, the lowest peak's graph
-    planned again for the limit its measured step leaves (``RETRY``, ``limit_s`` the limit in
-    seconds, while the ``deadline`` leaves time), kept where it measures within; else
-    ``first``. Returns it and what was measured (None where nothing was).
-
-    NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
-    order changes what it does not see (caches, the allocator, the interpreter between ops):
-    BERT-base small at 0.6 of its peak, a rewritten graph planned by fission simulated 6.7%
-    faster than auto's plan and measured 6.1% slower; the runner-up may measure faster. In
-    latency mode a lower peak spends the slack auto's plan leaves, which the simulator
-    under-reads: GPT-2 small within 1.05x, the search's plan measured 1.125x eager's step,
-    auto's 1.093x, and ``optimize``'s latency check planned the search again three times."""
-    ratio_of = getattr(problem.cost_model, "measured_ratio", None)
-    if ratio_of is None or first.solution is None:
-        return best, None
-    contenders = _contenders(first, best, tried)
-    if not contenders:
-        return best, None
-    budget_mode = problem.budget_bytes is not None
-    if budget_mode:
-        against = "auto"
-        base, plan = first.solution.graph_for(first.graph), first.solution.plan
-        within = 1 - MEASURED_MARGIN
-    else:
-        against = "eager"
-        base, plan = problem.graph, eager_plan(problem.graph)
-        within = max(1.0, problem.latency_limit - STEP_MARGIN)
-    timed = []
-    for c in contenders:
-        sol = c.solution
-        ratio = ratio_of(sol.graph_for(c.graph), sol.plan, base, plan)
-        progress.note(f"search: {' + '.join(c.rules) or 'the exact order'} measured "
-                      f"{ratio:.3f}x {against}'s step")
-        timed.append((ratio, c))
-        if not budget_mode and ratio <= within:
-            break   # NOTE: timed lowest peak first: the first within the limit is kept
-    if not budget_mode and timed[-1][0] > within and deadline is not None:
-        again = _retried(problem, *timed[0], within, deadline, limit_s)
-        if again is not None:
-            tried.append(again)   # NOTE: listed with the candidates, a plan or why not
-        if again is not None and again.solution is not None and again < first:
-            ratio = ratio_of(again.solution.graph_for(again.graph), again.solution.plan, base,
-                             plan)
-            progress.note(f"search: planned again, measured {ratio:.3f}x eager's step")
-            timed.append((ratio, again))
-    ratio, chosen = min(timed, key=lambda t: t[0]) if budget_mode else timed[-1]
-    kept = chosen if ratio <= within else first
-    said = " + ".join(chosen.rules) or "the exact order"
-    progress.note(f"search: {'kept ' + said if kept is chosen else 'auto kept'}")
-    return kept, {"rules": list(chosen.rules), f"measured_over_{against}": round(ratio, 4),
-                  "kept": "search" if kept is chosen else "auto",
-                  "timed": [{"rules": list(c.rules), f"measured_over_{against}": round(r, 4)}
-                            for r, c in timed]}
-
-
-def _retried(problem: Problem, measured: float, c: _Candidate, within: float, deadline: float,
-             limit_s: float) -> _Candidate | None:
-    """Latency mode: the graph ``c``'s plan ran (measured ``measured`` of the eager plan's
-    step, over ``within``) — else, where no plan of it is, ``c``'s own graph — planned by auto
-    again for the limit scaled by what its simulation missed, as ``optimize``'s latency check
-    plans again (``RETRY``), while the deadline leaves time: the last candidate planned (with
-    its plan, or why none), None where none was.
-
-    NOTE: fission's split graph may be slower than the limit left even in its eager plan: a
-    tighter limit may want fewer parts, which auto on the candidate's own graph can choose."""
-    sol = c.solution
-    target_s = sol.sim.latency_s * within / measured
-    changes = dict(c.changes)
-    changes[RETRY] = {"limit": round(problem.latency_limit * target_s / limit_s, 4)}
-    again = None
-    for graph in [sol.graph, c.graph] if sol.graph is not None else [c.graph]:
-        left = deadline - planning_now()
-        if left <= MIN_CANDIDATE_S:
-            break
-        again = _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
-                      target_s, False)
-        if again.solution is not None:
-            break
-    return again
-
-
-def _contenders(first: _Candidate, best: _Candidate, tried: list[_Candidate]
-                ) -> list[_Candidate]:
-    """The candidates worth timing (``_confirmed``): ``best`` where it is not ``first``, then
-    those whose plans rank better than ``first``'s (budget mode: faster; latency mode: lower
-    peak), best first, one per simulated (peak, step) — a plan made again from another path
-    simulates alike — ``MEASURED`` in all."""
-    out = [best] if best is not first else []   # NOTE: a feasible first keeps best feasible
-    seen = {_simulated(c) for c in [first, *out]}
-    for c in sorted(c for c in tried if c.solution is not None and c.rank < first.rank):
-        if len(out) == MEASURED:
-            break
-        if _simulated(c) not in seen:
-            seen.add(_simulated(c))
-            out.append(c)
-    return out
-
-
-def _simulated(c: _Candidate) -> tuple:
-    return c.solution.sim.peak_bytes, c.solution.sim.latency_s
 
 
 def _remat_plan(sol: Solution) -> bool:
