@@ -163,13 +163,7 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     from fitgraph.cost.clock import planning_now
     from fitgraph.sim.simulate import simulate
     from fitgraph.solvers.base import STEP_MARGIN
-    from fitgraph.solvers.coordinated import (
-        CANDIDATE_S,
-        MIN_CANDIDATE_S,
-        _Candidate,
-        _plan,
-        _rank,
-    )
+    from fitgraph.solvers.coordinated import _again_until, _Candidate, _rank
     from fitgraph.solvers.search_timing import RETRY
     from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
@@ -193,15 +187,9 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     timed = _Timed(roofline, {id(p.solution.plan): over for p in (first, best)}, default=1.0)
     problem = Problem(g, timed, latency_limit=1.10)
     tried = [first, best]
+
     def until(deadline):
-        """The search's ``plan_again`` (``solve_search``) with this deadline."""
-        def plan_again(c, graph, target_s, changes):
-            left = deadline - planning_now()
-            if left <= MIN_CANDIDATE_S:
-                return None
-            return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
-                         target_s, False)
-        return plan_again
+        return _again_until(problem, deadline)
 
     kept, notes = _confirmed(problem, first, best, tried, until(planning_now() + 30),
                              1.10 * eager_s)

@@ -235,14 +235,8 @@ def solve_search(problem: Problem) -> Solution:
                     progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
                                   f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")
     best = _schedule_exactly(problem, best, moves_until, limit_s, budget_mode)
-    def plan_again(c: _Candidate, graph: Graph, target_s: float, changes: dict):
-        left = deadline - planning_now()
-        if left <= MIN_CANDIDATE_S:
-            return None
-        return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
-                     target_s, False)
-
-    best, confirmed = confirmed_choice(problem, first, best, tried, plan_again, limit_s)
+    best, confirmed = confirmed_choice(problem, first, best, tried,
+                                       _again_until(problem, deadline), limit_s)
     if best.solution is None:
         # NOTE: auto's error on the captured graph, with the plan at its least peak (a budget
         # of "smallest" takes it: solvers.smallest), unless a rewritten graph reached lower
@@ -407,6 +401,19 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
                           "over the latency limit", changes)
     return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
+
+
+def _again_until(problem: Problem, deadline: float) -> Callable:
+    """The search's ``plan_again`` for ``search_timing``: a candidate's ``graph`` planned by
+    auto for a latency limit of ``target_s`` seconds (its path's rules and ``RETRY``), within
+    what ``deadline`` leaves (at most ``CANDIDATE_S``); None where it leaves too little."""
+    def plan_again(c: _Candidate, graph: Graph, target_s: float, changes: dict):
+        left = deadline - planning_now()
+        if left <= MIN_CANDIDATE_S:
+            return None
+        return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
+                     target_s, False)
+    return plan_again
 
 
 def _remat_plan(sol: Solution) -> bool:
