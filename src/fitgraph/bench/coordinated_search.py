@@ -255,10 +255,18 @@ def losses(rows: list[dict]) -> int:
     limit that auto's measured over (its lower peak was bought with time over the limit), nor
     where it is auto's plan (``same_plan``, ``replanned``: the rounds' difference is the
     machine's)."""
-    return sum(not r.get("same_plan") and not replanned(r) and (
-        over_limit(r, "search") and "auto_step" in r and not over_limit(r, "auto")
-        or r["gain"] is not None and r["gain"] < -0.01
-        and not (over_limit(r, "auto") and not over_limit(r, "search"))) for r in rows)
+    return sum(map(_lost, rows))
+
+
+def _lost(row: dict) -> bool:
+    if row.get("same_plan") or replanned(row):
+        return False
+    search_over, auto_over = over_limit(row, "search"), over_limit(row, "auto")
+    if search_over and "auto_step" in row and not auto_over:
+        return True
+    if auto_over and not search_over:
+        return False   # NOTE: the search held the limit auto's plan missed
+    return row["gain"] is not None and row["gain"] < -0.01
 
 
 def markdown(rows: list[dict]) -> str:

@@ -80,7 +80,7 @@ from .base import BudgetInfeasible, Problem, Solution, register
 from .fission.first_splits import first_splits
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
-from .search_timing import RETRY, confirmed_choice
+from .search_timing import RETRY, confirmed_choice, measures
 
 __all__ = ["solve_search"]
 
@@ -206,8 +206,7 @@ def solve_search(problem: Problem) -> Solution:
     # NOTE: latency mode, where the cost model measures: the moves stop a candidate's time
     # before the deadline, left to the plan made again for its measured step (``RETRY``): the
     # search runs to its deadline on most rows (GPT-2 small within 1.05x, 89.4 s of 90)
-    moves_until = deadline - (each_s if limit_s is not None
-                              and hasattr(cm, "measured_ratio") else 0.0)
+    moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
     splits = _split_moves(problem, first, eager_s, min(each_s, moves_until - planning_now()))
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first

@@ -22,7 +22,7 @@ from .. import progress
 from ..plan.eager import eager_plan
 from .base import STEP_MARGIN, Problem
 
-__all__ = ["MEASURED", "MEASURED_MARGIN", "RETRY", "confirmed_choice"]
+__all__ = ["MEASURED", "MEASURED_MARGIN", "RETRY", "confirmed_choice", "measures"]
 
 # NOTE: where the cost model measures: at most this many candidates' steps timed (those that
 # simulate better than auto's plan, best first): the simulated order of steps a few % apart is
@@ -39,6 +39,12 @@ MEASURED_MARGIN = 0.03
 # path): the simulator under-reads a plan that spends the slack (GPT-2 small within 1.10x,
 # three candidates at 0.36 of eager's peak measured 1.114-1.121x eager's step)
 RETRY = "planned again for its measured step"
+
+
+def measures(cost_model) -> bool:
+    """Whether ``cost_model`` times plans on this machine (``measured_ratio``): only then is a
+    choice confirmed."""
+    return hasattr(cost_model, "measured_ratio")
 
 
 def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None,
@@ -61,9 +67,9 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     latency mode a lower peak spends the slack auto's plan leaves, which the simulator
     under-reads: GPT-2 small within 1.05x, the search's plan measured 1.125x eager's step,
     auto's 1.093x, and ``optimize``'s latency check planned the search again three times."""
-    ratio_of = getattr(problem.cost_model, "measured_ratio", None)
-    if ratio_of is None or first.solution is None:
+    if not measures(problem.cost_model) or first.solution is None:
         return best, None
+    ratio_of = problem.cost_model.measured_ratio
     contenders = _contenders(first, best, tried)
     if not contenders:
         return best, None
