@@ -91,7 +91,11 @@ def test_search_keeps_to_bitwise_rewrites_when_asked():
     model = Packed(4, [4, 4], True, heads=2)
     g = fitgraph.capture(model, torch.randn(2, 6, 4))
     s = solve(Problem(g, CPU, latency_limit=1.05, time_budget_s=10, exact=True), "search")
-    assert s.notes["rules"] == [] and len(s.notes["candidates"]) == 1
+    # NOTE: no rule that is not bitwise matches: only auto's plans for other constraints
+    from fitgraph.solvers.search_moves import PROBE
+
+    assert all(c["rules"][0].startswith(PROBE) for c in s.notes["candidates"][1:])
+    assert all(r.startswith(PROBE) for r in s.notes["rules"])
 
 
 def test_an_infeasible_budget_is_reported_as_auto_reports_it():
@@ -151,7 +155,8 @@ def test_the_search_plan_measures_the_peak_it_simulates():
 def test_rules_that_save_the_most_bytes_are_tried_first():
     """Each expansion tries the matching rules not yet on its path, the most bytes saved
     first (a deadline that leaves time for few candidates spends it on those)."""
-    from fitgraph.solvers.coordinated import _Candidate, _promising_first
+    from fitgraph.solvers.coordinated import _Candidate
+    from fitgraph.solvers.search_moves import _promising_first
     from fitgraph.transform.rules import Rule
 
     def rule(name, saved):
@@ -171,7 +176,8 @@ def test_a_rule_rewrites_the_graph_its_parents_plan_ran():
     reach fission again); a rule that matches only the parent's own graph rewrites that."""
     from types import SimpleNamespace
 
-    from fitgraph.solvers.coordinated import ON_PLANNED, _Candidate, _moves
+    from fitgraph.solvers.coordinated import _Candidate
+    from fitgraph.solvers.search_moves import ON_PLANNED, _moves
     from fitgraph.transform.rules import Rule
 
     own, split = object(), object()
@@ -215,7 +221,8 @@ class _ScoresHead(torch.nn.Module):
 
 
 def test_a_rule_on_autos_split_graph_plans_a_step_like_eager():
-    from fitgraph.solvers.coordinated import ON_PLANNED, _Candidate, _moves
+    from fitgraph.solvers.coordinated import _Candidate
+    from fitgraph.solvers.search_moves import ON_PLANNED, _moves
     from fitgraph.transform.rules import RULES
 
     torch.manual_seed(0)
@@ -243,7 +250,7 @@ def test_a_plans_own_graph_is_planned_again_as_a_candidate():
     """Where auto's plan runs a graph it rewrote (fission's split loss), that graph is a
     candidate of its own (``AGAIN``: auto plans it again, and may split it further); the
     search's plan on whichever graph wins runs like eager's, within the budget."""
-    from fitgraph.solvers.coordinated import AGAIN
+    from fitgraph.solvers.search_moves import AGAIN
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4096))
@@ -295,7 +302,8 @@ def test_a_rule_that_does_not_pay_is_tried_on_its_better_half():
     """A rule with two or more matches carries a move on the half of them that save the most
     bytes (``HALF``), tried where the whole rule does not pay: all at once may cost more time
     than a latency limit leaves. The rule is then off that path, whole or half."""
-    from fitgraph.solvers.coordinated import HALF, _Candidate, _moves
+    from fitgraph.solvers.coordinated import _Candidate
+    from fitgraph.solvers.search_moves import HALF, _moves
     from fitgraph.transform.rules import Rule
 
     def match(b):
@@ -327,14 +335,14 @@ def test_the_half_is_planned_only_where_the_whole_rule_does_not_pay(monkeypatch)
     """On a graph whose two scaled products the scaling rule rewrites, the whole rule pays
     (a lower peak at the limit): its half is not planned; where a whole rule's graph plans
     worse than its parent, the half is."""
-    from fitgraph.solvers import coordinated
+    from fitgraph.solvers import coordinated, search_moves
 
     torch.manual_seed(0)
     g = fitgraph.capture(Twice(lambda: Scaled(8, 4, 2, 0.125, divide=False)),
                          torch.randn(2, 64, 8))
     s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
     names = [c["rules"] for c in s.notes["candidates"]]
-    assert ["scale_across_matmul"] in names and ["scale_across_matmul" + coordinated.HALF] \
+    assert ["scale_across_matmul"] in names and ["scale_across_matmul" + search_moves.HALF] \
         not in names
     real = coordinated._better
     monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: a.rules != (
@@ -342,9 +350,9 @@ def test_the_half_is_planned_only_where_the_whole_rule_does_not_pay(monkeypatch)
     s = solve(Problem(g, CPU, latency_limit=1.0, time_budget_s=30), "search")
     names = [c["rules"] for c in s.notes["candidates"]]
     half = [c for c in s.notes["candidates"]
-            if c["rules"] == ["scale_across_matmul" + coordinated.HALF]]
+            if c["rules"] == ["scale_across_matmul" + search_moves.HALF]]
     assert ["scale_across_matmul"] in names and len(half) == 1
-    assert half[0]["changes"]["scale_across_matmul" + coordinated.HALF]["matches"] == 1
+    assert half[0]["changes"]["scale_across_matmul" + search_moves.HALF]["matches"] == 1
 
 
 def _dropout_mlp():
@@ -383,8 +391,8 @@ def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
     other choice (``MASKS``), and every candidate descended from it keeps that choice; the
     candidate's plan is auto's held to the choice, within the limit."""
     from fitgraph.solvers import coordinated
-    from fitgraph.solvers.coordinated import MASKS
     from fitgraph.solvers.portfolio import solve_auto
+    from fitgraph.solvers.search_moves import MASKS
 
     model, batch = _dropout_mlp()
     g = fitgraph.capture(model, batch, lambda m, x: m(x).square().mean())
@@ -450,7 +458,7 @@ def test_the_search_plans_fission_other_first_splits(monkeypatch):
     by auto, not the one auto's fission went on with; where one wins, its plan runs like
     eager on its split graph."""
     from fitgraph.solvers import coordinated
-    from fitgraph.solvers.coordinated import SPLIT
+    from fitgraph.solvers.search_moves import SPLIT
 
     model, batch, loss_fn = _loss_model()
     g = fitgraph.capture(model, batch, loss_fn)
@@ -487,9 +495,10 @@ def test_a_graph_whose_eager_step_is_over_the_limit_is_not_expanded(monkeypatch)
     g = fitgraph.capture(Scaled(8, 4, 2, 0.125, divide=False), torch.randn(2, 64, 8))
     real = coordinated._plan
 
-    def over(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback=False):
+    def over(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback=False,
+             probe=None):
         if rules:   # NOTE: every rewritten graph over the limit
-            return real(problem, graph, rules, changes, time_s, 0.0, budget_mode)
+            return real(problem, graph, rules, changes, time_s, 0.0, budget_mode, probe=probe)
         return real(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback)
 
     monkeypatch.setattr(coordinated, "_plan", over)
@@ -498,3 +507,50 @@ def test_a_graph_whose_eager_step_is_over_the_limit_is_not_expanded(monkeypatch)
     assert len(cands) > 1 and s.notes["rules"] == []
     assert all(c["failed"] == "its eager step is over the latency limit" for c in cands[1:])
     assert all(len(c["rules"]) == 1 for c in cands[1:])
+
+
+def test_the_search_plans_auto_for_the_other_constraint(monkeypatch):
+    """From the captured graph the search plans auto for a budget below its own plan's peak
+    (latency mode) or a limit below its own plan's step (budget mode), and judges each plan
+    by the problem's constraint (``PROBE``); where one wins, it holds that constraint and
+    runs like eager."""
+    from fitgraph.solvers import coordinated
+    from fitgraph.solvers.search_moves import PROBE, PROBE_PEAKS
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = RooflineCostModel(get_device("rtx3090"))
+    eager = _eager(g, cm)
+    latency = Problem(g, cm, latency_limit=1.5, time_budget_s=30)
+    s = solve(latency, "search")
+    first = s.notes["candidates"][0]
+    probes = [c for c in s.notes["candidates"] if len(c["rules"]) == 1 and
+              c["rules"][0].startswith(PROBE)]
+    assert [c["changes"][c["rules"][0]]["budget_bytes"] for c in probes] == [
+        int(f * first["peak_bytes"]) for f in PROBE_PEAKS]
+    for c in probes:
+        budget = c["changes"][c["rules"][0]]["budget_bytes"]
+        assert ("failed" in c or (c["peak_bytes"] <= budget
+                                  and c["latency_s"] <= 1.5 * eager.latency_s * (1 + 1e-9)))
+    budget = int(0.5 * eager.peak_bytes)
+    tight = Problem(g, cm, budget_bytes=budget, time_budget_s=30)
+    s = solve(tight, "search")
+    for c in s.notes["candidates"]:
+        if len(c["rules"]) == 1 and c["rules"][0].startswith(PROBE):
+            limit_s = c["changes"][c["rules"][0]]["latency_s"]
+            assert c.get("failed") == "over the budget" or (
+                c["peak_bytes"] <= budget and c["latency_s"] <= limit_s * (1 + 1e-9))
+
+    # NOTE: a probe's candidate wins where the simulator says so: made so here
+    def probed(c):
+        return bool(c.rules) and c.rules[0].startswith(PROBE)
+
+    monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: (
+        a.solution is not None and probed(a) and not probed(b)))
+    for problem in (latency, tight):
+        s = solve(problem, "search")
+        assert s.notes["rules"][0].startswith(PROBE)
+        assert s.sim.latency_s <= 1.5 * eager.latency_s * (1 + 1e-9) if problem is latency \
+            else s.sim.peak_bytes <= budget
+        if s.graph is not None:
+            assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)

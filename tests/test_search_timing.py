@@ -39,7 +39,7 @@ def test_budget_mode_keeps_a_plan_over_autos_only_where_it_measures_faster(monke
     where its step also measures ``MEASURED_MARGIN`` faster than auto's (``measured_ratio``);
     else auto's plan is returned, and what was measured is said (``notes["confirmed"]``)."""
     from fitgraph.solvers import coordinated
-    from fitgraph.solvers.coordinated import SPLIT
+    from fitgraph.solvers.search_moves import SPLIT
     from fitgraph.solvers.search_timing import MEASURED, MEASURED_MARGIN
 
     model, batch, loss_fn = _loss_model()

@@ -24,7 +24,10 @@ or more matches does not pay on that candidate, on the half of them that save th
 (``HALF``: MAGIS mutates a match at a time). The captured graph's
 expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
-by auto; a graph seen before (``graph_fingerprint``) is skipped. A rewritten graph's plan
+by auto — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
+latency mode, budgets below its own plan's peak; budget mode, limits below its own plan's
+step), each plan judged by the problem's own; a graph seen before (``graph_fingerprint``,
+with the constraint a probe planned it for) is skipped. A rewritten graph's plan
 replaces the best only where it is better by the simulator — in budget mode by ``TIME_MARGIN``
 of the step time, since simulated times are estimates and peaks are not — and a rewritten graph
 is planned without auto's fallbacks for a missed budget (its minutes-long ``split_backward``),
@@ -38,7 +41,7 @@ lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``o
 latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
 limit its measured step leaves (``RETRY``) and kept where it measures within; else auto's plan
 (``search_timing``, ``notes["confirmed"]``).
-``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
+The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
 peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
 what made its plan.
 
@@ -75,11 +78,11 @@ from ..graph.analysis import graph_fingerprint
 from ..graph.ir import Graph
 from ..plan.eager import eager_plan
 from ..sim.simulate import simulate
-from ..transform.rules import RULES, Rule
+from ..transform.rules import RULES
 from .base import BudgetInfeasible, Problem, Solution, register
-from .fission.first_splits import first_splits
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
+from .search_moves import _held, _Move, _moves, _probe_moves, _split_moves
 from .search_timing import RETRY, confirmed_choice, measures
 
 __all__ = ["solve_search"]
@@ -99,38 +102,6 @@ MIN_CANDIDATE_S = 1.0
 # (so in latency mode any lower peak counts): GPT-2 small at 0.4, measured, a plan simulated
 # 2.3% faster ran 3% slower
 TIME_MARGIN = 0.02
-# NOTE: the move that takes a candidate's plan's own graph (auto's splits, masks as bits,
-# chunked updates) as a candidate graph: auto plans once, its fission greedy stops where its
-# estimates say, and a second plan on the split graph, measured, may split deeper or drop less
-AGAIN = "auto_rewrite_again"
-# NOTE: the moves that plan a candidate's graph with the choice auto made greedily the other
-# way: its dropout masks as bits (or kept full) whatever hotspot's two plans said. auto picks
-# the graph every later option (fission) plans on by hotspot's plans on both; fission may
-# split the other graph further (ViT-B/16 small within 1.05x, one process's measured costs:
-# auto planned on the bits, hotspot's plan at 131.1 MiB, fission finding no better split
-# there; the same graph with the masks kept full, fission split it: 102.1 MiB)
-MASKS = {True: "masks_as_bits", False: "masks_kept_full"}
-# NOTE: a rule on the half of its matches that save the most bytes, where the whole rule does
-# not pay (MAGIS mutates one match at a time; all at once can cost more time than a latency
-# limit leaves: ResNet-50 within 1.05x, every BatchNorm through its residual sum); its name
-# on the path gets this suffix
-HALF = " (half)"
-# NOTE: the moves from the captured graph that take one of fission's first-round splits other
-# than the one auto's fission went on with (``first_splits``: each region's best part count),
-# planned by auto (which may split its parts further): fission's greedy commits to the split
-# its estimates rank first, and near-equal estimates rank differently from run to run (Llama
-# small within 1.05x: 701 nodes grown from the loss in 4 parts, 0.38 of eager's peak, in one
-# process; the loss's 12 nodes in 4 parts, 0.59, in the next). Their names on the path: this
-# prefix + the split
-SPLIT = "fission: "
-# NOTE: at most this many of them (one each from the best-ranked regions)
-SPLITS = 3
-# NOTE: a rule rewrites the graph its parent's plan runs where auto rewrote it (fission's
-# splits, masks as bits; where the rule matches there), not the parent's own: a candidate gets
-# at most CANDIDATE_S, in which auto on the rule's rewrite of the captured graph seldom gets as
-# far as fission again (GPT-2 small within 1.05x: scale_across_matmul on the captured graph,
-# 0.77 of eager's peak, hotspot alone in 10 s; on auto's split graph 0.43 in 4.5 s, auto's 0.43)
-ON_PLANNED = "the graph auto's plan ran"
 
 
 @dataclass(order=True)
@@ -207,7 +178,9 @@ def solve_search(problem: Problem) -> Solution:
     # before the deadline, left to the plan made again for its measured step (``RETRY``): the
     # search runs to its deadline on most rows (GPT-2 small within 1.05x, 89.4 s of 90)
     moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
-    splits = _split_moves(problem, first, eager_s, min(each_s, moves_until - planning_now()))
+    left = min(each_s, moves_until - planning_now())
+    splits = _split_moves(problem, first, eager_s, left) if left > MIN_CANDIDATE_S else []
+    splits += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
     while frontier and moves_until - planning_now() > MIN_CANDIDATE_S:
@@ -258,106 +231,11 @@ def solve_search(problem: Problem) -> Solution:
                     notes, sol.graph_for(best.graph) if best.rules or sol.graph else None)
 
 
-def _promising_first(parent: _Candidate, rules: list[Rule]
-                     ) -> list[tuple[Rule, Graph, list]]:
-    """The rules not yet applied on ``parent``'s path (whole or half) that match, each with
-    the graph it rewrites and its matches there — the graph ``parent``'s plan runs where auto
-    rewrote it (``ON_PLANNED``), else ``parent``'s own — those that save the most bytes first
-    (then the most FLOPs; ties in registry order): where the deadline leaves time for a few
-    candidates only, they are the ones that can move the peak (or the step)."""
-    applied = {name.removesuffix(HALF) for name in parent.rules}
-    sol = parent.solution
-    graphs = [g for g in (sol.graph if sol is not None else None, parent.graph) if g is not None]
-    found = []
-    for r in rules:
-        if r.name in applied:
-            continue
-        on = next(((g, ms) for g in graphs if (ms := r.find(g))), None)
-        if on is not None:
-            found.append((r, *on))
-    return sorted(found, key=lambda f: (-sum(m.bytes_saved for m in f[2]),
-                                        -sum(m.flops_saved for m in f[2])))
 
-
-def _half(matches: list) -> list:
-    """The half of ``matches`` (rounded up) that save the most bytes (then FLOPs)."""
-    ranked = sorted(matches, key=lambda m: (-m.bytes_saved, -m.flops_saved))
-    return ranked[:(len(ranked) + 1) // 2]
-
-
-@dataclass(frozen=True)
-class _Move:
-    """One move from a candidate: its name on the path, the graph it makes (lazily: a rule's
-    rewrite only when its turn comes), what it changes; for a rule with two or more matches,
-    the same rule on the half of them that save the most bytes (``HALF``), tried where the
-    whole rule does not pay."""
-
-    name: str
-    make: Callable[[], Graph]
-    change: dict
-    half: _Move | None = None
-
-
-def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
-    """The moves from ``parent``: first the graph its plan runs where auto rewrote it
-    (``AGAIN``: fission's splits, masks as bits, chunked updates, planned again by auto,
-    whose fission may split the parts further), then its graph planned with auto's mask
-    choice the other way (``MASKS``), then each matching rule not yet on its path applied
-    (``_promising_first``'s order), each with its half."""
-    moves = []
-    sol = parent.solution
-    if sol is not None and sol.graph is not None:
-        moves.append(_Move(AGAIN, lambda: sol.graph, {
-            "planned_by": sol.notes.get("winner", sol.solver),
-            "splits": list(sol.notes.get("splits", []))}))
-    if (sol is not None and "masks_as_bits" not in _held(parent.rules)
-            and isinstance(sol.notes.get("compact_masks"), dict)):
-        # NOTE: only where auto weighed the bits (hotspot planned them): elsewhere (the eager
-        # plan fits, remat is eager-fast) forcing them changes nothing
-        on = not sol.notes.get("masks_as_bits", False)
-        moves.append(_Move(MASKS[on], lambda: parent.graph, {"masks_as_bits": on}))
-
-    def rewrite(rule: Rule, graph: Graph, matches: list, suffix: str = "",
-                half: _Move | None = None):
-        change = {"matches": len(matches), "bytes_saved": sum(m.bytes_saved for m in matches),
-                  "flops_saved": sum(m.flops_saved for m in matches)}
-        if graph is not parent.graph:
-            change["on"] = ON_PLANNED
-        return _Move(rule.name + suffix, lambda: rule.rewrite(graph, matches=matches), change,
-                     half)
-
-    for rule, graph, matches in _promising_first(parent, rules):
-        half = rewrite(rule, graph, _half(matches), HALF) if len(matches) > 1 else None
-        moves.append(rewrite(rule, graph, matches, half=half))
-    return moves
-
-
-def _split_moves(problem: Problem, first: _Candidate, eager_s: float,
-                 time_s: float) -> list[_Move]:
-    """The moves from the captured graph to fission's other first-round splits (``SPLIT``),
-    weighed within ``time_s``; none where the problem is exact (fission sums in parts) or, in
-    budget mode, where auto's plan is as fast as the eager plan (``eager_s``: no split plan is
-    faster)."""
-    sol = first.solution
-    if time_s <= MIN_CANDIDATE_S or problem.exact:
-        return []
-    if problem.budget_bytes is not None and sol is not None and sol.sim.latency_s <= eager_s:
-        return []
-    own = tuple(sol.notes.get("splits", [])[:1]) if sol is not None else ()
-    with progress.stage("search: fission's first splits"):
-        found = first_splits(problem, deadline=planning_now() + time_s, n=SPLITS, skip=own)
-    return [_Move(SPLIT + what, lambda g=g: g, {"split": what}) for what, g in found]
-
-
-def _held(rules: tuple[str, ...]) -> dict:
-    """The choices of auto's a path of moves holds it to (``MASKS``: its descendants keep it)."""
-    on = [choice for choice, name in MASKS.items() if name in rules]
-    return {"masks_as_bits": on[0]} if on else {}
-
-
-def _seen_key(graph: Graph, rules: tuple[str, ...]) -> tuple:
-    """A candidate's identity: its graph and the choices auto is held to on it."""
-    return graph_fingerprint(graph), tuple(sorted(_held(rules).items()))
+def _seen_key(graph: Graph, rules: tuple[str, ...], probe: tuple | None = None) -> tuple:
+    """A candidate's identity: its graph, the choices auto is held to on it and the
+    constraint it was planned for where a probe's (``PROBE``)."""
+    return graph_fingerprint(graph), tuple(sorted(_held(rules).items())), probe
 
 
 def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], time_s: float,
@@ -365,29 +243,38 @@ def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], 
     """The graph ``move`` makes from ``parent``'s, planned; None where that graph was planned
     so (held to the same choices) before."""
     graph, rules = move.make(), parent.rules + (move.name,)
-    key = _seen_key(graph, rules)
+    key = _seen_key(graph, rules, move.probe)
     if key in seen:
         return None
     seen.add(key)
     changes = dict(parent.changes)
     changes[move.name] = move.change
-    return _plan(problem, graph, rules, changes, time_s, limit_s, budget_mode)
+    return _plan(problem, graph, rules, changes, time_s, limit_s, budget_mode,
+                 probe=move.probe)
 
 
 def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict, time_s: float,
-          limit_s: float | None, budget_mode: bool, fallback: bool = False) -> _Candidate:
+          limit_s: float | None, budget_mode: bool, fallback: bool = False,
+          probe: tuple[str, float] | None = None) -> _Candidate:
     """``graph`` planned by ``auto`` (held to the choices its path ``rules`` fixed: ``_held``)
     for ``problem``'s budget or latency limit (the limit in seconds of the captured graph's
-    eager step, as a factor of this graph's own); only the captured graph gets auto's
-    fallbacks where the budget is missed (``split_backward`` searches for minutes)."""
+    eager step, as a factor of this graph's own) — or for ``probe``'s constraint, the plan
+    judged by the problem's (``PROBE``); only the captured graph gets auto's fallbacks where
+    the budget is missed (``split_backward`` searches for minutes)."""
     cm = problem.cost_model
     sub = dataclasses.replace(problem, graph=graph, time_budget_s=time_s)
-    if not budget_mode:
+    own = None
+    if not budget_mode or probe is not None:
         cm.prepare(graph)
         own = simulate(graph, eager_plan(graph), cm).latency_s
-        if limit_s < own:
-            return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
-                              "its eager step is over the latency limit", changes)
+    if not budget_mode and limit_s < own:
+        return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
+                          "its eager step is over the latency limit", changes)
+    if probe is not None:
+        kind, value = probe
+        sub = dataclasses.replace(sub, budget_bytes=int(value) if kind == "budget" else None,
+                                  latency_limit=value / own if kind == "latency" else None)
+    elif not budget_mode:
         sub = dataclasses.replace(sub, latency_limit=limit_s / own)
     try:
         # NOTE: a rewritten graph's own options are not said: one line per candidate is
@@ -399,6 +286,9 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
     if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
                           "over the latency limit", changes)
+    if budget_mode and sol.sim.peak_bytes > problem.budget_bytes:
+        return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
+                          "over the budget", changes)
     return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
 
 
