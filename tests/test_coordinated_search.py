@@ -509,11 +509,11 @@ def test_a_graph_whose_eager_step_is_over_the_limit_is_not_expanded(monkeypatch)
     assert all(len(c["rules"]) == 1 for c in cands[1:])
 
 
-def test_the_search_plans_auto_for_the_other_constraint(monkeypatch):
+def test_the_search_plans_auto_for_the_other_constraint():
     """From the captured graph the search plans auto for a budget below its own plan's peak
     (latency mode) or a limit below its own plan's step (budget mode), and judges each plan
-    by the problem's constraint (``PROBE``); where one wins, it holds that constraint and
-    runs like eager."""
+    by the problem's constraint (``PROBE``): ranked by it where it holds it, else failed and
+    not expanded."""
     from fitgraph.solvers import coordinated
     from fitgraph.solvers.search_moves import PROBE, PROBE_PEAKS
 
@@ -532,6 +532,10 @@ def test_the_search_plans_auto_for_the_other_constraint(monkeypatch):
         budget = c["changes"][c["rules"][0]]["budget_bytes"]
         assert ("failed" in c or (c["peak_bytes"] <= budget
                                   and c["latency_s"] <= 1.5 * eager.latency_s * (1 + 1e-9)))
+    # NOTE: a probe is expanded only from a graph auto rewrote (its own moves from the
+    # captured graph would be the first candidate's)
+    after = {c["rules"][0] for c in s.notes["candidates"] if len(c["rules"]) > 1}
+    assert not any("failed" in c for c in probes if c["rules"][0] in after)
     budget = int(0.5 * eager.peak_bytes)
     tight = Problem(g, cm, budget_bytes=budget, time_budget_s=30)
     s = solve(tight, "search")
@@ -541,16 +545,21 @@ def test_the_search_plans_auto_for_the_other_constraint(monkeypatch):
             assert c.get("failed") == "over the budget" or (
                 c["peak_bytes"] <= budget and c["latency_s"] <= limit_s * (1 + 1e-9))
 
-    # NOTE: a probe's candidate wins where the simulator says so: made so here
-    def probed(c):
-        return bool(c.rules) and c.rules[0].startswith(PROBE)
-
-    monkeypatch.setattr(coordinated, "_better", lambda a, b, budget_mode: (
-        a.solution is not None and probed(a) and not probed(b)))
-    for problem in (latency, tight):
-        s = solve(problem, "search")
-        assert s.notes["rules"][0].startswith(PROBE)
-        assert s.sim.latency_s <= 1.5 * eager.latency_s * (1 + 1e-9) if problem is latency \
-            else s.sim.peak_bytes <= budget
-        if s.graph is not None:
-            assert_split_like_eager(g, s.graph, model, batch, plan=s.plan, atol=1e-5)
+    # NOTE: latency mode: a probe's plan for a loose budget holds the limit and ranks by its
+    # peak; for a budget under every plan's peak, none
+    loose = coordinated._plan(latency, g, (PROBE,), {}, 10.0, 1.5 * eager.latency_s, False,
+                              probe=("budget", eager.peak_bytes))
+    assert loose.solution.sim.latency_s <= 1.5 * eager.latency_s * (1 + 1e-9)
+    assert loose.rank == (0, loose.solution.sim.peak_bytes, loose.solution.sim.latency_s)
+    none = coordinated._plan(latency, g, (PROBE,), {}, 10.0, 1.5 * eager.latency_s, False,
+                             probe=("budget", eager.peak_bytes // 100))
+    assert none.solution is None and none.dead_end
+    # NOTE: budget mode: a probe's plan for a loose limit (auto's least peak) holds the budget
+    # and ranks by its step; for the eager step's limit it is over the budget
+    loose = coordinated._plan(tight, g, (PROBE,), {}, 10.0, None, True,
+                              probe=("latency", 10 * eager.latency_s))
+    assert loose.solution.sim.peak_bytes <= budget
+    assert loose.rank == (0, loose.solution.sim.latency_s, loose.solution.sim.peak_bytes)
+    tight_limit = coordinated._plan(tight, g, (PROBE,), {}, 10.0, None, True,
+                                    probe=("latency", eager.latency_s))
+    assert tight_limit.solution is None and tight_limit.error == "over the budget"

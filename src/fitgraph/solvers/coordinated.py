@@ -82,7 +82,7 @@ from ..transform.rules import RULES
 from .base import BudgetInfeasible, Problem, Solution, register
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
-from .search_moves import _held, _Move, _moves, _probe_moves, _split_moves
+from .search_moves import PROBE, _held, _Move, _moves, _probe_moves, _split_moves
 from .search_timing import RETRY, confirmed_choice, measures
 
 __all__ = ["solve_search"]
@@ -117,9 +117,13 @@ class _Candidate:
 
     @property
     def dead_end(self) -> bool:
-        """No plan and no least peak: its eager step is over the latency limit, and the search
-        does not expand it (Llama small within 1.05x: six rules' candidates on three such
-        graphs, every one over the limit too)."""
+        """The search does not expand it: no plan and no least peak (its eager step is over
+        the latency limit: Llama small within 1.05x, six rules' candidates on three such
+        graphs, every one over the limit too), or a probe's plan (``PROBE``) on the captured
+        graph as it is, or none: its moves would be the first candidate's (ViT-B/16 small at
+        0.6, two such probes' rules planned again as the first's, 30 s of the search's 90)."""
+        if self.rules and self.rules[-1].startswith(PROBE):
+            return self.solution is None or self.solution.graph is None
         return self.solution is None and self.rank[1] == float("inf")
 
     def summary(self) -> dict:
