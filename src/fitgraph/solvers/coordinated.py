@@ -41,9 +41,9 @@ lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``o
 latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
 limit its measured step leaves (``RETRY``) and kept where it measures within; else auto's plan
 (``search_timing``, ``notes["confirmed"]``).
-The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its rules, what each rule's matches change, its
-peak and latency or why it failed), ``notes["rules"]`` the winner's rules, ``notes["winner"]``
-what made its plan.
+The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
+rules, what each rule's matches change, its peak and latency or why it failed),
+``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.
 
 Deterministic as its parts: only the deadline (``time_budget_s``, on the planning clock:
 ``cost.clock``) cuts it short, and the measured check decides on this machine's timings.
@@ -183,13 +183,14 @@ def solve_search(problem: Problem) -> Solution:
     # search runs to its deadline on most rows (GPT-2 small within 1.05x, 89.4 s of 90)
     moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
     left = min(each_s, moves_until - planning_now())
-    splits = _split_moves(problem, first, eager_s, left) if left > MIN_CANDIDATE_S else []
-    splits += _probe_moves(problem, first, eager_s)
+    # NOTE: the moves only the captured graph takes (SPLIT, PROBE), after its own
+    from_captured = _split_moves(problem, first, eager_s, left) if left > MIN_CANDIDATE_S else []
+    from_captured += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
     while frontier and moves_until - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
-        for move in _moves(parent, rules) + (splits if parent is first else []):
+        for move in _moves(parent, rules) + (from_captured if parent is first else []):
             child = None
             for m in (move, move.half):
                 # NOTE: a rule's half only where the whole rule did not pay on this parent
