@@ -174,6 +174,9 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
             _measure_memory(list(pair.values()), batch)
             _time_rounds([eager, *pair.values()], repeats, reference=eager)
             row["eager_step_s"] = statistics.median(eager.times)
+            # NOTE: minor page faults a step: where a step's large blocks come fresh from the
+            # kernel moves its time (GPT-2 at 0.8: one plan in two systems measured 6% apart)
+            row["eager_faults"] = statistics.median(eager.faults) if eager.faults else None
         sols = {k: s.step.solution for k, s in pair.items()}
         for k, s in pair.items():
             row[f"{k}_peak"] = s.peak / eager.peak
@@ -181,6 +184,7 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
             row[f"{k}_sim_peak"] = sols[k].sim.peak_bytes
             row[f"{k}_sim_latency_s"] = sols[k].sim.latency_s
             row[f"{k}_solve_s"] = sols[k].solve_s
+            row[f"{k}_faults"] = statistics.median(s.faults) if s.faults else None
         if len(pair) == 2:
             row["paired_search_over_auto"] = statistics.median(
                 a / b for a, b in zip(pair["search"].times, pair["auto"].times))
