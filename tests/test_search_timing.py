@@ -285,6 +285,9 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     assert losses([dict(held, auto_step=1.0, gain=gain(held))]) == 1
     # NOTE: auto's very plan measured over the limit in the search's rounds: the machine's
     assert losses([dict(over, same_plan=True, gain=0.0)]) == 0
+    # NOTE: the same plan in both systems: what the pair measured is the bench's own spread
+    same = dict(base, same_plan=True, gain=0.0, paired_search_over_auto=0.94)
+    assert "auto's plan (measured 0.940× itself)" in markdown([same])
     table = markdown(rows)
     assert "auto's plan made again (+20.0% peak)" in table and "| +1.0% |" in table
     # NOTE: budget mode timed the search's plan against auto's and kept auto's: said

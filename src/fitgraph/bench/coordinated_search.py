@@ -281,7 +281,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         what = (f"budget {r['value']:g}" if r["kind"] == "budget" else f"latency ≤ {r['value']:g}×")
         unit = "time" if r["kind"] == "budget" else "peak"
-        won = ("auto's plan" if r.get("same_plan") else _outcome(r) if r["gain"] is None
+        # NOTE: the same plan in two systems, paired: the bench's own spread, shown
+        same = (f"auto's plan (measured {r['paired_search_over_auto']:.3f}× itself)"
+                if "paired_search_over_auto" in r else "auto's plan")
+        won = (same if r.get("same_plan") else _outcome(r) if r["gain"] is None
                else f"auto's plan made again ({100 * raw_gain(r):+.1f}% {unit})"
                if replanned(r) else f"{100 * r['gain']:+.1f}% {unit}")
         own = own_gain(r)
