@@ -181,14 +181,13 @@ def _probe_moves(problem: Problem, first: _Candidate, eager_s: float) -> list[_M
     sol = first.solution
     if sol is None:
         return []
-    graph = problem.graph
+    def probe(what: str, kind: str, value: float) -> _Move:
+        return _Move(PROBE + what, lambda: problem.graph, {kind: value}, probe=(kind, value))
+
     if problem.budget_bytes is None:
-        return [_Move(f"{PROBE}a budget of {f:g}x its peak", lambda: graph,
-                      {"budget_bytes": int(f * sol.sim.peak_bytes)},
-                      probe=("budget", int(f * sol.sim.peak_bytes)))
+        return [probe(f"a budget of {f:g}x its peak", "budget", int(f * sol.sim.peak_bytes))
                 for f in PROBE_PEAKS]
-    return [_Move(f"{PROBE}a limit of {f:g}x its step", lambda: graph,
-                  {"latency_s": f * sol.sim.latency_s}, probe=("latency", f * sol.sim.latency_s))
+    return [probe(f"a limit of {f:g}x its step", "latency", f * sol.sim.latency_s)
             for f in PROBE_STEPS if f * sol.sim.latency_s >= eager_s]
 
 
