@@ -39,8 +39,8 @@ timed in paired rounds: in budget mode each against auto's step, the fastest mea
 where it measures ``MEASURED_MARGIN`` faster; in latency mode against the eager plan's step,
 lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s
 latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
-limit its measured step leaves (``RETRY``) and kept where it measures within; else auto's plan
-(``search_timing``, ``notes["confirmed"]``).
+limit its measured step leaves (``RETRY``) and kept where it measures within — the one chosen
+timed again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
 The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
 rules, what each rule's matches change, its peak and latency or why it failed),
 ``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.

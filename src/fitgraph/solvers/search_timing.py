@@ -55,13 +55,13 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     whose step was timed in paired rounds: of the candidates that simulate better than auto's
     plan (``first``; ``_contenders``, ``MEASURED`` at most), in budget mode the fastest
     measured, timed against auto's step, kept only where it measures ``MEASURED_MARGIN``
-    faster (timed again: ``measured_over_auto`` is that second timing); in latency mode the lowest peak measured within the limit less ``STEP_MARGIN`` of
-    the eager plan's step, timed lowest peak first — where none is, the lowest peak's graph
-    planned again for the limit its measured step leaves (``RETRY``, ``limit_s`` the limit in
-    seconds; ``plan_again(candidate, graph, target_s, changes)`` plans it, None where the
-    search's deadline leaves no time), kept where it measures within (timed again, as in
-    budget mode); else ``first``. Returns
-    it and what was measured (None where nothing was).
+    faster (timed again: ``measured_over_auto`` is that second timing); in latency mode the
+    lowest peak measured within the limit less ``STEP_MARGIN`` of the eager plan's step, timed
+    lowest peak first — where none is, the lowest peak's graph planned again for the limit its
+    measured step leaves (``RETRY``, ``limit_s`` the limit in seconds; ``plan_again(candidate,
+    graph, target_s, changes)`` plans it, None where the search's deadline leaves no time),
+    kept where it measures within (timed again, as in budget mode); else ``first``. Returns it
+    and what was measured (None where nothing was).
 
     NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
     order changes what it does not see (caches, the allocator, the interpreter between ops):
@@ -72,7 +72,6 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     auto's 1.093x, and ``optimize``'s latency check planned the search again three times."""
     if not measures(problem.cost_model) or first.solution is None:
         return best, None
-    ratio_of = problem.cost_model.measured_ratio
     contenders = _contenders(first, best, tried)
     if not contenders:
         return best, None
@@ -85,10 +84,15 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
         against = "eager"
         base, plan = problem.graph, eager_plan(problem.graph)
         within = max(1.0, problem.latency_limit - STEP_MARGIN)
+
+    def ratio_of(c) -> float:
+        """``c``'s plan's step over the reference's, timed in paired rounds."""
+        return problem.cost_model.measured_ratio(c.solution.graph_for(c.graph), c.solution.plan,
+                                                 base, plan)
+
     timed = []
     for c in contenders:
-        sol = c.solution
-        ratio = ratio_of(sol.graph_for(c.graph), sol.plan, base, plan)
+        ratio = ratio_of(c)
         progress.note(f"search: {' + '.join(c.rules) or 'the exact order'} measured "
                       f"{ratio:.3f}x {against}'s step")
         timed.append((ratio, c))
@@ -99,8 +103,7 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
         if again is not None:
             tried.append(again)   # NOTE: listed with the candidates, a plan or why not
         if again is not None and again.solution is not None and again < first:
-            ratio = ratio_of(again.solution.graph_for(again.graph), again.solution.plan, base,
-                             plan)
+            ratio = ratio_of(again)
             progress.note(f"search: planned again, measured {ratio:.3f}x eager's step")
             timed.append((ratio, again))
     ratio, chosen = min(timed, key=lambda t: t[0]) if budget_mode else timed[-1]
@@ -108,8 +111,7 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     if ratio <= within:
         # NOTE: the choice timed again: the fastest of several timings (or the first within
         # the limit) is picked partly for its luck, and only a fresh timing is not
-        ratio = ratio_of(chosen.solution.graph_for(chosen.graph), chosen.solution.plan, base,
-                         plan)
+        ratio = ratio_of(chosen)
         progress.note(f"search: {said} measured again {ratio:.3f}x {against}'s step")
     kept = chosen if ratio <= within else first
     progress.note(f"search: {'kept ' + said if kept is chosen else 'auto kept'}")
