@@ -117,8 +117,10 @@ def assert_one_process_params(got: dict, ref_params: dict, noise: dict) -> None:
 # NOTE: the encoder's runs of these layouts repeat what the decoder's and its own tp2 and
 # pp2-1f1b runs show (~60 s of the default run): `make test-slow` runs them
 _ENCODER_SLOW = {("bert-base", c) for c in ("dp2-fsdp", "pp2xdp2", "pp2-interleaved", "pp2xtp2")}
-# NOTE: the decoder's plain pp2 x dp2 (~19 s) is the ZeRO-1 one's layout without sharding
-_SLOW = _ENCODER_SLOW | {("gpt2", "pp2xdp2")}
+# NOTE: the decoder's plain pp2 x dp2 (~19 s) is the ZeRO-1 one's layout without sharding; its
+# tp2 (~10 s) what pp2 x tp2 and the encoder's tp2 show, its pp2-1f1b (~11 s) the encoder's,
+# its ZeRO-2 (~12 s) what ZeRO-1 and FSDP bracket
+_SLOW = _ENCODER_SLOW | {("gpt2", c) for c in ("pp2xdp2", "tp2", "pp2-1f1b", "dp2-zero2")}
 
 
 @pytest.mark.parametrize(("name", "config"), [
