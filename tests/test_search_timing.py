@@ -303,3 +303,8 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
                            "kept": "search"})
     assert round(own_gain(kept), 2) == 0.05 and wins([dict(kept, gain=gain(kept))]) == 1
     assert round(own_gain(dict(kept, confirmed=None)), 2) == 0.01
+    # NOTE: budget mode: the gain is the two plans' steps paired round by round, not their
+    # medians over the eager steps around each (those move with eager's own page faults)
+    paired = dict(kept, auto_step=1.0, search_step=0.96, paired_search_over_auto=0.99)
+    assert round(gain(paired), 3) == 0.01 and wins([dict(paired, gain=gain(paired))]) == 0
+    assert round(gain(dict(paired, paired_search_over_auto=0.95)), 3) == 0.05
