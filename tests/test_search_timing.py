@@ -221,6 +221,73 @@ def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured
     assert kept is first and len(notes["timed"]) == 1 and timed.asked == asked + 1
 
 
+def test_latency_mode_plans_again_for_the_slack_the_kept_plan_measured():
+    """Where the plan kept within the limit less the margin measured ``SLACK_MIN`` or more under
+    it, its graph is planned again for the looser limit its measured step leaves (``SLACK``),
+    kept where its peak is lower and it measures within, twice; where no candidate simulates a
+    lower peak, auto's own plan is timed for its slack."""
+    from fitgraph.cost.clock import planning_now
+    from fitgraph.sim.simulate import simulate
+    from fitgraph.solvers.base import STEP_MARGIN
+    from fitgraph.solvers.coordinated import _again_until, _Candidate, _rank
+    from fitgraph.solvers.search_timing import SLACK, SLACK_MIN
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
+
+    # NOTE: the RETRY test's chain: its plan within 1.10x spends the slack on remat, its plan
+    # within 1.02x keeps more (a higher peak)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
+    g = fitgraph.capture(torch.nn.Sequential(*layers), torch.randn(512, 256),
+                         lambda m, b: m(b).square().mean())
+    roofline = RooflineCostModel(get_device("cpu-generic"))
+    eager_s = simulate(g, fitgraph.eager_plan(g), roofline).latency_s
+    tight = solve(Problem(g, roofline, latency_limit=1.02), "auto")
+    loose = solve(Problem(g, roofline, latency_limit=1.10), "auto")
+    assert loose.sim.peak_bytes < tight.sim.peak_bytes
+
+    def cand(sol, name, peak=None):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan), sim=dataclasses.replace(
+            sol.sim, peak_bytes=peak or sol.sim.peak_bytes))
+        return _Candidate(_rank(s, None, False), g, (name,) if name else (), s, None)
+
+    within = 1.10 - STEP_MARGIN
+    first, best = cand(tight, "", 10 * _eager(g, roofline).peak_bytes), cand(tight, "best")
+    timed = _Timed(roofline, {id(best.solution.plan): 1.0}, default=within - 0.01)
+    problem = Problem(g, timed, latency_limit=1.10)
+    until = _again_until(problem, planning_now() + 30)
+    tried = [first, best]
+    kept, notes = _confirmed(problem, first, best, tried, until, 1.10 * eager_s)
+    # NOTE: best timed, timed again, its slack planned: timed twice, within, a lower peak
+    assert kept.rules == ("best", SLACK) and kept in tried and notes["kept"] == "search"
+    assert kept.solution.sim.peak_bytes < best.solution.sim.peak_bytes and timed.asked == 4
+    assert [t["rules"] for t in notes["timed"]] == [["best"], ["best", SLACK]]
+    assert kept.solution.sim.latency_s <= tight.sim.latency_s * within * (1 + 1e-9)
+    expected = 1.10 * tight.sim.latency_s * within / (1.10 * eager_s)
+    assert abs(kept.changes[SLACK]["limit"] - expected) < 1e-3
+    # NOTE: the plan made again measures over: best kept
+    timed.default = within + 0.01
+    kept, notes = _confirmed(problem, first, best, [first, best], until, 1.10 * eager_s)
+    assert kept is best and notes["measured_over_eager"] == 1.0
+    # NOTE: under the margin's limit by less than SLACK_MIN: nothing planned again
+    timed.ratio[id(best.solution.plan)] = within - SLACK_MIN / 2
+    asked = timed.asked
+    kept, notes = _confirmed(problem, first, best, [first, best], until, 1.10 * eager_s)
+    assert kept is best and timed.asked == asked + 2 and len(notes["timed"]) == 1
+    # NOTE: no candidate at a lower peak than auto's plan: auto's own plan timed for its slack
+    auto_first = cand(tight, "")
+    timed.ratio[id(auto_first.solution.plan)] = 1.0
+    timed.default = within - 0.01
+    kept, notes = _confirmed(problem, auto_first, auto_first, [auto_first], until,
+                             1.10 * eager_s)
+    assert kept.rules == (SLACK,) and notes["kept"] == "search"
+    assert [t["rules"] for t in notes["timed"]] == [[], [SLACK]]
+    # NOTE: ... and nothing where it measured over, or where the search has no plan_again
+    timed.ratio[id(auto_first.solution.plan)] = within + 0.01
+    kept, notes = _confirmed(problem, auto_first, auto_first, [auto_first], until,
+                             1.10 * eager_s)
+    assert kept is auto_first and notes["kept"] == "auto" and len(notes["timed"]) == 1
+    assert _confirmed(problem, auto_first, auto_first, [auto_first]) == (auto_first, None)
+
+
 def test_a_latency_search_whose_plans_measure_over_plans_again_within_its_budget():
     """A whole search in latency mode whose every timed plan measures over the limit's margin:
     the plan made again (``RETRY``) is among its candidates, the search within its time budget

@@ -39,7 +39,9 @@ timed in paired rounds: in budget mode each against auto's step, the fastest mea
 where it measures ``MEASURED_MARGIN`` faster; in latency mode against the eager plan's step,
 lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s
 latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
-limit its measured step leaves (``RETRY``) and kept where it measures within — the one chosen
+limit its measured step leaves (``RETRY``) and kept where it measures within, and where the
+plan kept (auto's too) measures under it, planned again for the looser limit that leaves
+(``SLACK``), kept where its peak is lower and it measures within — the one chosen
 timed again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
 The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
 rules, what each rule's matches change, its peak and latency or why it failed),
@@ -83,7 +85,7 @@ from .base import BudgetInfeasible, Problem, Solution, register
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
 from .search_moves import PROBE, _held, _Move, _moves, _probe_moves, _split_moves
-from .search_timing import RETRY, confirmed_choice, measures
+from .search_timing import confirmed_choice, measures
 
 __all__ = ["solve_search"]
 
@@ -299,13 +301,14 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
 
 def _again_until(problem: Problem, deadline: float) -> Callable:
     """The search's ``plan_again`` for ``search_timing``: a candidate's ``graph`` planned by
-    auto for a latency limit of ``target_s`` seconds (its path's rules and ``RETRY``), within
+    auto for a latency limit of ``target_s`` seconds (its path's rules and ``name``:
+    ``search_timing.RETRY`` or ``SLACK``), within
     what ``deadline`` leaves (at most ``CANDIDATE_S``); None where it leaves too little."""
-    def plan_again(c: _Candidate, graph: Graph, target_s: float, changes: dict):
+    def plan_again(c: _Candidate, graph: Graph, target_s: float, changes: dict, name: str):
         left = deadline - planning_now()
         if left <= MIN_CANDIDATE_S:
             return None
-        return _plan(problem, graph, c.rules + (RETRY,), changes, min(left, CANDIDATE_S),
+        return _plan(problem, graph, c.rules + (name,), changes, min(left, CANDIDATE_S),
                      target_s, False)
     return plan_again
 
