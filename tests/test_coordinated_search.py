@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
 import torch
 from helpers import assert_split_like_eager, classifier_mlp
 from hypothesis import given, settings
@@ -299,6 +300,9 @@ def test_auto_can_be_held_to_either_mask_choice():
                                                          chosen.sim.latency_s)
 
 
+# NOTE: ~39 s (three plans of 10-30 s): `make test-slow`; auto held to either choice is tested
+# in the default tier (test_auto_can_be_held_to_either_mask_choice)
+@pytest.mark.slow
 def test_the_search_plans_auto_mask_choice_the_other_way(monkeypatch):
     """Where auto weighed the dropout masks as bits, the search plans the same graph with the
     other choice (``MASKS``), and every candidate descended from it keeps that choice; the

@@ -4,6 +4,7 @@ other kind of constraint."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import assert_split_like_eager
 from test_coordinated_search import _eager, _loss_model
 
@@ -126,6 +127,8 @@ def test_fission_first_splits_are_each_regions_best_within_the_limit():
     assert all(_eager(split, cm).latency_s <= eager.latency_s for _, split in tight)
 
 
+# NOTE: ~24 s (two searches of 30 s on a small MLP): `make test-slow`
+@pytest.mark.slow
 def test_the_search_plans_auto_for_the_other_constraint():
     """From the captured graph the search plans auto for a budget below its own plan's peak
     (latency mode) or a limit below its own plan's step (budget mode), and judges each plan
