@@ -17,7 +17,7 @@ def test_each_instruction_is_timed_and_the_model_is_not_stepped():
     plan = solve(Problem(g, Ms(), latency_limit=1.0), "eager").plan
     assert any(n.target.startswith("fitgraph.optimizer.") for n in g.nodes)
     before = [p.detach().clone() for p in model.parameters()]
-    times = timed_plans(g, {"eager": plan}, model, opt, batch, repeats=2)["eager"]
+    times = timed_plans({"eager": (g, plan)}, model, opt, batch, repeats=2)["eager"]
     assert len(times) == len(plan) and all(t >= 0 for t in times)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     meas, sim = _grouped(g, plan, times, Ms())

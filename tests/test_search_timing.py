@@ -167,24 +167,30 @@ def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_m
     assert kept is first and notes is None and timed.asked == asked
 
 
+def _remat_chain():
+    """(graph, roofline, eager step s): a chain whose plan within 1.10x spends the slack on
+    remat (cpu-generic's roofline)."""
+    from fitgraph.sim.simulate import simulate
+
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
+    g = fitgraph.capture(torch.nn.Sequential(*layers), torch.randn(512, 256),
+                         lambda m, b: m(b).square().mean())
+    roofline = RooflineCostModel(get_device("cpu-generic"))
+    return g, roofline, simulate(g, fitgraph.eager_plan(g), roofline).latency_s
+
+
 def test_latency_mode_plans_the_lowest_peak_again_where_every_candidate_measured_over():
     """Where every timed candidate measured over the limit less the margin and the deadline
     leaves time, the lowest peak's graph is planned again for the limit its measured step
     leaves (``RETRY``: its simulated step scaled by the margin's limit over what it measured)
     and kept where that plan measures within; else auto's plan."""
     from fitgraph.cost.clock import planning_now
-    from fitgraph.sim.simulate import simulate
     from fitgraph.solvers.base import STEP_MARGIN
     from fitgraph.solvers.coordinated import _again_until, _Candidate, _rank
     from fitgraph.solvers.search_timing import RETRY
     from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
-    # NOTE: a chain whose plan within 1.10x spends the slack on remat (cpu-generic's roofline)
-    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
-    g = fitgraph.capture(torch.nn.Sequential(*layers), torch.randn(512, 256),
-                         lambda m, b: m(b).square().mean())
-    roofline = RooflineCostModel(get_device("cpu-generic"))
-    eager_s = simulate(g, fitgraph.eager_plan(g), roofline).latency_s
+    g, roofline, eager_s = _remat_chain()
     sol = solve(Problem(g, roofline, latency_limit=1.10), "auto")
 
     def cand(peak, name):
@@ -227,19 +233,13 @@ def test_latency_mode_plans_again_for_the_slack_the_kept_plan_measured():
     kept where its peak is lower and it measures within, twice; where no candidate simulates a
     lower peak, auto's own plan is timed for its slack."""
     from fitgraph.cost.clock import planning_now
-    from fitgraph.sim.simulate import simulate
     from fitgraph.solvers.base import STEP_MARGIN
     from fitgraph.solvers.coordinated import _again_until, _Candidate, _rank
     from fitgraph.solvers.search_timing import SLACK, SLACK_MIN
     from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
-    # NOTE: the RETRY test's chain: its plan within 1.10x spends the slack on remat, its plan
-    # within 1.02x keeps more (a higher peak)
-    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)]
-    g = fitgraph.capture(torch.nn.Sequential(*layers), torch.randn(512, 256),
-                         lambda m, b: m(b).square().mean())
-    roofline = RooflineCostModel(get_device("cpu-generic"))
-    eager_s = simulate(g, fitgraph.eager_plan(g), roofline).latency_s
+    # NOTE: the plan within 1.02x keeps more than the one within 1.10x (a higher peak)
+    g, roofline, eager_s = _remat_chain()
     tight = solve(Problem(g, roofline, latency_limit=1.02), "auto")
     loose = solve(Problem(g, roofline, latency_limit=1.10), "auto")
     assert loose.sim.peak_bytes < tight.sim.peak_bytes

@@ -6,10 +6,13 @@
 
 Plans the zoo model's small configuration (``--sweep``: the sweep's model of that name)
 (AdamW, this machine's measured op costs, one torch thread) for the latency limit (or the
-budget: a fraction of eager's peak), then runs eager's plan and the planned one through the executor
-instruction by instruction, interleaved, timing each (median over ``--repeats`` steps), and sets
-every instruction's time beside what the cost model charged for it. Prints, per plan, the
-measured and simulated totals and the (kind, op) groups that miss by the most. Inputs are the
+budget: a fraction of eager's peak; the solver's own plan, without optimize's latency check),
+then runs the captured graph's eager plan and the planned one (on the graph it runs: fission's
+split one) through the executor instruction by instruction, a step of each in turn, timing each
+(median over ``--repeats`` steps), and sets every instruction's time beside what the cost model
+charged for it. Prints, per plan, the measured and simulated totals and the (kind, op) groups
+that miss by the most, and the plan's step over the eager plan's, measured and simulated.
+Inputs are the
 model's own weights and batch; optimizer nodes update scratch copies of its state, so the model
 is left as it was.
 
@@ -33,37 +36,52 @@ __all__ = ["main", "misses", "timed_instructions", "timed_plans"]
 
 def timed_instructions(graph, plan, model, optimizer, batch, repeats: int) -> list[float]:
     """Median seconds of each instruction of ``plan`` over ``repeats`` steps."""
-    from ..execute.executor import Executor, bind_inputs
-
-    ex = Executor(graph, plan, model, optimizer)
-    per: list[list[float]] = [[] for _ in plan]
-    for _ in range(repeats):
-        inputs = bind_inputs(graph, model, batch, optimizer)
-        ex.env = env = [None] * len(graph.values)
-        for vid, t in zip(graph.inputs, inputs):
-            env[vid] = t
-        del inputs
-        with torch.no_grad():
-            for i, ins in enumerate(plan):
-                t0 = time.perf_counter()
-                ex.steps[i](ex, ins)
-                per[i].append(time.perf_counter() - t0)
-        ex.env, ex.rng_saved = [], {}
-    return [statistics.median(ts) for ts in per]
+    return timed_plans({"plan": (graph, plan)}, model, optimizer, batch, repeats)["plan"]
 
 
-def timed_plans(graph, plans: dict, model, optimizer, batch, repeats: int) -> dict:
-    """label -> ``timed_instructions`` of each plan, the plans interleaved (twice, the second
-    pass kept), run on copies of ``model`` and ``optimizer``: the step's optimizer nodes
-    update the weights and state they are given."""
+def timed_plans(plans: dict, model, optimizer, batch, repeats: int) -> dict:
+    """label -> the median seconds of each instruction of the plan ``plans[label]`` (a
+    (graph, plan) pair: a plan runs on its own graph, fission's split one included) over
+    ``repeats`` steps, one step of each plan in turn, after a step of each to warm up; run on
+    copies of ``model`` and ``optimizer``: the step's optimizer nodes update the weights and
+    state they are given.
+
+    NOTE: step by step, not plan by plan: this machine's speed drifts by more than a plan's
+    cost (U-Net small's eager plan: 230 then 324 ms a step in two consecutive runs), and two
+    plans' medians taken minutes apart compare the moments, not the plans."""
+    from ..execute.executor import Executor
     from .harness import _copied
 
     scratch, opt = _copied(model, optimizer)
-    times: dict = {}
-    for _ in range(2):  # NOTE: interleaved: both plans see the machine alike
-        for label, plan in plans.items():
-            times[label] = timed_instructions(graph, plan, scratch, opt, batch, repeats)
-    return times
+    runs = {label: (Executor(graph, plan, scratch, opt), graph, plan)
+            for label, (graph, plan) in plans.items()}
+    per = {label: [[] for _ in plan] for label, (_, plan) in plans.items()}
+    for r in range(repeats + 1):
+        for label, run in runs.items():
+            times = _one_step(*run, scratch, opt, batch)
+            if r:   # NOTE: the first step of each warms up
+                for ts, t in zip(per[label], times):
+                    ts.append(t)
+    return {label: [statistics.median(ts) for ts in per[label]] for label in plans}
+
+
+def _one_step(ex, graph, plan, model, optimizer, batch) -> list[float]:
+    """Seconds of each instruction of one step of ``plan`` through ``ex``."""
+    from ..execute.executor import bind_inputs
+
+    inputs = bind_inputs(graph, model, batch, optimizer)
+    ex.env = env = [None] * len(graph.values)
+    for vid, t in zip(graph.inputs, inputs):
+        env[vid] = t
+    del inputs
+    out = []
+    with torch.no_grad():
+        for i, ins in enumerate(plan):
+            t0 = time.perf_counter()
+            ex.steps[i](ex, ins)
+            out.append(time.perf_counter() - t0)
+    ex.env, ex.rng_saved = [], {}
+    return out
 
 
 def misses(measured: dict, simulated: dict, top: int) -> list[tuple]:
@@ -118,16 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     opt.step()
     opt.zero_grad(set_to_none=True)
     limit = None if args.budget is not None else args.latency_limit
+    # NOTE: the plan as its solver made it: optimize's latency check would plan again
     step = optimize(model, case.batch, case.loss_fn, opt, budget=args.budget,
-                    latency_limit=limit, solver=args.solver)
-    g, cm = step.graph, step._cost()
+                    latency_limit=limit, solver=args.solver, measure_latency=False)
+    cm = step._cost()
+    captured = step._capture(case.batch)   # NOTE: the plan may run on a rewritten graph
     constraint = f"budget {args.budget:g}" if limit is None else f"{limit:g}"
-    plans = {"eager": solve(Problem(g, cm, latency_limit=1.0), "eager").plan,
-             f"{args.solver} {constraint}": step.plan}
-    times = timed_plans(g, plans, model, opt, case.batch, args.repeats)
-    print(f"{case.name}, measured op costs ({cm.name}); medians of {args.repeats} steps\n")
-    for label, plan in plans.items():
+    plans = {"eager": (captured, solve(Problem(captured, cm, latency_limit=1.0), "eager").plan),
+             f"{args.solver} {constraint}": (step.graph, step.plan)}
+    times = timed_plans(plans, model, opt, case.batch, args.repeats)
+    print(f"{case.name}, measured op costs ({cm.name}); medians of {args.repeats} steps, the "
+          f"plans' steps in turn\n")
+    totals = {}
+    for label, (g, plan) in plans.items():
         meas, sim = _grouped(g, plan, times[label], cm)
+        totals[label] = sum(meas.values()), sum(sim.values())
         print(f"{label}: measured {sum(meas.values()) * 1e3:.1f} ms, "
               f"simulated {sum(sim.values()) * 1e3:.1f} ms")
         print("| kind | op | measured (ms) | simulated (ms) | miss (ms) |")
@@ -136,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {kind} | {op or '—'} | {m * 1e3:.2f} | {s * 1e3:.2f} | "
                   f"{(m - s) * 1e3:+.2f} |")
         print()
+    (me, se), (mp, sp) = totals.values()
+    print(f"the plan over the eager plan: measured {mp / me:.3f}, simulated {sp / se:.3f}")
     return 0
 
 

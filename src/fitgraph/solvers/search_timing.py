@@ -148,8 +148,8 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
 def _timed_again(ratio_of, c, against: str) -> float:
     """``c``'s plan's ratio, timed afresh (the one a choice is kept on)."""
     ratio = ratio_of(c)
-    progress.note(f"search: {' + '.join(c.rules) or 'auto'} measured again {ratio:.3f}x "
-                  f"{against}'s step")
+    progress.note(f"search: {' + '.join(c.rules) or 'the exact order'} measured again "
+                  f"{ratio:.3f}x {against}'s step")
     return ratio
 
 
