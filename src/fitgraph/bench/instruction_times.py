@@ -31,12 +31,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["main", "misses", "timed_instructions", "timed_plans"]
-
-
-def timed_instructions(graph, plan, model, optimizer, batch, repeats: int) -> list[float]:
-    """Median seconds of each instruction of ``plan`` over ``repeats`` steps."""
-    return timed_plans({"plan": (graph, plan)}, model, optimizer, batch, repeats)["plan"]
+__all__ = ["main", "misses", "timed_plans"]
 
 
 def timed_plans(plans: dict, model, optimizer, batch, repeats: int) -> dict:

@@ -115,13 +115,8 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
             break   # NOTE: timed lowest peak first: the first within the limit is kept
     retried = not budget_mode and bool(timed) and timed[-1][0] > within
     if retried and plan_again is not None:
-        again = _retried(problem, *timed[0], within, limit_s, plan_again, RETRY)
-        if again is not None:
-            tried.append(again)   # NOTE: listed with the candidates, a plan or why not
-        if again is not None and again.solution is not None and again < first:
-            ratio = ratio_of(again)
-            progress.note(f"search: planned again, measured {ratio:.3f}x eager's step")
-            timed.append((ratio, again))
+        _timed_plan_again(problem, *timed[0], first, within, limit_s, plan_again, RETRY,
+                          ratio_of, tried, timed)
     if timed:
         ratio, chosen = min(timed, key=lambda t: t[0]) if budget_mode else timed[-1]
         if ratio <= within:
@@ -162,18 +157,33 @@ def _slack_spent(problem: Problem, measured: float, c, within: float, limit_s: f
     the plan kept; what was planned joins ``tried``, what was timed ``timed``."""
     if measured > within - SLACK_MIN:
         return measured, c
-    again = _retried(problem, measured, c, within, limit_s, plan_again, SLACK)
-    if again is None:
+    made = _timed_plan_again(problem, measured, c, c, within, limit_s, plan_again, SLACK,
+                             ratio_of, tried, timed)
+    if made is None:
         return measured, c
-    tried.append(again)
-    if again.solution is None or not again < c:
-        return measured, c
-    ratio = ratio_of(again)
-    progress.note(f"search: planned again for its slack, measured {ratio:.3f}x eager's step")
-    timed.append((ratio, again))
+    ratio, again = made
     if ratio <= within:
         ratio = _timed_again(ratio_of, again, "eager")
     return (ratio, again) if ratio <= within else (measured, c)
+
+
+def _timed_plan_again(problem: Problem, measured: float, c, than, within: float,
+                      limit_s: float, plan_again, name: str, ratio_of, tried: list,
+                      timed: list) -> tuple | None:
+    """``c``'s graph planned again for the limit its measured step leaves (``_retried``,
+    ``name``: ``RETRY`` or ``SLACK``), listed in ``tried`` (a plan or why not); where its plan
+    ranks below ``than``'s (a lower peak), timed once against the eager plan's step and listed
+    in ``timed``: (its ratio, it); else None."""
+    again = _retried(problem, measured, c, within, limit_s, plan_again, name)
+    if again is None:
+        return None
+    tried.append(again)
+    if again.solution is None or not again < than:
+        return None
+    ratio = ratio_of(again)
+    progress.note(f"search: {name}, measured {ratio:.3f}x eager's step")
+    timed.append((ratio, again))
+    return ratio, again
 
 
 def _retried(problem: Problem, measured: float, c, within: float, limit_s: float, plan_again,
