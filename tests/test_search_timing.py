@@ -116,6 +116,63 @@ def test_budget_mode_keeps_the_fastest_measured_of_the_fastest_simulated():
     assert kept is first and notes is None and timed.asked == 11
 
 
+def test_budget_mode_keeps_a_lower_peak_as_fast_as_autos_plan():
+    """Budget mode, auto's plan kept (nothing measured faster): the lowest peaks
+    ``HEADROOM_MIN`` under its own that simulate no more than ``HEADROOM_SLOWER`` slower are
+    timed against its step, lowest first, and the first measured no slower, twice, kept."""
+    from fitgraph.solvers.coordinated import _Candidate, _rank
+    from fitgraph.solvers.search_timing import (
+        HEADROOM_MIN,
+        HEADROOM_SLOWER,
+        HEADROOM_TIMED,
+        MEASURED_MARGIN,
+    )
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    roofline = RooflineCostModel(get_device("rtx3090"))
+    budget = _eager(g, roofline).peak_bytes // 2
+    sol = solve(Problem(g, roofline, budget_bytes=budget), "auto")
+    peak = sol.sim.peak_bytes
+
+    def cand(latency, name, lower=0.0):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan), sim=dataclasses.replace(
+            sol.sim, latency_s=latency, peak_bytes=int(peak * (1 - lower))))
+        return _Candidate(_rank(s, None, True), g, (name,) if name else (), s, None)
+
+    first = cand(1.0, "")
+    lowest = cand(1.0 + HEADROOM_SLOWER / 2, "lowest", 3 * HEADROOM_MIN)
+    lower = cand(1.0, "lower", 2 * HEADROOM_MIN)
+    third = cand(0.99, "third", 1.5 * HEADROOM_MIN)
+    slower = cand(1.0 + 2 * HEADROOM_SLOWER, "slower", 4 * HEADROOM_MIN)
+    near = cand(1.0, "near", HEADROOM_MIN / 2)
+    tried = [first, slower, near, third, lower, lowest]
+    assert HEADROOM_TIMED == 2   # NOTE: lowest and lower; slower and near are not roomier
+    ratios = {id(lowest.solution.plan): 1.02, id(lower.solution.plan): [0.995, 0.99]}
+    timed = _Timed(roofline, ratios, default=1.0)
+    kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, first, tried)
+    # NOTE: third, lower and near rank before auto's plan (as fast or faster, a lower peak):
+    # timed first, none 3% faster; then lowest, and lower's timing (0.995) timed again
+    assert kept is lower and timed.asked == 5
+    assert notes["kept"] == "search" and notes["for"] == "peak" and notes["rules"] == ["lower"]
+    assert [t["rules"] for t in notes["timed"]] == [["third"], ["lower"], ["near"], ["lowest"]]
+    # NOTE: no slower once, slower when timed again: auto's plan kept, what was timed said
+    ratios[id(lower.solution.plan)] = [0.995, 1.01]
+    kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, first, tried)
+    assert kept is first and notes["kept"] == "auto" and notes["rules"] == ["lower"]
+    # NOTE: a candidate measured faster keeps its place: HEADROOM only where auto's plan is kept
+    faster = cand(0.9, "faster")
+    ratios[id(faster.solution.plan)], ratios[id(lower.solution.plan)] = 1 - 2 * MEASURED_MARGIN, 1.0
+    kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, faster,
+                             [*tried, faster])
+    assert kept is faster and notes["for"] == "step"
+    # NOTE: a lower peak only where it is slower: nothing timed
+    kept, notes = _confirmed(Problem(g, timed, budget_bytes=budget), first, first,
+                             [first, slower])
+    assert kept is first and notes is None
+
+
 def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_margin():
     """Latency mode: the candidates that simulate at a lower peak than auto's plan are timed
     against the eager plan's step, lowest peak first (one per simulated peak and step,
@@ -375,3 +432,13 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     paired = dict(kept, auto_step=1.0, search_step=0.96, paired_search_over_auto=0.99)
     assert round(gain(paired), 3) == 0.01 and wins([dict(paired, gain=gain(paired))]) == 0
     assert round(gain(dict(paired, paired_search_over_auto=0.95)), 3) == 0.05
+    # NOTE: budget mode, as fast in less memory: a win where the peak measured 3% lower than
+    # auto's and simulated 3% lower than the search's first candidate, its step no worse
+    roomy = dict(paired, search_peak=0.45, auto_peak=0.5, search_sim_peak=96,
+                 candidates=[{"rules": [], "latency_s": 100, "peak_bytes": 100}],
+                 paired_search_over_auto=1.005)
+    assert wins([dict(roomy, gain=gain(roomy))]) == 1
+    assert "-0.5% time, +10.0% peak" in markdown([dict(roomy, gain=gain(roomy))])
+    for worse in (dict(roomy, paired_search_over_auto=1.02), dict(roomy, search_sim_peak=98),
+                  dict(roomy, search_peak=0.49), dict(roomy, same_plan=True)):
+        assert wins([dict(worse, gain=gain(worse))]) == 0
