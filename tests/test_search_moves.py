@@ -131,7 +131,7 @@ def test_fission_first_splits_are_each_regions_best_within_the_limit():
 @pytest.mark.slow
 def test_the_search_plans_auto_for_the_other_constraint():
     """From the captured graph the search plans auto for a budget below its own plan's peak
-    (latency mode) or a limit below its own plan's step (budget mode), and judges each plan
+    (latency mode) or a limit at and below its own plan's step (budget mode), and judges each plan
     by the problem's constraint (``PROBE``): ranked by it where it holds it, else failed and
     not expanded."""
     from fitgraph.solvers import coordinated

@@ -25,7 +25,7 @@ or more matches does not pay on that candidate, on the half of them that save th
 expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
 by auto — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
-latency mode, budgets below its own plan's peak; budget mode, limits below its own plan's
+latency mode, budgets below its own plan's peak; budget mode, limits at and below its own plan's
 step), each plan judged by the problem's own; a graph seen before (``graph_fingerprint``,
 with the constraint a probe planned it for) is skipped. A rewritten graph's plan
 replaces the best only where it is better by the simulator — in budget mode by ``TIME_MARGIN``
@@ -36,7 +36,8 @@ scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that pl
 (or fission's remat on its split graph). Last, where the cost model measures on this machine,
 the best plan and the next best that simulate better than auto's (``MEASURED`` in all) are
 timed in paired rounds: in budget mode each against auto's step, the fastest measured kept
-where it measures ``MEASURED_MARGIN`` faster; in latency mode against the eager plan's step,
+where it measures ``MEASURED_MARGIN`` faster, else the lowest peak ``HEADROOM_MIN`` under auto's
+plan's that simulates as fast and measures no slower (``HEADROOM``); in latency mode against the eager plan's step,
 lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s
 latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
 limit its measured step leaves (``RETRY``) and kept where it measures within, and where the
@@ -186,7 +187,7 @@ def solve_search(problem: Problem) -> Solution:
     moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
     left = min(each_s, moves_until - planning_now())
     # NOTE: the moves only the captured graph takes (SPLIT, PROBE), after its own
-    from_captured = _split_moves(problem, first, eager_s, left) if left > MIN_CANDIDATE_S else []
+    from_captured = _split_moves(problem, first, left) if left > MIN_CANDIDATE_S else []
     from_captured += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
