@@ -23,8 +23,8 @@ class _Timed:
     def __init__(self, base, ratio, default=None):
         self.base, self.ratio, self.default, self.asked = base, ratio, default, 0
 
-    def measured_ratio(self, graph, plan, other_graph, other_plan):
-        self.asked += 1
+    def measured_ratio(self, graph, plan, other_graph, other_plan, undecided=None):
+        self.asked, self.undecided = self.asked + 1, undecided
         if isinstance(self.ratio, dict):
             got = self.ratio[id(plan)] if self.default is None else self.ratio.get(
                 id(plan), self.default)
@@ -122,6 +122,7 @@ def test_budget_mode_keeps_a_lower_peak_as_fast_as_autos_plan():
     timed against its step, lowest first, and the first measured no slower, twice, kept."""
     from fitgraph.solvers.coordinated import _Candidate, _rank
     from fitgraph.solvers.search_timing import (
+        CLOSE,
         HEADROOM_MIN,
         HEADROOM_SLOWER,
         HEADROOM_TIMED,
@@ -155,6 +156,8 @@ def test_budget_mode_keeps_a_lower_peak_as_fast_as_autos_plan():
     # NOTE: third, lower and near rank before auto's plan (as fast or faster, a lower peak):
     # timed first, none 3% faster; then lowest, and lower's timing (0.995) timed again
     assert kept is lower and timed.asked == 5
+    # NOTE: more rounds where the median is close to auto's step, the ratio HEADROOM turns on
+    assert timed.undecided(1.0 + CLOSE / 2) and not timed.undecided(1.0 + 2 * CLOSE)
     assert notes["kept"] == "search" and notes["for"] == "peak" and notes["rules"] == ["lower"]
     assert [t["rules"] for t in notes["timed"]] == [["third"], ["lower"], ["near"], ["lowest"]]
     # NOTE: no slower once, slower when timed again: auto's plan kept, what was timed said

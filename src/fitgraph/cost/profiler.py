@@ -267,14 +267,18 @@ class ProfiledCostModel(BaseCostModel):
         self._keys[id(node)] = (node, sig, env, key)
         return key
 
-    def measured_ratio(self, graph: Graph, plan, other_graph: Graph, other_plan) -> float:
+    def measured_ratio(self, graph: Graph, plan, other_graph: Graph, other_plan,
+                       undecided=None) -> float:
         """``plan``'s step on ``graph`` over ``other_plan``'s on ``other_graph``, measured here
-        (the median of paired rounds, ``cost.plan_timing``); not planning time (``measuring``).
-        A solver choosing between plans on simulated times confirms the choice with it."""
+        (the median of paired rounds, ``cost.plan_timing``; more rounds while
+        ``undecided(median)`` says it is too close to call); not planning time
+        (``measuring``). A solver choosing between plans on simulated times confirms the
+        choice with it."""
         from .plan_timing import plans_ratio
 
         with measuring():
-            return plans_ratio(graph, plan, other_graph, other_plan, self)[0]
+            return plans_ratio(graph, plan, other_graph, other_plan, self,
+                               undecided=undecided)[0]
 
     # -- the CostModel protocol -----------------------------------------------------------------
     def node_cost(self, graph: Graph, node: Node) -> NodeCost:
