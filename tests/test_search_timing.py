@@ -441,7 +441,9 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
                  candidates=[{"rules": [], "latency_s": 100, "peak_bytes": 100}],
                  paired_search_over_auto=1.005)
     assert wins([dict(roomy, gain=gain(roomy))]) == 1
+    roomy["confirmed"] = dict(roomy["confirmed"], measured_over_auto=1.0, **{"for": "peak"})
     assert "-0.5% time, +10.0% peak" in markdown([dict(roomy, gain=gain(roomy))])
+    assert "(timed 1.000× auto's; as fast in less memory)" in markdown([dict(roomy, gain=gain(roomy))])
     for worse in (dict(roomy, paired_search_over_auto=1.02), dict(roomy, search_sim_peak=98),
                   dict(roomy, search_peak=0.49), dict(roomy, same_plan=True)):
         assert wins([dict(worse, gain=gain(worse))]) == 0

@@ -340,6 +340,8 @@ def _winner(row: dict) -> str:
     if c:
         kept = "" if c["kept"] == "search" else f"; {' + '.join(c['rules']) or 'its order'} dropped"
         over = "auto" if "measured_over_auto" in c else "eager"
+        if over == "auto" and c["kept"] == "search" and c.get("for") == "peak":
+            kept = "; as fast in less memory"   # NOTE: search_timing.HEADROOM's
         out += f" (timed {c[f'measured_over_{over}']:.3f}× {over}'s{kept})"
     return out
 
