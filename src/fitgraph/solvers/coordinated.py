@@ -36,14 +36,14 @@ scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that pl
 (or fission's remat on its split graph). Last, where the cost model measures on this machine,
 the best plan and the next best that simulate better than auto's (``MEASURED`` in all) are
 timed in paired rounds: in budget mode each against auto's step, the fastest measured kept
-where it measures ``MEASURED_MARGIN`` faster, else the lowest peak ``HEADROOM_MIN`` under auto's
-plan's that simulates as fast and measures no slower (``HEADROOM``); in latency mode against the eager plan's step,
-lowest peak first, the first measured within the limit less ``STEP_MARGIN`` (``optimize``'s
-latency check's margin) kept — where none is, the lowest peak's graph is planned again for the
-limit its measured step leaves (``RETRY``) and kept where it measures within, and where the
-plan kept (auto's too) measures under it, planned again for the looser limit that leaves
-(``SLACK``), kept where its peak is lower and it measures within — the one chosen
-timed again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
+where it measures ``MEASURED_MARGIN`` faster, else the lowest peak ``HEADROOM_MIN`` under
+auto's plan's that simulates as fast and measures no slower (``HEADROOM``); in latency mode
+against the eager plan's step, lowest peak first, the first measured within the limit less
+``STEP_MARGIN`` (``optimize``'s latency check's margin) kept — where none is, the lowest
+peak's graph is planned again for the limit its measured step leaves (``RETRY``) and kept
+where it measures within, and where the plan kept (auto's too) measures under it, planned
+again for the looser limit that leaves (``SLACK``), kept where its peak is lower and it
+measures within — the one chosen timed again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
 The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
 rules, what each rule's matches change, its peak and latency or why it failed),
 ``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.

@@ -59,9 +59,9 @@ SLACK_MIN = 0.01
 # NOTE: budget mode, where no candidate measured faster than auto's plan: the lowest peaks
 # HEADROOM_MIN or more under auto's plan's that simulate no more than HEADROOM_SLOWER slower
 # (HEADROOM_TIMED at most) are timed against auto's step, and the first measured no slower,
-# twice, kept: a plan as fast that leaves room in the budget (GPT-2 small at 0.8 of its peak,
-# fission's split loss 3.7% lower in peak, simulated 9% faster, measured alike; Llama small at
-# 0.6, fission in four parts 25% lower, simulated 1.3% faster)
+# twice, kept: a plan as fast that leaves room in the budget (ViT-B/16 small at 0.4 of its peak:
+# auto for its own step as a latency limit, 3.3% lower, measured as fast; Llama small at 0.6,
+# fission in four parts 25% lower and simulated 1.3% faster measured 1-4% slower: not kept)
 HEADROOM = "as fast in less memory"
 HEADROOM_MIN = 0.03
 HEADROOM_SLOWER = 0.01
@@ -98,8 +98,8 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     again for the looser limit its measured step leaves (``SLACK``), that plan kept where its
     peak is lower and it measures within, twice. In budget mode, where ``first`` is kept, the
     lowest peaks ``HEADROOM_MIN`` under its own that simulate as fast (``_roomier``) are timed
-    against its step, the first measured no slower, twice, kept (``HEADROOM``). Returns the plan kept and what was measured
-    (None where nothing was).
+    against its step, the first measured no slower, twice, kept (``HEADROOM``). Returns the
+    plan kept and what was measured (None where nothing was).
 
     NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
     order changes what it does not see (caches, the allocator, the interpreter between ops):
