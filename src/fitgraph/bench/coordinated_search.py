@@ -1,7 +1,7 @@
 """The coordinated search (``solver="search"``) against ``auto``, measured (issue 30).
 
     python -m fitgraph.bench.coordinated_search [--models gpt2,bert-base,...]
-        [--budgets 0.8,0.6,0.4] [--limits 1.05,1.10] [--time-budget 30] [--repeats 15]
+        [--budgets 0.8,0.6,0.4] [--limits 1.05,1.10] [--time-budget 30] [--repeats 16]
         [--out docs/bench/coordinated_search.json] [--resume]
     python -m fitgraph.bench.coordinated_search --rules [--out docs/bench/rules.json]
 
@@ -395,9 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", default="0.8,0.6,0.4")
     p.add_argument("--limits", default="1.05,1.10")
     p.add_argument("--time-budget", type=float, default=30.0)
-    # NOTE: 15, not 7: the same plan in two systems measured 0.897-1.055x itself in 7 paired
-    # rounds (session 70's budget rows); a row's rounds take seconds, its planning minutes
-    p.add_argument("--repeats", type=int, default=15)
+    # NOTE: 16, not 7: the same plan in two systems measured 0.897-1.055x itself in 7 paired
+    # rounds (session 70's budget rows; single rounds 0.77-1.26x on U-Net); a row's rounds take
+    # seconds, its planning minutes. Even: the two plans' order alternates by round
+    # (``harness._time_rounds``), and the one run second measured ~1% slower
+    p.add_argument("--repeats", type=int, default=16)
     p.add_argument("--out", default=None)
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --out and run only the missing cases")
