@@ -43,7 +43,8 @@ against the eager plan's step, lowest peak first, the first measured within the 
 peak's graph is planned again for the limit its measured step leaves (``RETRY``) and kept
 where it measures within, and where the plan kept (auto's too) measures under it, planned
 again for the looser limit that leaves (``SLACK``), kept where its peak is lower and it
-measures within — the one chosen timed again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
+measures within — the one chosen timed again before it is kept; else auto's plan
+(``search_timing``, ``notes["confirmed"]``).
 The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
 rules, what each rule's matches change, its peak and latency or why it failed),
 ``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.

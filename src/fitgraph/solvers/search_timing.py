@@ -180,16 +180,10 @@ def _roomier(first, tried: list) -> list:
     ``first``'s peak and at most ``HEADROOM_SLOWER`` over its step, lowest peak first, one per
     simulated (peak, step), ``HEADROOM_TIMED`` at most."""
     peak, step = first.solution.sim.peak_bytes, first.solution.sim.latency_s
-    out, seen = [], set()
-    for c in sorted((c for c in tried if c.solution is not None and c is not first),
-                    key=lambda c: _simulated(c)):
-        sim = c.solution.sim
-        if (sim.peak_bytes <= (1 - HEADROOM_MIN) * peak
-                and sim.latency_s <= (1 + HEADROOM_SLOWER) * step
-                and _simulated(c) not in seen and len(out) < HEADROOM_TIMED):
-            seen.add(_simulated(c))
-            out.append(c)
-    return out
+    roomy = (c for c in tried if c.solution is not None
+             and c.solution.sim.peak_bytes <= (1 - HEADROOM_MIN) * peak
+             and c.solution.sim.latency_s <= (1 + HEADROOM_SLOWER) * step)
+    return _distinct(sorted(roomy, key=_simulated), [], HEADROOM_TIMED)
 
 
 def _headroom(roomier: list, timed: list, ratio_of) -> tuple | None:
@@ -287,9 +281,16 @@ def _contenders(first, best, tried: list) -> list:
     peak), best first, one per simulated (peak, step) — a plan made again from another path
     simulates alike — ``MEASURED`` in all."""
     out = [best] if best is not first else []   # NOTE: a feasible first keeps best feasible
-    seen = {_simulated(c) for c in [first, *out]}
-    for c in sorted(c for c in tried if c.solution is not None and c.rank < first.rank):
-        if len(out) == MEASURED:
+    better = sorted(c for c in tried if c.solution is not None and c.rank < first.rank)
+    return _distinct(better, out, MEASURED, also_seen=[first])
+
+
+def _distinct(cands, out: list, n: int, also_seen=()) -> list:
+    """``out`` followed by ``cands`` in their order, one per simulated (peak, step) and none
+    alike to ``also_seen``'s, ``n`` in all."""
+    seen = {_simulated(c) for c in [*also_seen, *out]}
+    for c in cands:
+        if len(out) >= n:
             break
         if _simulated(c) not in seen:
             seen.add(_simulated(c))
