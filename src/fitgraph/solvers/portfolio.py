@@ -17,11 +17,14 @@ and remat alone is slower than eager (or a latency limit is asked), ``joint`` we
 against recompute; if it beats hotspot, it is the no-split option fission must beat; and
 fission's split graphs are planned by ``joint`` too (``FissionConfig(offload=True)``), so
 splits, remat and offloading combine in one plan.
-Where every option misses the budget, the least-peak plan (hotspot, a latency limit that never
-binds) is tried, and where it misses too and results need not be bitwise, ``split_backward``
-(``solvers.fission.split_backward``: the remat plan's peak region re-made in the backward in parts,
-in every block alike; up to the time budget again, stopping at its first plan within the
-budget): the first that fits is returned, else BudgetInfeasible names the least peak found.
+Where every option misses the budget, DTR's plan (``solvers.peers.dtr``: values recomputed
+from values recomputed in turn, which hotspot's plans never do; seconds) and the least-peak plan
+(hotspot, a latency limit that never binds) are tried, and where the latter misses too and
+results need not be bitwise, ``split_backward`` (``solvers.fission.split_backward``: the remat
+plan's peak region re-made in the backward in parts, in every block alike; up to the time
+budget again, stopping at its first plan within the budget): the fastest that fits is
+returned, else BudgetInfeasible names the least peak found (with ``fallback=False``, the
+coordinated search's rewritten graphs, DTR's alone).
 Budget mode returns the faster plan within the budget, latency mode the lower peak within the
 limit; ties keep the plan without splits (no rewritten graph). Before all of it, where large
 parameters' optimizer updates can run on row slices (``transform.optimizer_chunks``, bitwise),
@@ -67,6 +70,7 @@ from .fission.peak_regions import peak_starts, shared_regions
 from .fission.search import FissionConfig, solve_fission
 from .fission.split_backward import split_backward
 from .offload.remat_offload import solve_joint
+from .peers.dtr import solve_dtr
 from .remat.hotspot import solve_hotspot
 
 __all__ = ["solve_auto", "splittable_regions"]
@@ -196,6 +200,53 @@ def _least_peak(problem: Problem, t0: float) -> Solution | None:
         return None
 
 
+def _dtr(problem: Problem, t0: float) -> Solution | None:
+    """DTR's plan for the budget (``solvers.peers.dtr``: greedy eviction, a value recomputed
+    from values recomputed in turn), else its plan at the least peak it reached; None where it
+    has none. Seconds: it replays the step, where the least-peak searches take minutes.
+
+    NOTE: hotspot recomputes each dropped value once, from kept values; a chain of blocks
+    whose outputs are all kept cannot go lower (ResNet-50 small at 0.4 of eager's peak,
+    roofline of cpu-generic: hotspot's least peak 0.425, the least-peak searches' minutes
+    fitting nothing; DTR's plan 0.395 at 1.81x eager's step)."""
+    left = max(problem.time_budget_s - (planning_now() - t0), MIN_FISSION_S)
+    try:
+        return solve_dtr(dataclasses.replace(problem, time_budget_s=left))
+    except BudgetInfeasible as e:
+        return e.solution
+
+
+def _fallbacks(problem: Problem, eager: SimResult, t0: float, fallback: bool,
+               notes: dict) -> list[Solution]:
+    """Where no option reaches the budget: DTR's plan (``_dtr``), and with ``fallback``
+    hotspot's least-peak plan, and ``split_backward``'s where that misses the budget too —
+    each within the budget or at its least peak (``notes["dtr"]``, ``notes["least_peak"]``
+    say what each reached)."""
+    budget = problem.budget_bytes
+    progress.note("no option reaches the budget: DTR's eviction" + (
+        ", the least peak" if fallback else ""))
+    dtr = _dtr(problem, t0)
+    notes["dtr"] = None if dtr is None else _summary(dtr, None, "dtr")
+    found = [dtr] if dtr is not None else []
+    if not fallback:
+        return found
+    least = _least_peak(problem, t0)
+    # NOTE: below the bytes that exist before the step starts no plan fits: the least
+    # peak is then hotspot's, not searched further
+    if ((least is None or least.sim.peak_bytes > budget) and not problem.exact
+            and budget >= eager.resident_bytes):
+        progress.note("and regions re-made in the backward in parts (split_backward: "
+                      "minutes)")
+        deeper = _split_backward(problem, least)
+        if deeper is not None and (least is None
+                                   or deeper.sim.peak_bytes < least.sim.peak_bytes):
+            least = deeper
+    if least is not None:
+        notes["least_peak"] = _summary(least, None, least.solver)
+        found.append(least)
+    return found
+
+
 def _split_backward(problem: Problem, least: Solution | None) -> Solution | None:
     """``split_backward`` (forward regions re-made in the backward in parts, every block
     alike) where the least-peak plan is still over the budget: its own search, up to the
@@ -214,9 +265,9 @@ def _split_backward(problem: Problem, least: Solution | None) -> Solution | None
 def solve_auto(problem: Problem, *, fallback: bool = True,
                masks_as_bits: bool | None = None) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc).
-    ``fallback=False``: where every option misses the budget, raise at once (no least-peak
-    search, no ``split_backward``: the coordinated search's rewritten graphs, which must keep
-    to its deadline). ``masks_as_bits``: None chooses the graph every later option plans on
+    ``fallback=False``: where every option misses the budget, DTR's plan alone (seconds), no
+    least-peak search, no ``split_backward`` (minutes): the coordinated search's rewritten
+    graphs, which must keep to its deadline. ``masks_as_bits``: None chooses the graph every later option plans on
     by hotspot's plans on both (the module doc); True takes the masks-as-bits rewrite wherever
     hotspot plans it, False never makes it (the coordinated search tries the choice auto did
     not make: fission may split the other graph further). ``notes["masks_as_bits"]`` says
@@ -375,28 +426,17 @@ def _solve_auto(problem: Problem, fallback: bool, masks_as_bits: bool | None = N
     else:
         errors = [e for e in (hot_err, fis_err) if e is not None]
         best = min(errors, key=lambda e: e.smallest_peak_bytes)
-        if not fallback:
-            raise BudgetInfeasible(best.budget_bytes, best.smallest_peak_bytes,
-                                   best.dominated_by, "auto")
-        progress.note("no option reaches the budget: searching the least peak")
-        least = _least_peak(problem, t0)
-        # NOTE: below the bytes that exist before the step starts no plan fits: the least
-        # peak is then hotspot's, not searched further
-        if ((least is None or least.sim.peak_bytes > budget) and not problem.exact
-                and budget >= eager.resident_bytes):
-            progress.note("and regions re-made in the backward in parts (split_backward: "
-                          "minutes)")
-            deeper = _split_backward(problem, least)
-            if deeper is not None and (least is None
-                                       or deeper.sim.peak_bytes < least.sim.peak_bytes):
-                least = deeper
-        if least is not None and least.sim.peak_bytes <= budget:
-            # NOTE: budget mode's greedy stops its path where it stalls; the least-peak search
-            # (a latency limit no plan reaches) walks another and fits
-            win, name = least, least.solver
+        found = _fallbacks(problem, eager, t0, fallback, notes)
+        fits = [s for s in found if s.sim.peak_bytes <= budget]
+        if fits:
+            # NOTE: budget mode's greedy stops its path where it stalls; the least-peak
+            # searches walk others (hotspot's without a budget, DTR's eviction, split_backward)
+            win = min(fits, key=lambda s: (s.sim.latency_s, s.sim.peak_bytes))
+            name = win.solver
             why = (f"budget mode reached {best.smallest_peak_bytes / _MIB:,.1f} MiB at least; "
-                   f"the least-peak search ({least.solver}) {_describe(least)}")
+                   f"the least-peak search ({win.solver}) {_describe(win)}")
         else:
+            least = min(found, key=lambda s: s.sim.peak_bytes, default=None)
             if least is not None and least.sim.peak_bytes < best.smallest_peak_bytes:
                 best = BudgetInfeasible(budget, least.sim.peak_bytes,
                                         dominated_by(least.sim), "auto")

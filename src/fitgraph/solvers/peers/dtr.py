@@ -181,10 +181,16 @@ def solve_dtr(problem: Problem) -> Solution:
             # NOTE: DTR is not monotone in its budget: a lower one may play out within this one
             got = _lowest(problem, sg, eager, t0)
             if got[0].peak_bytes > problem.budget_bytes:
-                raise BudgetInfeasible(problem.budget_bytes, got[0].peak_bytes,
+                err = BudgetInfeasible(problem.budget_bytes, got[0].peak_bytes,
                                        dominated_by(got[0]), "dtr")
+                err.solution = _solution(got, sg, t0)   # NOTE: the plan at its least peak
+                raise err
     else:
         got = _lowest(problem, sg, eager, t0)
+    return _solution(got, sg, t0)
+
+
+def _solution(got: tuple, sg: StageGraph, t0: float) -> Solution:
     sim, plan, evictions = got
     return Solution(plan, sim, "dtr", time.perf_counter() - t0,
                     notes={"evictions": evictions, "recomputes": plan.meta["recomputes"],
