@@ -235,9 +235,13 @@ def _fallbacks(problem: Problem, eager: SimResult, t0: float, fallback: bool,
     # peak is then hotspot's, not searched further
     if ((least is None or least.sim.peak_bytes > budget) and not problem.exact
             and budget >= eager.resident_bytes):
-        progress.note("and regions re-made in the backward in parts (split_backward: "
-                      "minutes)")
-        deeper = _split_backward(problem, least)
+        # NOTE: where DTR's plan fits, split_backward only looks for a faster one, in the
+        # time left: its minutes are for proving a budget infeasible
+        fits = dtr is not None and dtr.sim.peak_bytes <= budget
+        progress.note("and regions re-made in the backward in parts (split_backward" + (
+            ")" if fits else ": minutes)"))
+        deeper = _split_backward(problem, max(
+            problem.time_budget_s - (planning_now() - t0), MIN_FISSION_S) if fits else None)
         if deeper is not None and (least is None
                                    or deeper.sim.peak_bytes < least.sim.peak_bytes):
             least = deeper
@@ -247,15 +251,17 @@ def _fallbacks(problem: Problem, eager: SimResult, t0: float, fallback: bool,
     return found
 
 
-def _split_backward(problem: Problem, least: Solution | None) -> Solution | None:
+def _split_backward(problem: Problem, time_s: float | None = None) -> Solution | None:
     """``split_backward`` (forward regions re-made in the backward in parts, every block
-    alike) where the least-peak plan is still over the budget: its own search, up to the
-    problem's whole time budget again, at least ``SPLIT_BACKWARD_MIN_S`` (an infeasible budget
-    costs that much more to prove), or until a plan fits the budget."""
+    alike) where the least-peak plan is still over the budget: its own search, for ``time_s``
+    where given, else up to the problem's whole time budget again, at least
+    ``SPLIT_BACKWARD_MIN_S`` (an infeasible budget costs that much more to prove), or until a
+    plan fits the budget."""
     try:
         return split_backward(dataclasses.replace(
             problem, budget_bytes=None, latency_limit=_UNBOUNDED,
-            time_budget_s=max(problem.time_budget_s, SPLIT_BACKWARD_MIN_S)),
+            time_budget_s=time_s if time_s is not None else max(problem.time_budget_s,
+                                                               SPLIT_BACKWARD_MIN_S)),
             target_bytes=problem.budget_bytes)
     except BudgetInfeasible:
         return None
