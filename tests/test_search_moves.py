@@ -5,7 +5,6 @@ other kind of constraint."""
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers import assert_split_like_eager
 from test_coordinated_search import _eager, _loss_model
 
@@ -184,55 +183,3 @@ def test_the_search_plans_auto_for_the_other_constraint():
     tight_limit = coordinated._plan(tight, g, (PROBE,), {}, 10.0, None, True,
                                     probe=("latency", eager.latency_s))
     assert tight_limit.solution is None and tight_limit.error == "over the budget"
-
-
-def test_budget_mode_plans_the_fastest_graph_for_autos_step():
-    """Budget mode, where the cost model measures: the graph of the fastest candidate faster
-    than auto's plan (none made so) is planned by auto for latency limits of ``ROOMIER_STEPS``
-    of auto's simulated step (``ROOMIER``): each plan within the budget and within its limit,
-    else failed."""
-    from types import SimpleNamespace as NS
-
-    from test_search_timing import _Timed
-
-    from fitgraph.solvers.search_moves import ROOMIER, ROOMIER_STEPS, _roomier_moves
-
-    def cand(step, graph, rules=("r",)):
-        return NS(solution=NS(sim=NS(latency_s=step)), graph=graph, rules=rules)
-
-    g1, g2, g3 = object(), object(), object()
-    first = cand(1.0, g1, ())
-    tried = [first, cand(0.99, g2), cand(0.97, g2), cand(0.98, g3), cand(1.01, g1),
-             cand(0.9, g1, ("r", "auto for a limit of 0.98" + ROOMIER)),
-             NS(solution=None, graph=g3, rules=("x",))]
-    picked = _roomier_moves(first, tried)
-    assert [(c.solution.sim.latency_s, m.probe) for c, m in picked] == [
-        (0.97, ("latency", f)) for f in ROOMIER_STEPS]
-    assert all(m.name.endswith(ROOMIER) and m.make() is g2 for _, m in picked)
-    assert _roomier_moves(NS(solution=None), tried) == []
-    assert _roomier_moves(first, [first, cand(1.01, g2)]) == []
-
-    # NOTE: scores scaled after their product: scale_across_matmul makes the step faster
-    class Scores(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(8, 4))
-
-        def forward(self, x):
-            q = x @ self.w
-            return ((q @ q.T) * 0.5).softmax(-1).sum()
-
-    torch.manual_seed(0)
-    g = fitgraph.capture(Scores(), torch.randn(256, 8))
-    roofline = RooflineCostModel(get_device("cpu-generic"))
-    budget = int(0.8 * _eager(g, roofline).peak_bytes)
-    s = solve(Problem(g, _Timed(roofline, 1.0), budget_bytes=budget, time_budget_s=30),
-              "search")
-    cands = s.notes["candidates"]
-    step = cands[0]["latency_s"]
-    roomy = [c for c in cands if c["rules"] and c["rules"][-1].endswith(ROOMIER)]
-    assert [c["rules"][0] for c in roomy] == ["scale_across_matmul"] * len(ROOMIER_STEPS)
-    for c, f in zip(roomy, ROOMIER_STEPS):
-        assert c["changes"][c["rules"][-1]] == {"latency": f * step}
-        assert c.get("failed") or (c["peak_bytes"] <= budget
-                                   and c["latency_s"] <= f * step * (1 + 1e-9))

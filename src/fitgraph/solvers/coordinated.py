@@ -31,10 +31,7 @@ with the constraint a probe planned it for) is skipped. A rewritten graph's plan
 replaces the best only where it is better by the simulator — in budget mode by ``TIME_MARGIN``
 of the step time, since simulated times are estimates and peaks are not — and a rewritten graph
 is planned without auto's fallbacks for a missed budget (its minutes-long ``split_backward``),
-so the search keeps to its deadline. In budget mode, where the cost model measures, the graph
-of the fastest candidate (faster than auto's plan) is then planned by auto for latency limits
-just under auto's own simulated step (``ROOMIER``: the least peak as fast as auto's plan, for
-``HEADROOM`` below). Then the best plan's drop set is re-planned over the exact
+so the search keeps to its deadline. Then the best plan's drop set is re-planned over the exact
 scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's
 (or fission's remat on its split graph). Last, where the cost model measures on this machine,
 the best plan and the next best that simulate better than auto's (``MEASURED`` in all) are
@@ -89,16 +86,7 @@ from ..transform.rules import RULES
 from .base import BudgetInfeasible, Problem, Solution, register
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
-from .search_moves import (
-    PROBE,
-    ROOMIER_STEPS,
-    _held,
-    _Move,
-    _moves,
-    _probe_moves,
-    _roomier_moves,
-    _split_moves,
-)
+from .search_moves import PROBE, _held, _Move, _moves, _probe_moves, _split_moves
 from .search_timing import confirmed_choice, measures
 
 __all__ = ["solve_search"]
@@ -197,10 +185,7 @@ def solve_search(problem: Problem) -> Solution:
     # NOTE: latency mode, where the cost model measures: the moves stop a candidate's time
     # before the deadline, left to the plan made again for its measured step (``RETRY``): the
     # search runs to its deadline on most rows (GPT-2 small within 1.05x, 89.4 s of 90)
-    # NOTE: budget mode, where the cost model measures: the moves stop the roomier probes'
-    # time before the deadline (``ROOMIER``)
-    moves_until = deadline - (each_s * (1 if limit_s is not None else len(ROOMIER_STEPS))
-                              if measures(cm) else 0.0)
+    moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
     left = min(each_s, moves_until - planning_now())
     # NOTE: the moves only the captured graph takes (SPLIT, PROBE), after its own
     from_captured = _split_moves(problem, first, left) if left > MIN_CANDIDATE_S else []
@@ -230,16 +215,6 @@ def solve_search(problem: Problem) -> Solution:
                 if progress.enabled():
                     progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
                                   f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")
-    if budget_mode and measures(cm):
-        for parent, move in _roomier_moves(first, tried):
-            left = deadline - planning_now()
-            if left <= MIN_CANDIDATE_S:
-                break
-            child = _child(problem, parent, move, seen, min(each_s, left), limit_s, budget_mode)
-            if child is not None:
-                tried.append(child)
-                if _better(child, best, budget_mode):
-                    best = child
     best = _schedule_exactly(problem, best, moves_until, limit_s, budget_mode)
     best, confirmed = confirmed_choice(problem, first, best, tried,
                                        _again_until(problem, deadline), limit_s)
@@ -304,9 +279,6 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
     if not budget_mode and limit_s < own:
         return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
                           "its eager step is over the latency limit", changes)
-    if probe is not None and probe[0] == "latency" and probe[1] < own:
-        return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
-                          "its eager step is over the probe's latency limit", changes)
     if probe is not None:
         kind, value = probe
         sub = dataclasses.replace(sub, budget_bytes=int(value) if kind == "budget" else None,

@@ -5,9 +5,8 @@ From a candidate: the graph its plan ran where auto rewrote it (``AGAIN``), its 
 with auto's mask choice the other way (``MASKS``), each matching rewrite rule not yet on its
 path, those that save the most bytes first, whole or on the better half of its matches
 (``HALF``). From the captured graph also: fission's other first-round splits (``SPLIT``) and
-auto's plans for the other kind of constraint (``PROBE``); in budget mode, from the fastest
-candidate, auto's plans for latency limits just under auto's step (``ROOMIER``). A move makes its
-graph lazily: a rule's rewrite only when its turn comes.
+auto's plans for the other kind of constraint (``PROBE``). A move makes its graph lazily: a
+rule's rewrite only when its turn comes.
 
 Example:
     >>> from fitgraph.solvers.search_moves import HALF, _half
@@ -191,41 +190,6 @@ def _probe_moves(problem: Problem, first: _Candidate, eager_s: float) -> list[_M
                 for f in PROBE_PEAKS]
     return [probe(f"a limit of {f:g}x its step", "latency", f * sol.sim.latency_s)
             for f in PROBE_STEPS if f * sol.sim.latency_s >= eager_s]
-
-
-# NOTE: budget mode, where the cost model measures: the graph of the fastest candidate (faster
-# than auto's plan by the simulator) planned by auto for latency limits of these fractions of
-# auto's plan's own simulated step (``ROOMIER``): the least peak as fast as auto's plan on a
-# graph the rules made faster, for ``search_timing.HEADROOM`` to time. Budget mode plans every
-# candidate for the budget, so the candidates' peaks sit at auto's (GPT-2 small at 0.8 of its
-# peak: 150 candidates, the fastest 2.8% faster simulated, all but fission's at auto's peak);
-# and the probe of the captured graph for auto's step (``PROBE_STEPS``) is not made where
-# auto's plan is faster than the captured graph's eager step. Under 1: the simulator
-# under-reads what such a plan recomputes (GPT-2 small at 0.8, for 1x: 9% lower peaks,
-# measured 1.017x and 1.019x auto's step)
-ROOMIER_STEPS = (0.98, 0.96)
-# NOTE: their names on the path: PROBE + "a limit of " + the fraction + this
-ROOMIER = "x auto's step"
-
-
-def _roomier_moves(first: _Candidate, tried: list[_Candidate]
-                   ) -> list[tuple[_Candidate, _Move]]:
-    """Budget mode: (candidate, move) for the fastest candidate faster than ``first`` (auto's
-    plan) by the simulator, not made so: each move plans its graph by auto for a latency limit
-    of ``ROOMIER_STEPS`` of ``first``'s simulated step (``ROOMIER``)."""
-    step = first.solution.sim.latency_s if first.solution is not None else None
-    faster = [c for c in tried if step is not None and c.solution is not None
-              and c.solution.sim.latency_s < step and not _roomier(c)]
-    if not faster:
-        return []
-    c = min(faster, key=lambda c: c.solution.sim.latency_s)
-    return [(c, _Move(f"{PROBE}a limit of {f:g}{ROOMIER}", lambda: c.graph, {"latency": f * step},
-                      probe=("latency", f * step))) for f in ROOMIER_STEPS]
-
-
-def _roomier(c: _Candidate) -> bool:
-    """Whether ``c`` was made by a ``ROOMIER`` move."""
-    return bool(c.rules) and c.rules[-1].endswith(ROOMIER)
 
 
 def _held(rules: tuple[str, ...]) -> dict:
