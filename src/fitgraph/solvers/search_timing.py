@@ -30,8 +30,8 @@ from .. import progress
 from ..plan.eager import eager_plan
 from .base import STEP_MARGIN, Problem
 
-__all__ = ["CLOSE", "HEADROOM", "HEADROOM_MEASURED", "HEADROOM_MIN", "MEASURED", "MEASURED_MARGIN", "RETRY", "SLACK",
-           "SLACK_MIN", "confirmed_choice", "measures"]
+__all__ = ["CLOSE", "HEADROOM", "HEADROOM_MEASURED", "HEADROOM_MIN", "MEASURED",
+           "MEASURED_MARGIN", "RETRY", "SLACK", "SLACK_MIN", "confirmed_choice", "measures"]
 
 # NOTE: where the cost model measures: at most this many candidates' steps timed (those that
 # simulate better than auto's plan, best first): the simulated order of steps a few % apart is
@@ -104,8 +104,7 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     peak is lower and it measures within, twice. In budget mode, where ``first`` is kept, the
     lowest peaks ``HEADROOM_MIN`` under its own that simulate as fast (``_roomier``) are timed
     against its step, the first measured ``HEADROOM_MEASURED`` of it, twice, kept
-    (``HEADROOM``). Returns the
-    plan kept and what was measured (None where nothing was).
+    (``HEADROOM``). Returns the plan kept and what was measured (None where nothing was).
 
     NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
     order changes what it does not see (caches, the allocator, the interpreter between ops):
