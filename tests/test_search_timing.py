@@ -439,6 +439,12 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     paired = dict(kept, auto_step=1.0, search_step=0.96, paired_search_over_auto=0.99)
     assert round(gain(paired), 3) == 0.01 and wins([dict(paired, gain=gain(paired))]) == 0
     assert round(gain(dict(paired, paired_search_over_auto=0.95)), 3) == 0.05
+    # NOTE: where the row has its rounds' bootstrap interval (``paired_interval``), the cell
+    # says how far the median moves: as a gain, or as the same plan's ratio to itself
+    spread = dict(paired, paired_interval=[0.94, 0.99])
+    assert "+1.0% time [90%: +1.0..+6.0%]" in markdown([dict(spread, gain=gain(spread))])
+    assert "auto's plan (measured 0.940× itself [90%: 0.920..0.960])" in markdown(
+        [dict(same, paired_interval=[0.92, 0.96])])
     # NOTE: budget mode, as fast in less memory: a win where the peak measured 3% lower than
     # auto's and simulated 3% lower than the search's first candidate, its step no worse
     roomy = dict(paired, search_peak=0.45, auto_peak=0.5, search_sim_peak=96,

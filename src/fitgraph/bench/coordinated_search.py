@@ -18,8 +18,8 @@ eager run in one process: the peak once under the allocator meter (resident byte
 the step time in interleaved rounds, each plan's step between two eager steps
 (``harness._time_rounds``). A row gives both plans' measured peak and step time (as fractions
 of eager's: the median over rounds of each one's step over the eager steps around it), the
-search's step over auto's (paired: the median over rounds of the two steps' ratio; the gain in
-budget mode), the rules of the search's plan and what they changed
+search's step over auto's (paired: the median over rounds of the two steps' ratio, with the
+90% bootstrap interval of that median, ``paired_interval``; the gain in budget mode), the rules of the search's plan and what they changed
 (``notes["candidates"]``), and its winner (with the search's own timing of the candidate it
 chose, against auto's step in budget mode, the eager plan's in latency mode:
 ``notes["confirmed"]``); where the search returns
@@ -45,12 +45,13 @@ import argparse
 import copy
 import json
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
 
 __all__ = ["as_fast_in_less", "gain", "losses", "main", "markdown", "over_limit", "own_gain",
-           "peak_gain", "raw_gain", "replanned", "rule_effects", "rule_markdown", "rule_rows",
+           "paired_interval", "peak_gain", "raw_gain", "replanned", "rule_effects", "rule_markdown", "rule_rows",
            "run_model", "wins"]
 
 MODELS = ("gpt2", "bert-base", "llama", "vit-b16", "resnet50", "unet")
@@ -81,6 +82,45 @@ def raw_gain(row: dict) -> float | None:
         return 1 - row["paired_search_over_auto"]
     what = "step" if row["kind"] == "budget" else "peak"
     return 1 - row[f"search_{what}"] / row[f"auto_{what}"]
+
+
+# NOTE: one plan in two systems, 16 paired rounds, measured 0.98-1.02x itself from process to
+# process (session 71: U-Net at 0.6, the two systems on copies of the model or on one): a
+# row's ratio is shown with how far its rounds' median moves when they are drawn again
+INTERVAL = 0.9
+DRAWS = 2000
+
+
+def paired_interval(ratios: list[float], level: float = INTERVAL, draws: int = DRAWS,
+                    seed: int = 0) -> list[float]:
+    """The ``level`` bootstrap interval of the median of ``ratios`` (each round's step of the
+    search's plan over auto's): the rounds drawn again with replacement ``draws`` times (a
+    fixed seed), the medians' ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles, rounded
+    to 4 places.
+
+    Example:
+        >>> paired_interval([0.97, 0.98, 0.99, 1.0, 1.01] * 3)   # 15 rounds
+        [0.98, 1.0]
+        >>> paired_interval([1.0] * 4)
+        [1.0, 1.0]
+    """
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(draws))
+    lo = medians[int((1 - level) / 2 * draws)]
+    hi = medians[min(draws - 1, int((1 + level) / 2 * draws))]
+    return [round(lo, 4), round(hi, 4)]
+
+
+def _interval(row: dict, gain_of: bool) -> str:
+    """A row's paired interval in its cell's terms (a gain: 1 - ratio; else the ratio), or ""
+    where the row has none (runs before session 71)."""
+    lo, hi = row.get("paired_interval") or (None, None)
+    if lo is None:
+        return ""
+    if gain_of:
+        return f" [{INTERVAL:.0%}: {100 * (1 - hi):+.1f}..{100 * (1 - lo):+.1f}%]"
+    return f" [{INTERVAL:.0%}: {lo:.3f}..{hi:.3f}]"
 
 
 def replanned(row: dict) -> bool:
@@ -198,8 +238,10 @@ def run_model(name: str, constraints: list[tuple[str, float]], time_budget: floa
             row[f"{k}_solve_s"] = sols[k].solve_s
             row[f"{k}_faults"] = statistics.median(s.faults) if s.faults else None
         if len(pair) == 2:
-            row["paired_search_over_auto"] = statistics.median(
-                a / b for a, b in zip(pair["search"].times, pair["auto"].times))
+            rounds = [a / b for a, b in zip(pair["search"].times, pair["auto"].times)]
+            row["paired_search_over_auto"] = statistics.median(rounds)
+            row["paired_rounds"] = [round(x, 4) for x in rounds]
+            row["paired_interval"] = paired_interval(rounds)
             # NOTE: the same plan on the same graph: any measured difference is the machine's
             row["same_plan"] = (sols["search"].plan.instructions
                                 == sols["auto"].plan.instructions
@@ -317,11 +359,12 @@ def markdown(rows: list[dict]) -> str:
         what = (f"budget {r['value']:g}" if r["kind"] == "budget" else f"latency ≤ {r['value']:g}×")
         unit = "time" if r["kind"] == "budget" else "peak"
         # NOTE: the same plan in two systems, paired: the bench's own spread, shown
-        same = (f"auto's plan (measured {r['paired_search_over_auto']:.3f}× itself)"
-                if "paired_search_over_auto" in r else "auto's plan")
+        same = (f"auto's plan (measured {r['paired_search_over_auto']:.3f}× itself"
+                f"{_interval(r, False)})" if "paired_search_over_auto" in r else "auto's plan")
+        paired = _interval(r, True) if r["kind"] == "budget" else ""
         won = (same if r.get("same_plan") else _outcome(r) if r["gain"] is None
-               else f"auto's plan made again ({100 * raw_gain(r):+.1f}% {unit})"
-               if replanned(r) else f"{100 * r['gain']:+.1f}% {unit}"
+               else f"auto's plan made again ({100 * raw_gain(r):+.1f}% {unit}{paired})"
+               if replanned(r) else f"{100 * r['gain']:+.1f}% {unit}{paired}"
                + (f", {100 * peak_gain(r):+.1f}% peak" if as_fast_in_less(r) else ""))
         own = own_gain(r)
         lines.append(f"| {r['model']} | {what} | {_cell(r, 'auto')} | {_cell(r, 'search')} | "
