@@ -5,6 +5,7 @@ other kind of constraint."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import assert_split_like_eager
 from test_coordinated_search import _eager, _loss_model
 
@@ -125,6 +126,48 @@ def test_fission_first_splits_are_each_regions_best_within_the_limit():
         assert_split_like_eager(g, split, model, batch, atol=1e-5)
     tight = first_splits(Problem(g, cm, latency_limit=1.0), deadline=float("inf"))
     assert all(_eager(split, cm).latency_s <= eager.latency_s for _, split in tight)
+
+
+def test_splits_at_a_plans_peak_hold_its_node_first_and_the_search_moves_take_them():
+    """``splits_at``: single splits, in 2 parts, of the regions live at a given plan's peak
+    (here a remat plan's, not the eager plan's), those holding the peak's node first, each run
+    like eager; the search takes them as moves only where auto's plan misses the budget and
+    its error carries a plan at its least peak, and never where the problem is exact."""
+    from types import SimpleNamespace as NS
+
+    from fitgraph.solvers.fission.first_splits import splits_at
+    from fitgraph.solvers.search_moves import AT_LEAST_PEAK, SPLIT, _least_peak_split_moves
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 16 * 16, 4))
+    batch = torch.randn(8, 3, 16, 16)
+    loss_fn = lambda m, b: m(b).square().mean()  # noqa: E731
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = RooflineCostModel(get_device("cpu-generic"))
+    least = solve(Problem(g, cm, latency_limit=1e9), "dtr")
+    node = least.plan[least.sim.peak_instruction].node
+    found = splits_at(g, least.plan, least.sim, n=2)
+    assert 1 <= len(found) <= 2 and all(" in 2 parts" in what for what, _ in found)
+    for _, split in found:
+        assert_split_like_eager(g, split, model, batch, atol=1e-5)
+    # NOTE: the region holding the peak's node first: its node runs in parts there (DTR's
+    # least-peak plan peaks at a convolution backward the eager plan's peak does not hold)
+    name = g.nodes[node].name
+    assert f"{name}.part0" in {n.name for n in found[0][1].nodes}
+
+    err = NS(solution=least)
+    infeasible = NS(solution=None, infeasible=err, graph=g)
+    moves = _least_peak_split_moves(Problem(g, cm, budget_bytes=1), infeasible)
+    assert [m.name for m in moves] == [SPLIT + what + AT_LEAST_PEAK
+                                       for what, _ in splits_at(g, least.plan, least.sim)]
+    assert _least_peak_split_moves(Problem(g, cm, budget_bytes=1, exact=True), infeasible) == []
+    assert _least_peak_split_moves(Problem(g, cm, budget_bytes=1),
+                                   NS(solution=least, infeasible=None, graph=g)) == []
+    assert _least_peak_split_moves(Problem(g, cm, budget_bytes=1),
+                                   NS(solution=None, infeasible=NS(solution=None), graph=g)) == []
 
 
 # NOTE: ~24 s (two searches of 30 s on a small MLP): `make test-slow`

@@ -86,7 +86,15 @@ from ..transform.rules import RULES
 from .base import BudgetInfeasible, Problem, Solution, register
 from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
-from .search_moves import PROBE, _held, _Move, _moves, _probe_moves, _split_moves
+from .search_moves import (
+    PROBE,
+    _held,
+    _least_peak_split_moves,
+    _Move,
+    _moves,
+    _probe_moves,
+    _split_moves,
+)
 from .search_timing import confirmed_choice, measures
 
 __all__ = ["solve_search"]
@@ -192,6 +200,16 @@ def solve_search(problem: Problem) -> Solution:
     from_captured += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
+    for move in _least_peak_split_moves(problem, first):
+        # NOTE: whatever the deadline left (auto's fallbacks may have spent it): each within
+        # a candidate's time
+        child = _child(problem, first, move, seen, each_s, limit_s, budget_mode)
+        if child is not None:
+            tried.append(child)
+            if not child.dead_end:
+                heapq.heappush(frontier, child)
+            if _better(child, best, budget_mode):
+                best = child
     while frontier and moves_until - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
         for move in _moves(parent, rules) + (from_captured if parent is first else []):

@@ -27,7 +27,7 @@ from ..cost.clock import planning_now
 from ..graph.ir import Graph
 from ..transform.rules import Rule
 from .base import Problem
-from .fission.first_splits import first_splits
+from .fission.first_splits import first_splits, splits_at
 
 # NOTE: a candidate of the search (``coordinated._Candidate``: its graph, the moves on its
 # path, auto's plan of it); not imported, the search imports this module
@@ -172,6 +172,34 @@ def _split_moves(problem: Problem, first: _Candidate, time_s: float) -> list[_Mo
     with progress.stage("search: fission's first splits"):
         found = first_splits(problem, deadline=planning_now() + time_s, n=SPLITS, skip=own)
     return [_Move(SPLIT + what, lambda g=g: g, {"split": what}) for what, g in found]
+
+
+# NOTE: the moves from the captured graph, where auto's plan misses the budget, to single
+# splits of the regions live at its least-peak plan's peak (``first_splits.splits_at``), at
+# most this many, planned even where auto's fallbacks spent the search's deadline (the budget
+# is unmet otherwise); their names on the path: SPLIT + the split + this
+AT_LEAST_PEAK = " at the least peak"
+SPLITS_AT_LEAST_PEAK = 3
+
+
+def _least_peak_split_moves(problem: Problem, first: _Candidate) -> list[_Move]:
+    """Where ``first`` (auto on the captured graph) has no plan within the budget but a plan
+    at its least peak (on its error), fission's single splits of the regions live at that
+    plan's peak (``AT_LEAST_PEAK``); none where the problem is exact (fission sums in parts).
+
+    NOTE: the fission search grows its regions from the eager plan's peak; below every remat
+    plan's reach the peak is elsewhere (ResNet-50 small at 0.4 of its peak: DTR's least-peak
+    plan 55.4 MiB for 54.4 asked, in layer2.0's backward; its downsample convolution's
+    backward in 2 parts, planned by auto, 53.5 MiB)."""
+    least = first.infeasible.solution if first.infeasible is not None else None
+    if problem.exact or first.solution is not None or least is None:
+        return []
+    graph = least.graph_for(first.graph)
+    with progress.stage("search: splits at auto's least peak"):
+        found = splits_at(graph, least.plan, least.sim, n=SPLITS_AT_LEAST_PEAK)
+    return [_Move(SPLIT + what + AT_LEAST_PEAK, lambda g=g: g, {"split": what,
+                                                                "at": "the least peak"})
+            for what, g in found]
 
 
 def _probe_moves(problem: Problem, first: _Candidate, eager_s: float) -> list[_Move]:
