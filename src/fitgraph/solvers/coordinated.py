@@ -27,10 +27,14 @@ count, ``solvers.fission.first_splits``; auto's fission commits greedily to one)
 by auto — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
 latency mode, budgets below its own plan's peak; budget mode, limits at and below its own plan's
 step), each plan judged by the problem's own; a graph seen before (``graph_fingerprint``,
-with the constraint a probe planned it for) is skipped. A rewritten graph's plan
+with the constraint a probe planned it for) is skipped. Where auto's plan misses the budget
+but its error carries a plan at its least peak, fission's single splits of the regions live at
+that plan's peak (``AT_LEAST_PEAK``: the fission search grows its regions from the eager
+plan's) are planned first, whatever time auto's fallbacks left. A rewritten graph's plan
 replaces the best only where it is better by the simulator — in budget mode by ``TIME_MARGIN``
 of the step time, since simulated times are estimates and peaks are not — and a rewritten graph
-is planned without auto's fallbacks for a missed budget (its minutes-long ``split_backward``),
+is planned without auto's minutes-long fallbacks for a missed budget (``split_backward``;
+DTR's plan, seconds, it does get),
 so the search keeps to its deadline. Then the best plan's drop set is re-planned over the exact
 scheduler's order (``hotspot(exact=True)``, ``plan.exact_order``), where that plan is hotspot's
 (or fission's remat on its split graph). Last, where the cost model measures on this machine,

@@ -4,8 +4,9 @@
 From a candidate: the graph its plan ran where auto rewrote it (``AGAIN``), its graph planned
 with auto's mask choice the other way (``MASKS``), each matching rewrite rule not yet on its
 path, those that save the most bytes first, whole or on the better half of its matches
-(``HALF``). From the captured graph also: fission's other first-round splits (``SPLIT``) and
-auto's plans for the other kind of constraint (``PROBE``). A move makes its graph lazily: a
+(``HALF``). From the captured graph also: fission's other first-round splits (``SPLIT``),
+auto's plans for the other kind of constraint (``PROBE``), and where auto's plan misses the
+budget, splits of the regions at its least-peak plan's peak (``AT_LEAST_PEAK``). A move makes its graph lazily: a
 rule's rewrite only when its turn comes.
 
 Example:
