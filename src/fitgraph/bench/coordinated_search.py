@@ -19,7 +19,8 @@ the step time in interleaved rounds, each plan's step between two eager steps
 (``harness._time_rounds``). A row gives both plans' measured peak and step time (as fractions
 of eager's: the median over rounds of each one's step over the eager steps around it), the
 search's step over auto's (paired: the median over rounds of the two steps' ratio, with the
-90% bootstrap interval of that median, ``paired_interval``; the gain in budget mode), the rules of the search's plan and what they changed
+90% bootstrap interval of that median, ``paired_interval``; the gain in budget mode), the
+rules of the search's plan and what they changed
 (``notes["candidates"]``), and its winner (with the search's own timing of the candidate it
 chose, against auto's step in budget mode, the eager plan's in latency mode:
 ``notes["confirmed"]``); where the search returns
@@ -51,7 +52,8 @@ import time
 from pathlib import Path
 
 __all__ = ["as_fast_in_less", "gain", "losses", "main", "markdown", "over_limit", "own_gain",
-           "paired_interval", "peak_gain", "raw_gain", "replanned", "rule_effects", "rule_markdown", "rule_rows",
+           "paired_interval", "peak_gain", "raw_gain", "replanned", "rule_effects",
+           "rule_markdown", "rule_rows",
            "run_model", "wins"]
 
 MODELS = ("gpt2", "bert-base", "llama", "vit-b16", "resnet50", "unet")

@@ -42,9 +42,9 @@ the best plan and the next best that simulate better than auto's (``MEASURED`` i
 timed in paired rounds: in budget mode each against auto's step, the fastest measured kept
 where it measures ``MEASURED_MARGIN`` faster, else the lowest peak ``HEADROOM_MIN`` under
 auto's plan's that simulates as fast and measures ``HEADROOM_MEASURED`` of auto's step
-(``HEADROOM``); in latency mode against the eager plan's step, lowest peak first, the first measured within the limit less
-``STEP_MARGIN`` (``optimize``'s latency check's margin) kept — where none is, the lowest
-peak's graph is planned again for the limit its measured step leaves (``RETRY``) and kept
+(``HEADROOM``); in latency mode against the eager plan's step, lowest peak first, the first
+measured within the limit less ``STEP_MARGIN`` (``optimize``'s latency check's margin) kept
+— where none is, the lowest peak's graph is planned again for the limit its measured step leaves (``RETRY``) and kept
 where it measures within, and where the plan kept (auto's too) measures under it, planned
 again for the looser limit that leaves (``SLACK``), kept where its peak is lower and it
 measures within — the one chosen timed again before it is kept; else auto's plan

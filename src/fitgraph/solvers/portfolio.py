@@ -274,10 +274,10 @@ def solve_auto(problem: Problem, *, fallback: bool = True,
     ``fallback=False``: where every option misses the budget, DTR's plan alone (seconds), no
     least-peak search, no ``split_backward`` (minutes): the coordinated search's rewritten
     graphs, which must keep to its deadline. ``masks_as_bits``: None chooses the graph every
-    later option plans on by hotspot's plans on both (the module doc); True takes the masks-as-bits rewrite wherever
-    hotspot plans it, False never makes it (the coordinated search tries the choice auto did
-    not make: fission may split the other graph further). ``notes["masks_as_bits"]`` says
-    which graph the later options planned on."""
+    later option plans on by hotspot's plans on both (the module doc); True takes the
+    masks-as-bits rewrite wherever hotspot plans it, False never makes it (the coordinated
+    search tries the choice auto did not make: fission may split the other graph further).
+    ``notes["masks_as_bits"]`` says which graph the later options planned on."""
     t0 = planning_now()
     on, why = _chunked_updates(problem)
     if on is problem:

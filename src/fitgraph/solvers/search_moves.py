@@ -6,8 +6,8 @@ with auto's mask choice the other way (``MASKS``), each matching rewrite rule no
 path, those that save the most bytes first, whole or on the better half of its matches
 (``HALF``). From the captured graph also: fission's other first-round splits (``SPLIT``),
 auto's plans for the other kind of constraint (``PROBE``), and where auto's plan misses the
-budget, splits of the regions at its least-peak plan's peak (``AT_LEAST_PEAK``). A move makes its graph lazily: a
-rule's rewrite only when its turn comes.
+budget, splits of the regions at its least-peak plan's peak (``AT_LEAST_PEAK``). A move makes
+its graph lazily: a rule's rewrite only when its turn comes.
 
 Example:
     >>> from fitgraph.solvers.search_moves import HALF, _half
