@@ -44,8 +44,8 @@ where it measures ``MEASURED_MARGIN`` faster, else the lowest peak ``HEADROOM_MI
 auto's plan's that simulates as fast and measures ``HEADROOM_MEASURED`` of auto's step
 (``HEADROOM``); in latency mode against the eager plan's step, lowest peak first, the first
 measured within the limit less ``STEP_MARGIN`` (``optimize``'s latency check's margin) kept
-— where none is, the lowest peak's graph is planned again for the limit its measured step leaves (``RETRY``) and kept
-where it measures within, and where the plan kept (auto's too) measures under it, planned
+— where none is, the lowest peak's graph is planned again for the limit its measured step
+leaves (``RETRY``) and kept where it measures within, and where the plan kept (auto's too) measures under it, planned
 again for the looser limit that leaves (``SLACK``), kept where its peak is lower and it
 measures within — the one chosen timed again before it is kept; else auto's plan
 (``search_timing``, ``notes["confirmed"]``).
@@ -204,16 +204,22 @@ def solve_search(problem: Problem) -> Solution:
     from_captured += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first
+
+    def take(child: _Candidate) -> None:
+        """``child`` tried, on the frontier unless a dead end, the best where better."""
+        nonlocal best
+        tried.append(child)
+        if not child.dead_end:
+            heapq.heappush(frontier, child)
+        if _better(child, best, budget_mode):
+            best = child
+
     for move in _least_peak_split_moves(problem, first):
         # NOTE: whatever the deadline left (auto's fallbacks may have spent it): each within
         # a candidate's time
         child = _child(problem, first, move, seen, each_s, limit_s, budget_mode)
         if child is not None:
-            tried.append(child)
-            if not child.dead_end:
-                heapq.heappush(frontier, child)
-            if _better(child, best, budget_mode):
-                best = child
+            take(child)
     while frontier and moves_until - planning_now() > MIN_CANDIDATE_S:
         parent = heapq.heappop(frontier)
         for move in _moves(parent, rules) + (from_captured if parent is first else []):
@@ -229,11 +235,7 @@ def solve_search(problem: Problem) -> Solution:
                                budget_mode)
                 if child is None:
                     continue
-                tried.append(child)
-                if not child.dead_end:
-                    heapq.heappush(frontier, child)
-                if _better(child, best, budget_mode):
-                    best = child
+                take(child)
                 if progress.enabled():
                     progress.note(f"search: {' + '.join(child.rules)}: {_said(child)}; best so "
                                   f"far {' + '.join(best.rules) or 'auto'}: {_said(best)}")

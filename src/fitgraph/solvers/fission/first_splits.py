@@ -40,7 +40,7 @@ from ...transform.fission_loss import counting_nodes
 from ...transform.registry import FISSION_SEARCH_READS, fission_reads
 from ..base import Problem
 from .peak_regions import candidate_regions, peak_starts
-from .search import FissionConfig, _best_split, _simulate, _Step
+from .search import FissionConfig, _best_split, _simulate, _Step, described
 from .walk import rate
 
 __all__ = ["first_splits", "splits_at"]
@@ -131,8 +131,5 @@ def splits_at(graph: Graph, plan: Plan, sim: SimResult, *, n: int = 3,
             split = split_region(graph, region, 2)
         except FissionError:
             continue
-        start = graph.values[region.start[0]].name
-        halo = " (rows with a halo)" if region.halo else ""
-        out.append((f"{len(region.nodes)} nodes from {start} dim {region.start[1]} in 2 parts"
-                    f"{halo}", split))
+        out.append((described(graph, region, 2), split))
     return out

@@ -406,10 +406,15 @@ def _split(base: Graph, region: Region, k: int, cm) -> _Step | FissionError:
         g2 = split_region(base, region, k, verify=False)
     except FissionError as e:
         return e
-    start = base.values[region.start[0]].name
+    return _Step(g2, _simulate(g2, cm), described(base, region, k), base, region, k)
+
+
+def described(graph: Graph, region: Region, k: int) -> str:
+    """A split's name: "12 nodes from _log_softmax dim 0 in 2 parts" (its region's size, the
+    value and dim it grew from, the parts; " (rows with a halo)" where parts overlap)."""
+    start = graph.values[region.start[0]].name
     halo = " (rows with a halo)" if region.halo else ""
-    return _Step(g2, _simulate(g2, cm), f"{len(region.nodes)} nodes from {start} dim "
-                                        f"{region.start[1]} in {k} parts{halo}", base, region, k)
+    return f"{len(region.nodes)} nodes from {start} dim {region.start[1]} in {k} parts{halo}"
 
 
 def _best_split(cur: _Step, cm, budget: int | None, limit: float, config: FissionConfig,
