@@ -231,6 +231,66 @@ def test_latency_mode_keeps_the_lowest_peak_measured_within_the_limit_less_the_m
     assert kept is first and notes is None and timed.asked == asked
 
 
+def test_latency_mode_keeps_a_lower_peak_no_slower_than_autos_plan_where_none_holds():
+    """Where no candidate measured within the limit less the margin and auto's own plan
+    measures over it too, the timed candidates of a lower peak, lowest first, are timed against
+    auto's plan; the first no slower, twice, is kept (``NO_SLOWER``); where auto's plan holds
+    the limit, or none is no slower, auto's plan."""
+    from fitgraph.solvers.base import STEP_MARGIN
+    from fitgraph.solvers.coordinated import _Candidate, _rank
+    from fitgraph.solvers.search_timing import NO_SLOWER
+    from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    roofline = RooflineCostModel(get_device("rtx3090"))
+    sol = solve(Problem(g, roofline, latency_limit=1.10), "auto")
+
+    def cand(peak, name):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan),
+                                sim=dataclasses.replace(sol.sim, peak_bytes=peak))
+        return _Candidate(_rank(s, None, False), g, (name,) if name else (), s, None)
+
+    first, best, second, third = cand(100, ""), cand(60, "best"), cand(70, "second"), cand(
+        80, "third")
+    within = 1.10 - STEP_MARGIN
+    eager_ratio = {id(c.solution.plan): within + 0.05 for c in (first, best, second, third)}
+    over_auto = {id(best.solution.plan): 1.02, id(second.solution.plan): [0.99, 0.995],
+                 id(third.solution.plan): 1.0}
+
+    class AgainstAuto(_Timed):
+        """Times a plan against the eager plan's step, or against auto's plan (``first``)."""
+
+        def measured_ratio(self, graph, plan, other_graph, other_plan, undecided=None):
+            if other_plan is first.solution.plan:
+                self.asked += 1
+                got = over_auto[id(plan)]
+                return got.pop(0) if isinstance(got, list) else got
+            return super().measured_ratio(graph, plan, other_graph, other_plan, undecided)
+
+    timed = AgainstAuto(roofline, eager_ratio)
+    problem = Problem(g, timed, latency_limit=1.10)
+    tried = [first, third, best, second]
+    kept, notes = _confirmed(problem, first, best, tried)
+    # NOTE: three timed over the limit, auto's plan over it too; the lowest peak is slower than
+    # auto's, the next no slower, twice: kept, its two timings the ratio noted
+    assert kept is second and notes["kept"] == "search" and notes[NO_SLOWER] == 0.995
+    assert timed.asked == 3 + 1 + 3 and notes["measured_over_eager"] == round(within + 0.05, 4)
+    # NOTE: measured slower the second time: the next (the third, at 1.0: no slower) is kept
+    over_auto[id(second.solution.plan)] = [0.99, 1.01]
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is third and notes[NO_SLOWER] == 1.0
+    # NOTE: none no slower: auto's plan; auto's plan within the limit: none timed against it
+    over_auto.update({id(second.solution.plan): 1.03, id(third.solution.plan): 1.01})
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is first and NO_SLOWER not in notes and notes["kept"] == "auto"
+    eager_ratio[id(first.solution.plan)] = within - 0.01
+    over_auto[id(third.solution.plan)] = 0.9
+    asked = timed.asked
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is first and timed.asked == asked + 3 + 1 and NO_SLOWER not in notes
+
+
 def _remat_chain():
     """(graph, roofline, eager step s): a chain whose plan within 1.10x spends the slack on
     remat (cpu-generic's roofline)."""
@@ -381,11 +441,13 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
         gain,
         losses,
         markdown,
+        no_slower_over,
         own_gain,
         raw_gain,
         replanned,
         wins,
     )
+    from fitgraph.solvers.search_timing import NO_SLOWER
 
     base = {"model": "m", "kind": "latency", "value": 1.1, "auto_peak": 0.5, "auto_step": 1.0,
             "search_peak": 0.4, "search_step": 1.0, "winner": "fission", "same_plan": False,
@@ -454,6 +516,49 @@ def test_the_bench_counts_auto_made_again_as_no_gain():
     roomy["confirmed"] = dict(roomy["confirmed"], measured_over_auto=1.0, **{"for": "peak"})
     assert "-0.5% time, +10.0% peak" in markdown([dict(roomy, gain=gain(roomy))])
     assert "(timed 1.000× auto's; as fast in less memory)" in markdown([dict(roomy, gain=gain(roomy))])
+    # NOTE: latency mode, both plans over the limit: a lower peak no slower than auto's plan
+    # (paired, not 1% slower) is a win; slower over the limit, a loss
+    both = dict(ruled, auto_step=1.2, search_step=1.19, paired_search_over_auto=1.005)
+    assert no_slower_over(both) and wins([dict(both, gain=gain(both))]) == 1
+    assert losses([dict(both, gain=gain(both))]) == 0
+    slower = dict(both, paired_search_over_auto=1.02)
+    assert not no_slower_over(slower) and wins([dict(slower, gain=gain(slower))]) == 0
+    assert losses([dict(slower, gain=gain(slower))]) == 1
+    assert not no_slower_over(dict(both, auto_step=1.05))
+    said = dict(both, confirmed={"rules": ["inverse_pairs"], "measured_over_eager": 1.2,
+                                 "kept": "search", NO_SLOWER: 0.99})
+    assert "(timed 1.200× eager's; 0.990× auto's step, both over the limit)" in markdown(
+        [dict(said, gain=gain(said))])
     for worse in (dict(roomy, paired_search_over_auto=1.02), dict(roomy, search_sim_peak=98),
                   dict(roomy, search_peak=0.49), dict(roomy, same_plan=True)):
         assert wins([dict(worse, gain=gain(worse))]) == 0
+
+
+def test_the_bench_times_an_undecided_row_again():
+    """A row whose paired interval holds a ratio the count turns on (``DECIDES``) is timed
+    again, each system's rounds kept, up to ``MORE_ROUNDS`` times its rounds; a decided row,
+    or the same plan in both systems, once."""
+    from fitgraph.bench.coordinated_search import MORE_ROUNDS, _timed_until_decided
+
+    class System:
+        times = ratios = faults = None
+
+    eager, auto, search = System(), System(), System()
+    calls, search_rounds = [], [0.96, 0.98, 1.0]
+
+    def time_rounds(systems, repeats, reference):
+        calls.append(repeats)
+        for s in systems:
+            s.times, s.faults = [1.0] * repeats, []
+            s.ratios = None if s is reference else [1.0] * repeats
+        search.times = search_rounds * (repeats // len(search_rounds))
+
+    pair = {"auto": auto, "search": search}
+    _timed_until_decided(eager, pair, 6, False, time_rounds)
+    assert calls == [6] * MORE_ROUNDS and len(search.times) == len(eager.times) == 6 * MORE_ROUNDS
+    assert len(auto.ratios) == 6 * MORE_ROUNDS and eager.ratios is None
+    for same, rounds in ((True, [0.96, 0.98, 1.0]), (False, [0.9, 0.91, 0.92])):
+        calls.clear()
+        search_rounds[:] = rounds
+        _timed_until_decided(eager, pair, 6, same, time_rounds)
+        assert calls == [6] and len(search.times) == 6
