@@ -45,10 +45,11 @@ auto's plan's that simulates as fast and measures ``HEADROOM_MEASURED`` of auto'
 (``HEADROOM``); in latency mode against the eager plan's step, lowest peak first, the first
 measured within the limit less ``STEP_MARGIN`` (``optimize``'s latency check's margin) kept
 — where none is, the lowest peak's graph is planned again for the limit its measured step
-leaves (``RETRY``) and kept where it measures within, and where the plan kept (auto's too) measures under it, planned
-again for the looser limit that leaves (``SLACK``), kept where its peak is lower and it
-measures within — the one chosen timed again before it is kept; else auto's plan
-(``search_timing``, ``notes["confirmed"]``).
+leaves (``RETRY``) and kept where it measures within, and where the plan kept (auto's too)
+measures under it, planned again for the looser limit that leaves (``SLACK``), kept where its
+peak is lower and it measures within; where none holds the limit and auto's plan measures
+over it too, the lowest peak no slower than auto's plan (``NO_SLOWER``) — the one chosen timed
+again before it is kept; else auto's plan (``search_timing``, ``notes["confirmed"]``).
 The moves are ``solvers.search_moves``'s. ``notes["candidates"]`` lists every candidate (its
 rules, what each rule's matches change, its peak and latency or why it failed),
 ``notes["rules"]`` the winner's rules, ``notes["winner"]`` what made its plan.

@@ -142,13 +142,7 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
         base, plan = problem.graph, eager_plan(problem.graph)
         within = max(1.0, problem.latency_limit - STEP_MARGIN)
 
-    def ratio_of(c, near: float = within) -> float:
-        """``c``'s plan's step over the reference's, timed in paired rounds: more of them
-        where the median is within ``CLOSE`` of ``near``, the ratio the choice turns on."""
-        return problem.cost_model.measured_ratio(
-            c.solution.graph_for(c.graph), c.solution.plan, base, plan,
-            undecided=lambda median: abs(median - near) < CLOSE)
-
+    ratio_of = _timer(problem, base, plan, within)
     timed = []
     for c in contenders:
         ratio = ratio_of(c)
@@ -222,23 +216,28 @@ def _no_slower(problem: Problem, first, timed: list, within: float, ratio_of
         timed.append((own, first))
     if own <= within:
         return None   # NOTE: auto's plan holds the limit: no plan over it is kept
-    base, plan = first.solution.graph_for(first.graph), first.solution.plan
-
-    def over_auto(c) -> float:
-        return problem.cost_model.measured_ratio(
-            c.solution.graph_for(c.graph), c.solution.plan, base, plan,
-            undecided=lambda median: abs(median - 1.0) < CLOSE)
-
+    over_auto = _timer(problem, first.solution.graph_for(first.graph), first.solution.plan,
+                       1.0)
     for c in lower:
         ratio = over_auto(c)
         progress.note(f"search: {' + '.join(c.rules) or 'the exact order'} ({NO_SLOWER}) "
                       f"measured {ratio:.3f}x auto's step")
         if ratio <= 1.0:
-            ratio = over_auto(c)
-            progress.note(f"search: measured again {ratio:.3f}x auto's step")
+            ratio = _timed_again(over_auto, c, "auto")
             if ratio <= 1.0:
                 return ratio, c
     return None
+
+
+def _timer(problem: Problem, base, plan, within: float):
+    """``ratio_of(c, near=within)``: ``c``'s plan's step over ``plan``'s on ``base``, timed in
+    paired rounds — more of them where the median is within ``CLOSE`` of ``near``, the ratio
+    the choice turns on."""
+    def ratio_of(c, near: float = within) -> float:
+        return problem.cost_model.measured_ratio(
+            c.solution.graph_for(c.graph), c.solution.plan, base, plan,
+            undecided=lambda median: abs(median - near) < CLOSE)
+    return ratio_of
 
 
 def _roomier(first, tried: list) -> list:
