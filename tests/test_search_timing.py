@@ -252,7 +252,7 @@ def test_latency_mode_keeps_a_lower_peak_no_slower_than_autos_plan_where_none_ho
     auto's plan; the first no slower, twice, is kept (``NO_SLOWER``); where auto's plan holds
     the limit, or none is no slower, auto's plan."""
     from fitgraph.solvers.base import STEP_MARGIN
-    from fitgraph.solvers.search_timing import NO_SLOWER
+    from fitgraph.solvers.search_timing import HEADROOM_SLOWER, NO_SLOWER
     from fitgraph.solvers.search_timing import confirmed_choice as _confirmed
 
     g, roofline, cand = _loss_candidates()
@@ -290,6 +290,16 @@ def test_latency_mode_keeps_a_lower_peak_no_slower_than_autos_plan_where_none_ho
     over_auto.update({id(second.solution.plan): 1.03, id(third.solution.plan): 1.01})
     kept, notes = _confirmed(problem, first, best, tried)
     assert kept is first and NO_SLOWER not in notes and notes["kept"] == "auto"
+    # NOTE: a lower peak simulated more than HEADROOM_SLOWER slower than auto's plan is not
+    # timed against it, however it would measure: the next, simulated as fast, is kept
+    sim = best.solution.sim
+    slow = dataclasses.replace(best, solution=dataclasses.replace(best.solution, sim=(
+        dataclasses.replace(sim, latency_s=(1 + 2 * HEADROOM_SLOWER) * sim.latency_s))))
+    over_auto.update({id(best.solution.plan): 0.9, id(second.solution.plan): [0.99, 0.995]})
+    kept, notes = _confirmed(problem, first, slow, [first, third, slow, second])
+    assert kept is second and notes[NO_SLOWER] == 0.995
+    kept, notes = _confirmed(problem, first, best, tried)
+    assert kept is best and notes[NO_SLOWER] == 0.9
     eager_ratio[id(first.solution.plan)] = within - 0.01
     over_auto[id(third.solution.plan)] = 0.9
     asked = timed.asked
