@@ -117,11 +117,11 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     peak is lower and it measures within, twice; where no plan measured within and ``first``
     measures over the limit too, the lowest peak timed that simulates at most
     ``HEADROOM_SLOWER`` over ``first``'s step and measures no slower than it, paired, twice, is
-    kept (``NO_SLOWER``, ``_no_slower``: its ratio to ``first``
-    in the notes under that name). In budget mode, where ``first`` is kept, the
-    lowest peaks ``HEADROOM_MIN`` under its own that simulate as fast (``_roomier``) are timed
-    against its step, the first measured ``HEADROOM_MEASURED`` of it, twice, kept
-    (``HEADROOM``). Returns the plan kept and what was measured (None where nothing was).
+    kept (``NO_SLOWER``, ``_no_slower``: its ratio to ``first`` in the notes under that name).
+    In budget mode, where ``first`` is kept, the lowest peaks ``HEADROOM_MIN`` under its own
+    that simulate as fast (``_roomier``) are timed against its step, the first measured
+    ``HEADROOM_MEASURED`` of it, twice, kept (``HEADROOM``). Returns the plan kept and what
+    was measured (None where nothing was).
 
     NOTE: the simulator adds up ops measured one by one; a split graph, a rewrite or another
     order changes what it does not see (caches, the allocator, the interpreter between ops):
@@ -204,9 +204,10 @@ def _no_slower(problem: Problem, first, timed: list, within: float, ratio_of
     """Latency mode, no plan kept within the limit: where auto's plan (``first``; its step
     timed against the eager plan's unless ``timed`` has it) measures over ``within`` too, the
     timed candidates of a lower simulated peak than its and at most ``HEADROOM_SLOWER`` over
-    its simulated step, lowest peak first, each timed against auto's plan in paired rounds; the first measured no slower, twice (the second timing
-    decides), is kept (``NO_SLOWER``): (its step over auto's, it); else None. What is timed
-    against the eager plan joins ``timed``."""
+    its simulated step, lowest peak first, each timed against auto's plan in paired rounds;
+    the first measured no slower, twice (the second timing decides), is kept
+    (``NO_SLOWER``): (its step over auto's, it); else None. What is timed against the eager
+    plan joins ``timed``."""
     peak, step = first.solution.sim.peak_bytes, first.solution.sim.latency_s
     lower = sorted({id(c): c for _, c in timed if c.solution is not None
                     and c.solution.sim.peak_bytes < peak
