@@ -226,3 +226,58 @@ def test_the_search_plans_auto_for_the_other_constraint():
     tight_limit = coordinated._plan(tight, g, (PROBE,), {}, 10.0, None, True,
                                     probe=("latency", eager.latency_s))
     assert tight_limit.solution is None and tight_limit.error == "over the budget"
+
+
+def test_where_autos_plan_is_fissions_auto_without_splits_is_planned_and_timed():
+    """Budget mode, where auto's plan is fission's: the captured graph planned by auto without
+    fission is a candidate (``UNSPLIT``, held so by its descendants), and the fastest such plan
+    is timed against auto's whatever it simulates — kept where it measures
+    ``MEASURED_MARGIN`` faster, twice."""
+    import copy
+    import dataclasses
+
+    from test_search_timing import _Timed
+
+    from fitgraph.solvers.coordinated import _Candidate, _rank
+    from fitgraph.solvers.portfolio import solve_auto
+    from fitgraph.solvers.search_moves import UNSPLIT, _held, _unsplit_moves
+    from fitgraph.solvers.search_timing import MEASURED_MARGIN, confirmed_choice
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    cm = RooflineCostModel(get_device("rtx3090"))
+    budget = Problem(g, cm, budget_bytes=int(0.8 * _eager(g, cm).peak_bytes))
+    sol = solve(budget, "auto")
+    assert sol.notes["winner"] == "fission"
+    first = _Candidate(_rank(sol, None, True), g, (), sol, None)
+    [move] = _unsplit_moves(budget, first)
+    assert move.name == UNSPLIT and move.make() is g
+    assert _held((UNSPLIT, "a rule")) == {"split": False}
+    latency = Problem(g, cm, latency_limit=1.5)
+    hot = dataclasses.replace(sol, notes=dict(sol.notes, winner="hotspot"))
+    assert _unsplit_moves(latency, first) == []
+    assert _unsplit_moves(budget, _Candidate(first.rank, g, (), hot, None)) == []
+    assert solve_auto(latency, split=False).notes["fission"] == "not run: split=False"
+    # NOTE: auto without splits misses this budget: not expanded
+    missed = _Candidate(_rank(None, sol.sim.peak_bytes, True), g, (UNSPLIT,), None, "missed")
+    assert missed.dead_end and not dataclasses.replace(missed, rules=()).dead_end
+
+    def cand(factor, rules):
+        s = dataclasses.replace(sol, plan=copy.copy(sol.plan), sim=dataclasses.replace(
+            sol.sim, latency_s=factor * sol.sim.latency_s))
+        return _Candidate(_rank(s, None, True), g, rules, s, None)
+
+    # NOTE: simulated slower than auto's plan, all three: only the fastest unsplit is timed
+    unsplit, deeper, other = cand(1.1, (UNSPLIT,)), cand(1.2, (UNSPLIT, "a rule")), cand(
+        1.05, ("a rule",))
+    tried = [first, deeper, other, unsplit]
+    ratios = {id(unsplit.solution.plan): [1 - 2 * MEASURED_MARGIN] * 2}
+    timed = _Timed(cm, ratios, default=1.0)
+    problem = Problem(g, timed, budget_bytes=budget.budget_bytes)
+    kept, notes = confirmed_choice(problem, first, first, tried)
+    assert kept is unsplit and timed.asked == 2 and notes["rules"] == [UNSPLIT]
+    ratios[id(unsplit.solution.plan)] = 1 - MEASURED_MARGIN / 2
+    kept, notes = confirmed_choice(problem, first, first, tried)
+    assert kept is first and notes["kept"] == "auto" and timed.asked == 3
+    # NOTE: no unsplit candidate, none simulated faster: nothing timed
+    assert confirmed_choice(problem, first, first, [first, other]) == (first, None)
