@@ -26,9 +26,7 @@ expansion also takes fission's other first-round splits (``SPLIT``: each region'
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
 by auto — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
 latency mode, budgets below its own plan's peak; budget mode, limits at and below its own plan's
-step), each plan judged by the problem's own — and in budget mode, where auto's plan is
-fission's, the captured graph planned by auto without fission (``UNSPLIT``: timed whatever it
-simulates, ``search_timing``); a graph seen before (``graph_fingerprint``,
+step), each plan judged by the problem's own; a graph seen before (``graph_fingerprint``,
 with the constraint a probe planned it for) is skipped. Where auto's plan misses the budget
 but its error carries a plan at its least peak, fission's single splits of the regions live at
 that plan's peak (``AT_LEAST_PEAK``: the fission search grows its regions from the eager
@@ -95,14 +93,12 @@ from .portfolio import solve_auto
 from .remat.hotspot import solve_hotspot
 from .search_moves import (
     PROBE,
-    UNSPLIT,
     _held,
     _least_peak_split_moves,
     _Move,
     _moves,
     _probe_moves,
     _split_moves,
-    _unsplit_moves,
 )
 from .search_timing import confirmed_choice, measures
 
@@ -142,12 +138,9 @@ class _Candidate:
         the latency limit: Llama small within 1.05x, six rules' candidates on three such
         graphs, every one over the limit too), or a probe's plan (``PROBE``) on the captured
         graph as it is, or none: its moves would be the first candidate's (ViT-B/16 small at
-        0.6, two such probes' rules planned again as the first's, 30 s of the search's 90), or
-        auto without splits (``UNSPLIT``) where it missed the budget."""
+        0.6, two such probes' rules planned again as the first's, 30 s of the search's 90)."""
         if self.rules and self.rules[-1].startswith(PROBE):
             return self.solution is None or self.solution.graph is None
-        if self.rules and self.rules[-1] == UNSPLIT and self.solution is None:
-            return True   # NOTE: no split missed the budget: fission's candidates go on
         return self.solution is None and self.rank[1] == float("inf")
 
     def summary(self) -> dict:
@@ -208,8 +201,7 @@ def solve_search(problem: Problem) -> Solution:
     moves_until = deadline - (each_s if limit_s is not None and measures(cm) else 0.0)
     left = min(each_s, moves_until - planning_now())
     # NOTE: the moves only the captured graph takes (SPLIT, PROBE), after its own
-    from_captured = _unsplit_moves(problem, first)
-    from_captured += _split_moves(problem, first, left) if left > MIN_CANDIDATE_S else []
+    from_captured = _split_moves(problem, first, left) if left > MIN_CANDIDATE_S else []
     from_captured += _probe_moves(problem, first, eager_s)
     seen = {_seen_key(problem.graph, ())}
     frontier, tried, best = [first], [first], first

@@ -269,7 +269,7 @@ def _split_backward(problem: Problem, time_s: float | None = None) -> Solution |
 
 @register("auto")
 def solve_auto(problem: Problem, *, fallback: bool = True,
-               masks_as_bits: bool | None = None, split: bool = True) -> Solution:
+               masks_as_bits: bool | None = None) -> Solution:
     """Plan ``problem`` with hotspot, and fission where it may win (see the module doc).
     ``fallback=False``: where every option misses the budget, DTR's plan alone (seconds), no
     least-peak search, no ``split_backward`` (minutes): the coordinated search's rewritten
@@ -277,15 +277,14 @@ def solve_auto(problem: Problem, *, fallback: bool = True,
     later option plans on by hotspot's plans on both (the module doc); True takes the
     masks-as-bits rewrite wherever hotspot plans it, False never makes it (the coordinated
     search tries the choice auto did not make: fission may split the other graph further).
-    ``notes["masks_as_bits"]`` says which graph the later options planned on. ``split=False``:
-    no fission (the coordinated search times auto's no-split option where fission won)."""
+    ``notes["masks_as_bits"]`` says which graph the later options planned on."""
     t0 = planning_now()
     on, why = _chunked_updates(problem)
     if on is problem:
-        sol = _solve_auto(problem, fallback, masks_as_bits, split)
+        sol = _solve_auto(problem, fallback, masks_as_bits)
         return dataclasses.replace(sol, notes=dict(sol.notes, optimizer_chunks=why))
     try:
-        sol = _solve_auto(on, fallback, masks_as_bits, split)
+        sol = _solve_auto(on, fallback, masks_as_bits)
     except BudgetInfeasible as e:
         if e.solution is not None and e.solution.graph is None:
             e.solution = dataclasses.replace(e.solution, graph=on.graph)
@@ -329,8 +328,7 @@ def _chunked_updates(problem: Problem) -> tuple[Problem, str]:
     return dataclasses.replace(problem, graph=graph, latency_limit=factor), said
 
 
-def _solve_auto(problem: Problem, fallback: bool, masks_as_bits: bool | None = None,
-                split: bool = True) -> Solution:
+def _solve_auto(problem: Problem, fallback: bool, masks_as_bits: bool | None = None) -> Solution:
     """``solve_auto`` on the graph it plans (see the module doc)."""
     t0 = planning_now()
     cm, budget = problem.cost_model, problem.budget_bytes
@@ -382,9 +380,7 @@ def _solve_auto(problem: Problem, fallback: bool, masks_as_bits: bool | None = N
         hot, hot_err = off, None
     left = problem.time_budget_s - (planning_now() - t0)
     skip = None
-    if not split:
-        skip = "split=False"
-    elif problem.exact:
+    if problem.exact:
         skip = ("exact=True: fission sums in parts (results allclose to eager's, not bitwise)")
     elif budget is not None and eager.peak_bytes <= budget:
         skip = "the eager plan fits the budget: nothing to split"

@@ -5,8 +5,7 @@ From a candidate: the graph its plan ran where auto rewrote it (``AGAIN``), its 
 with auto's mask choice the other way (``MASKS``), each matching rewrite rule not yet on its
 path, those that save the most bytes first, whole or on the better half of its matches
 (``HALF``). From the captured graph also: fission's other first-round splits (``SPLIT``),
-auto's plans for the other kind of constraint (``PROBE``), where auto's plan is fission's
-within a budget, auto's no-split option (``UNSPLIT``), and where auto's plan misses the
+auto's plans for the other kind of constraint (``PROBE``), and where auto's plan misses the
 budget, splits of the regions at its least-peak plan's peak (``AT_LEAST_PEAK``). A move makes
 its graph lazily: a rule's rewrite only when its turn comes.
 
@@ -74,15 +73,6 @@ PROBE_PEAKS = (0.8, 0.6)
 PROBE_STEPS = (1.0, 0.97, 0.93)
 # NOTE: their names on the path: this prefix + the constraint
 PROBE = "auto for "
-# NOTE: budget mode, where auto's plan is fission's: the captured graph planned by auto without
-# fission (its no-split option: hotspot, joint, masks as bits), held so by its descendants. It
-# simulates slower (fission won on simulated steps), and is timed all the same
-# (``search_timing``): the simulator under-reads some split graphs' steps (U-Net small at 0.8
-# of its peak: auto's split at 0.552 of eager's peak measured 1.076x eager's step; session
-# 70's hotspot plan at 0.798, 1.037x)
-UNSPLIT = "auto without splits"
-
-
 # NOTE: a rule rewrites the graph its parent's plan runs where auto rewrote it (fission's
 # splits, masks as bits; where the rule matches there), not the parent's own: a candidate gets
 # at most CANDIDATE_S, in which auto on the rule's rewrite of the captured graph seldom gets as
@@ -231,20 +221,7 @@ def _probe_moves(problem: Problem, first: _Candidate, eager_s: float) -> list[_M
             for f in PROBE_STEPS if f * sol.sim.latency_s >= eager_s]
 
 
-def _unsplit_moves(problem: Problem, first: _Candidate) -> list[_Move]:
-    """Budget mode, where auto's plan (``first``) is fission's: the captured graph planned by
-    auto without fission (``UNSPLIT``); none otherwise."""
-    sol = first.solution
-    if problem.budget_bytes is None or sol is None or sol.notes.get("winner") != "fission":
-        return []
-    return [_Move(UNSPLIT, lambda: problem.graph, {"split": False})]
-
-
 def _held(rules: tuple[str, ...]) -> dict:
-    """The choices of auto's a path of moves holds it to (``MASKS``, ``UNSPLIT``: its
-    descendants keep them)."""
+    """The choices of auto's a path of moves holds it to (``MASKS``: its descendants keep it)."""
     on = [choice for choice, name in MASKS.items() if name in rules]
-    held = {"masks_as_bits": on[0]} if on else {}
-    if UNSPLIT in rules:
-        held["split"] = False
-    return held
+    return {"masks_as_bits": on[0]} if on else {}

@@ -5,9 +5,7 @@ The simulator adds up ops measured one by one; a split graph, a rewrite or anoth
 changes what it does not see (caches, the allocator, the interpreter between ops), so plans a
 few percent apart by the simulator are timed, whole steps in paired rounds (more of them where
 the median is within ``CLOSE`` of the ratio the choice turns on): in budget mode
-against auto's plan (the fastest measured kept where it is ``MEASURED_MARGIN`` faster; where
-auto's plan is fission's, auto's fastest plan without splits is timed too, whatever it
-simulates: ``search_moves.UNSPLIT``), in
+against auto's plan (the fastest measured kept where it is ``MEASURED_MARGIN`` faster), in
 latency mode against the eager plan (the lowest peak within the limit less ``STEP_MARGIN``
 kept, one plan made again for the limit its measured step leaves where none is: ``RETRY``;
 and where the plan kept — auto's own, where no candidate simulates a lower peak — measures
@@ -33,7 +31,6 @@ from __future__ import annotations
 from .. import progress
 from ..plan.eager import eager_plan
 from .base import STEP_MARGIN, Problem
-from .search_moves import UNSPLIT
 
 __all__ = ["CLOSE", "HEADROOM", "HEADROOM_MEASURED", "HEADROOM_MIN", "MEASURED",
            "MEASURED_MARGIN", "NO_SLOWER", "RETRY", "SLACK", "SLACK_MIN", "confirmed_choice",
@@ -106,9 +103,9 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
                      limit_s: float | None = None) -> tuple:
     """Where the cost model measures on this machine (``measured_ratio``), the plan kept is one
     whose step was timed in paired rounds: of the candidates that simulate better than auto's
-    plan (``first``; ``_contenders``, ``MEASURED`` at most; in budget mode also the fastest
-    plan of auto without splits, ``_unsplit``), in budget mode the fastest measured, timed
-    against auto's step, kept only where it measures ``MEASURED_MARGIN`` faster (timed again: ``measured_over_auto`` is that second timing); in latency mode the
+    plan (``first``; ``_contenders``, ``MEASURED`` at most), in budget mode the fastest
+    measured, timed against auto's step, kept only where it measures ``MEASURED_MARGIN``
+    faster (timed again: ``measured_over_auto`` is that second timing); in latency mode the
     lowest peak measured within the limit less ``STEP_MARGIN`` of the eager plan's step, timed
     lowest peak first — where none is, the lowest peak's graph planned again for the limit its
     measured step leaves (``RETRY``, ``limit_s`` the limit in seconds; ``plan_again(candidate,
@@ -135,10 +132,8 @@ def confirmed_choice(problem: Problem, first, best, tried: list, plan_again=None
     auto's 1.093x, and ``optimize``'s latency check planned the search again three times."""
     if not measures(problem.cost_model) or first.solution is None:
         return best, None
-    budget_mode = problem.budget_bytes is not None
     contenders = _contenders(first, best, tried)
-    if budget_mode:
-        contenders += _unsplit(first, tried, contenders)
+    budget_mode = problem.budget_bytes is not None
     roomier = _roomier(first, [best, *tried]) if budget_mode else []
     if not contenders and not roomier and (budget_mode or plan_again is None):
         return best, None
@@ -360,17 +355,6 @@ def _contenders(first, best, tried: list) -> list:
     out = [best] if best is not first else []   # NOTE: a feasible first keeps best feasible
     better = sorted(c for c in tried if c.solution is not None and c.rank < first.rank)
     return _distinct(better, out, MEASURED, also_seen=[first])
-
-
-def _unsplit(first, tried: list, contenders: list) -> list:
-    """Budget mode: the fastest simulated candidate held to auto without fission
-    (``search_moves.UNSPLIT``), where ``contenders`` lack it and it is not ``first``'s plan
-    again: timed whatever it simulates (the simulator under-reads some split graphs' steps)."""
-    held = [c for c in tried if c.solution is not None and UNSPLIT in c.rules]
-    if not held:
-        return []
-    fastest = min(held, key=lambda c: (c.solution.sim.latency_s, c.solution.sim.peak_bytes))
-    return _distinct([fastest], [], 1, also_seen=[first, *contenders])
 
 
 def _distinct(cands, out: list, n: int, also_seen=()) -> list:
