@@ -208,10 +208,9 @@ def _no_slower(problem: Problem, first, timed: list, within: float, ratio_of
     the first measured no slower, twice (the second timing decides), is kept
     (``NO_SLOWER``): (its step over auto's, it); else None. What is timed against the eager
     plan joins ``timed``."""
-    peak, step = first.solution.sim.peak_bytes, first.solution.sim.latency_s
+    peak = first.solution.sim.peak_bytes
     lower = sorted({id(c): c for _, c in timed if c.solution is not None
-                    and c.solution.sim.peak_bytes < peak
-                    and c.solution.sim.latency_s <= (1 + HEADROOM_SLOWER) * step}.values(),
+                    and c.solution.sim.peak_bytes < peak and _as_fast(c, first)}.values(),
                    key=lambda c: c.solution.sim.peak_bytes)
     if not lower:
         return None
@@ -250,11 +249,16 @@ def _roomier(first, tried: list) -> list:
     """Budget mode: the candidates whose plans simulate ``HEADROOM_MIN`` or more under
     ``first``'s peak and at most ``HEADROOM_SLOWER`` over its step, lowest peak first, one per
     simulated (peak, step), ``HEADROOM_TIMED`` at most."""
-    peak, step = first.solution.sim.peak_bytes, first.solution.sim.latency_s
+    peak = first.solution.sim.peak_bytes
     roomy = (c for c in tried if c.solution is not None
-             and c.solution.sim.peak_bytes <= (1 - HEADROOM_MIN) * peak
-             and c.solution.sim.latency_s <= (1 + HEADROOM_SLOWER) * step)
+             and c.solution.sim.peak_bytes <= (1 - HEADROOM_MIN) * peak and _as_fast(c, first))
     return _distinct(sorted(roomy, key=_simulated), [], HEADROOM_TIMED)
+
+
+def _as_fast(c, first) -> bool:
+    """Whether ``c``'s plan simulates at most ``HEADROOM_SLOWER`` over ``first``'s step: what
+    a lower peak may cost to be timed as no slower (``HEADROOM``, ``NO_SLOWER``)."""
+    return c.solution.sim.latency_s <= (1 + HEADROOM_SLOWER) * first.solution.sim.latency_s
 
 
 def _headroom(roomier: list, timed: list, ratio_of) -> tuple | None:
