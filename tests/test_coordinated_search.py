@@ -386,9 +386,10 @@ def test_a_graph_whose_eager_step_is_over_the_limit_is_not_expanded(monkeypatch)
     real = coordinated._plan
 
     def over(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback=False,
-             probe=None):
+             probe=None, factor=1.0):
         if rules:   # NOTE: every rewritten graph over the limit
-            return real(problem, graph, rules, changes, time_s, 0.0, budget_mode, probe=probe)
+            return real(problem, graph, rules, changes, time_s, 0.0, budget_mode, probe=probe,
+                        factor=factor)
         return real(problem, graph, rules, changes, time_s, limit_s, budget_mode, fallback)
 
     monkeypatch.setattr(coordinated, "_plan", over)

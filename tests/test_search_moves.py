@@ -226,3 +226,52 @@ def test_the_search_plans_auto_for_the_other_constraint():
     tight_limit = coordinated._plan(tight, g, (PROBE,), {}, 10.0, None, True,
                                     probe=("latency", eager.latency_s))
     assert tight_limit.solution is None and tight_limit.error == "over the budget"
+
+
+def test_a_split_graph_is_planned_on_its_measured_eager_step():
+    """Fission's first splits (``SPLIT``): the split graph's eager step is timed against the
+    captured graph's before it is planned, and its plans are judged by their simulated steps
+    scaled by what the simulator missed there (``CALIBRATED``): measured faster than it
+    simulates, the split is planned for the looser limit that leaves (a lower peak, within
+    the limit as scaled); measured over the limit, it is not planned; a candidate made from
+    it keeps its factor, and in budget mode ranks by its scaled step."""
+    from test_search_timing import _Timed
+
+    from fitgraph.solvers import coordinated
+    from fitgraph.solvers.fission.first_splits import first_splits
+    from fitgraph.solvers.search_moves import SPLIT, _Move
+    from fitgraph.solvers.search_timing import CALIBRATED
+
+    model, batch, loss_fn = _loss_model()
+    g = fitgraph.capture(model, batch, loss_fn)
+    roofline = RooflineCostModel(get_device("rtx3090"))
+    eager_s, limit = _eager(g, roofline).latency_s, 1.5
+    timed = _Timed(roofline, 1.0)
+    problem = Problem(g, timed, latency_limit=limit, time_budget_s=30)
+    what, split = first_splits(problem, deadline=float("inf"))[0]
+    own_s = _eager(split, roofline).latency_s
+    first = coordinated._plan(problem, g, (), {}, 10.0, limit * eager_s, False)
+    move = _Move(SPLIT + what, lambda: split, {"split": what}, calibrate=True)
+
+    def child(ratio):
+        timed.ratio, timed.asked = ratio, 0
+        c = coordinated._child(problem, first, move, set(), 10.0, limit * eager_s, False,
+                               eager_s)
+        assert timed.asked == 1   # NOTE: its eager step, timed once
+        return c
+
+    same, fast, slow = child(own_s / eager_s), child(0.6 * own_s / eager_s), child(limit + 0.1)
+    assert same.factor == pytest.approx(1.0) and fast.factor == pytest.approx(0.6)
+    assert fast.changes[move.name] == {"split": what, CALIBRATED: 0.6}
+    assert fast.solution.sim.latency_s * 0.6 <= limit * eager_s * (1 + 1e-9)
+    assert fast.solution.sim.latency_s > same.solution.sim.latency_s
+    assert fast.solution.sim.peak_bytes < same.solution.sim.peak_bytes
+    assert slow.solution is None and slow.error == "its eager step is over the latency limit"
+    timed.asked = 0
+    again = _Move("again", lambda: fast.graph, {})
+    kid = coordinated._child(problem, fast, again, set(), 10.0, limit * eager_s, False, eager_s)
+    assert kid.factor == fast.factor and timed.asked == 0
+    budget = Problem(g, timed, budget_bytes=_eager(g, roofline).peak_bytes)
+    planned = coordinated._plan(budget, split, ("split",), {}, 10.0, None, True, factor=0.6)
+    assert planned.rank[1] == pytest.approx(0.6 * planned.solution.sim.latency_s)
+    assert planned.step_s == pytest.approx(planned.rank[1])

@@ -24,7 +24,9 @@ or more matches does not pay on that candidate, on the half of them that save th
 (``HALF``: MAGIS mutates a match at a time). The captured graph's
 expansion also takes fission's other first-round splits (``SPLIT``: each region's best part
 count, ``solvers.fission.first_splits``; auto's fission commits greedily to one), each planned
-by auto — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
+by auto — where the cost model measures, on its eager step timed against the captured
+graph's: its plans' simulated steps, and those of every candidate made from it, are scaled by
+what the simulator missed there (``CALIBRATED``) — and the captured graph planned by auto for the other kind of constraint (``PROBE``:
 latency mode, budgets below its own plan's peak; budget mode, limits at and below its own plan's
 step), each plan judged by the problem's own; a graph seen before (``graph_fingerprint``,
 with the constraint a probe planned it for) is skipped. Where auto's plan misses the budget
@@ -100,7 +102,7 @@ from .search_moves import (
     _probe_moves,
     _split_moves,
 )
-from .search_timing import confirmed_choice, measures
+from .search_timing import CALIBRATED, confirmed_choice, measured_over_simulated, measures
 
 __all__ = ["solve_search"]
 
@@ -131,6 +133,14 @@ class _Candidate:
     changes: dict = field(compare=False, default_factory=dict)
     # NOTE: auto's own error where it missed the budget (its least-peak plan rides on it)
     infeasible: BudgetInfeasible | None = field(compare=False, default=None)
+    # NOTE: its graph's eager step measured over simulated (``search_timing.CALIBRATED``):
+    # measured for fission's first splits, inherited by every candidate made from one
+    factor: float = field(compare=False, default=1.0)
+
+    @property
+    def step_s(self) -> float:
+        """Its plan's simulated step, scaled by what the simulator missed on its graph."""
+        return self.solution.sim.latency_s * self.factor
 
     @property
     def dead_end(self) -> bool:
@@ -166,16 +176,18 @@ def _better(a: _Candidate, b: _Candidate, budget_mode: bool) -> bool:
     ``TIME_MARGIN`` faster (where both have plans)."""
     if a.solution is None or b.solution is None or not budget_mode:
         return a < b
-    return a.solution.sim.latency_s < (1 - TIME_MARGIN) * b.solution.sim.latency_s
+    return a.step_s < (1 - TIME_MARGIN) * b.step_s
 
 
-def _rank(sol: Solution | None, least: int | None, budget_mode: bool) -> tuple:
-    """Lower is better: a plan within the budget (limit) by time (peak), then an infeasible
-    candidate by the least peak it reached."""
+def _rank(sol: Solution | None, least: int | None, budget_mode: bool,
+          factor: float = 1.0) -> tuple:
+    """Lower is better: a plan within the budget (limit) by time (peak; the simulated step
+    scaled by ``factor``, its graph's ``CALIBRATED``), then an infeasible candidate by the
+    least peak it reached."""
     if sol is None:
         return (1, least if least is not None else float("inf"), 0.0)
     if budget_mode:
-        return (0, sol.sim.latency_s, sol.sim.peak_bytes)
+        return (0, sol.sim.latency_s * factor, sol.sim.peak_bytes)
     return (0, sol.sim.peak_bytes, sol.sim.latency_s)
 
 
@@ -218,7 +230,7 @@ def solve_search(problem: Problem) -> Solution:
     for move in _least_peak_split_moves(problem, first):
         # NOTE: whatever the deadline left (auto's fallbacks may have spent it): each within
         # a candidate's time
-        child = _child(problem, first, move, seen, each_s, limit_s, budget_mode)
+        child = _child(problem, first, move, seen, each_s, limit_s, budget_mode, eager_s)
         if child is not None:
             take(child)
     while frontier and moves_until - planning_now() > MIN_CANDIDATE_S:
@@ -233,7 +245,7 @@ def solve_search(problem: Problem) -> Solution:
                 if left <= MIN_CANDIDATE_S:
                     break
                 child = _child(problem, parent, m, seen, min(each_s, left), limit_s,
-                               budget_mode)
+                               budget_mode, eager_s)
                 if child is None:
                     continue
                 take(child)
@@ -273,9 +285,11 @@ def _seen_key(graph: Graph, rules: tuple[str, ...], probe: tuple | None = None) 
 
 
 def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], time_s: float,
-           limit_s: float | None, budget_mode: bool) -> _Candidate | None:
-    """The graph ``move`` makes from ``parent``'s, planned; None where that graph was planned
-    so (held to the same choices) before."""
+           limit_s: float | None, budget_mode: bool, eager_s: float) -> _Candidate | None:
+    """The graph ``move`` makes from ``parent``'s, planned (its simulated steps scaled by
+    ``parent``'s factor, or by its own where the move calibrates: ``CALIBRATED``, against the
+    captured graph's eager step simulated ``eager_s``); None where that graph was planned so
+    (held to the same choices) before."""
     graph, rules = move.make(), parent.rules + (move.name,)
     key = _seen_key(graph, rules, move.probe)
     if key in seen:
@@ -283,24 +297,29 @@ def _child(problem: Problem, parent: _Candidate, move: _Move, seen: set[tuple], 
     seen.add(key)
     changes = dict(parent.changes)
     changes[move.name] = move.change
+    factor = parent.factor
+    if move.calibrate:
+        factor = measured_over_simulated(problem, graph, eager_s)
+        changes[move.name] = dict(move.change, **{CALIBRATED: round(factor, 4)})
     return _plan(problem, graph, rules, changes, time_s, limit_s, budget_mode,
-                 probe=move.probe)
+                 probe=move.probe, factor=factor)
 
 
 def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict, time_s: float,
           limit_s: float | None, budget_mode: bool, fallback: bool = False,
-          probe: tuple[str, float] | None = None) -> _Candidate:
+          probe: tuple[str, float] | None = None, factor: float = 1.0) -> _Candidate:
     """``graph`` planned by ``auto`` (held to the choices its path ``rules`` fixed: ``_held``)
     for ``problem``'s budget or latency limit (the limit in seconds of the captured graph's
-    eager step, as a factor of this graph's own) — or for ``probe``'s constraint, the plan
-    judged by the problem's (``PROBE``); only the captured graph gets auto's fallbacks where
-    the budget is missed (``split_backward`` searches for minutes)."""
+    eager step, as a factor of this graph's own, its simulated steps scaled by ``factor``:
+    ``CALIBRATED``) — or for ``probe``'s constraint, the plan judged by the problem's
+    (``PROBE``); only the captured graph gets auto's fallbacks where the budget is missed
+    (``split_backward`` searches for minutes)."""
     cm = problem.cost_model
     sub = dataclasses.replace(problem, graph=graph, time_budget_s=time_s)
     own = None
     if not budget_mode or probe is not None:
         cm.prepare(graph)
-        own = simulate(graph, eager_plan(graph), cm).latency_s
+        own = simulate(graph, eager_plan(graph), cm).latency_s * factor
     if not budget_mode and limit_s < own:
         return _Candidate(_rank(None, None, budget_mode), graph, rules, None,
                           "its eager step is over the latency limit", changes)
@@ -316,14 +335,15 @@ def _plan(problem: Problem, graph: Graph, rules: tuple[str, ...], changes: dict,
             sol = solve_auto(sub, fallback=fallback, **_held(rules))
     except BudgetInfeasible as e:
         return _Candidate(_rank(None, e.smallest_peak_bytes, budget_mode), graph, rules, None,
-                          str(e), changes, infeasible=e)
-    if not budget_mode and sol.sim.latency_s > limit_s * (1 + 1e-9):
+                          str(e), changes, infeasible=e, factor=factor)
+    if not budget_mode and sol.sim.latency_s * factor > limit_s * (1 + 1e-9):
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
-                          "over the latency limit", changes)
+                          "over the latency limit", changes, factor=factor)
     if budget_mode and sol.sim.peak_bytes > problem.budget_bytes:
         return _Candidate(_rank(None, sol.sim.peak_bytes, budget_mode), graph, rules, None,
-                          "over the budget", changes)
-    return _Candidate(_rank(sol, None, budget_mode), graph, rules, sol, None, changes)
+                          "over the budget", changes, factor=factor)
+    return _Candidate(_rank(sol, None, budget_mode, factor), graph, rules, sol, None, changes,
+                      factor=factor)
 
 
 def _again_until(problem: Problem, deadline: float) -> Callable:
@@ -335,8 +355,10 @@ def _again_until(problem: Problem, deadline: float) -> Callable:
         left = deadline - planning_now()
         if left <= MIN_CANDIDATE_S:
             return None
+        # NOTE: ``target_s`` is in the simulator's seconds of ``c``'s plan: on the footing of
+        # ``c``'s factor, as the plan made again is judged
         return _plan(problem, graph, c.rules + (name,), changes, min(left, CANDIDATE_S),
-                     target_s, False)
+                     target_s * c.factor, False, factor=c.factor)
     return plan_again
 
 
@@ -359,7 +381,7 @@ def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
     graph = sol.graph_for(best.graph)
     sub = dataclasses.replace(problem, graph=graph, time_budget_s=left)
     if not budget_mode:
-        sub = dataclasses.replace(sub, latency_limit=limit_s / simulate(
+        sub = dataclasses.replace(sub, latency_limit=limit_s / best.factor / simulate(
             graph, eager_plan(graph), problem.cost_model).latency_s)
         if sub.latency_limit < 1.0:
             return best
@@ -367,11 +389,11 @@ def _schedule_exactly(problem: Problem, best: _Candidate, deadline: float,
         again = solve_hotspot(sub, exact=True)
     except BudgetInfeasible:
         return best
-    if not budget_mode and again.sim.latency_s > limit_s * (1 + 1e-9):
+    if not budget_mode and again.sim.latency_s * best.factor > limit_s * (1 + 1e-9):
         return best
     # NOTE: the plan runs on auto's rewrite of the candidate where auto made one
     again = dataclasses.replace(again, graph=None if graph is best.graph else graph,
                                 notes=dict(again.notes, winner="hotspot (exact order)"))
-    cand = _Candidate(_rank(again, None, budget_mode), best.graph, best.rules, again, None,
-                      best.changes)
+    cand = _Candidate(_rank(again, None, budget_mode, best.factor), best.graph, best.rules, again,
+                      None, best.changes, factor=best.factor)
     return cand if _better(cand, best, budget_mode) else best

@@ -122,6 +122,9 @@ class _Move:
     # NOTE: ``PROBE``: auto plans for this constraint instead ("budget", bytes) or ("latency",
     # seconds), and the plan is judged by the problem's own
     probe: tuple[str, float] | None = None
+    # NOTE: ``SPLIT``: the graph's eager step is timed before it is planned, and its plans'
+    # simulated steps scaled by what the simulator missed there (``search_timing.CALIBRATED``)
+    calibrate: bool = False
 
 
 def _moves(parent: _Candidate, rules: list[Rule]) -> list[_Move]:
@@ -172,7 +175,8 @@ def _split_moves(problem: Problem, first: _Candidate, time_s: float) -> list[_Mo
     own = tuple(sol.notes.get("splits", [])[:1]) if sol is not None else ()
     with progress.stage("search: fission's first splits"):
         found = first_splits(problem, deadline=planning_now() + time_s, n=SPLITS, skip=own)
-    return [_Move(SPLIT + what, lambda g=g: g, {"split": what}) for what, g in found]
+    return [_Move(SPLIT + what, lambda g=g: g, {"split": what}, calibrate=True)
+            for what, g in found]
 
 
 # NOTE: the moves from the captured graph, where auto's plan misses the budget, to single
