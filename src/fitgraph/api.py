@@ -181,8 +181,8 @@ class TrainStep:
         it from the first step on: ``capture(..., steady_state=True)``)."""
         if self.optimizer is None:
             return ()
-        kind = OPTIMIZER_KINDS.get(type(self.optimizer), type(self.optimizer).__name__)
-        return tuple(state_keys(kind, g) if kind in ("sgd", "adam") else ()
+        kind = OPTIMIZER_KINDS.get(type(self.optimizer))
+        return tuple(state_keys(kind, g) if kind is not None else ()
                      for g in self.optimizer.param_groups)
 
     def _key(self, batch: Any) -> tuple:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from . import progress
+from .capture.optimizer_kinds import KINDS
 from .cost.plan_timing import MAX_ROUNDS, ROUNDS, WARMUP, paired, plans_ratio
 from .cost.plan_timing import runner as _runner
 from .cost.plan_timing import timed_step as _timed
@@ -107,14 +108,15 @@ def _torch_optimizer(nodes, env: list):
     for n in nodes:
         g = groups.setdefault(n.kwargs["group"], {"params": [], **n.kwargs["hyper"]})
         g["params"].append(env[n.args[0].id])
-    cls = torch.optim.Adam if kind == "adam" else torch.optim.SGD
-    opt = cls(list(groups.values()))
+    spec = KINDS[kind]
+    opt = spec.classes[0](list(groups.values()))
     for n in nodes:
         p = env[n.args[0].id]
         p.grad = env[n.args[1].id]
         state = dict(zip(n.kwargs["have"], (env[r.id] for r in n.args[2])))
-        if "step" in state:
-            state["step"].fill_(1.0)   # NOTE: a synthetic step count could be any float
+        for k in spec.scalars & state.keys():
+            # NOTE: a synthetic counter could be any float: as torch makes it, one step on
+            state[k].copy_(spec.make(k, p, n.kwargs["hyper"]) + (k == "step"))
         opt.state[p].update(state)
     return opt
 

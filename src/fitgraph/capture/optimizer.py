@@ -23,20 +23,13 @@ from torch.optim.optimizer import _get_scalar_dtype
 from ..graph.ir import GraphBuilder, Phase, Role, ValueRef
 from .convert import dtype_name
 from .errors import CaptureError
+from .optimizer_kinds import KINDS, UNSUPPORTED, OptimizerKind, kind_of, supported_names
 
 __all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_optimizer",
            "state_keys"]
 
-# NOTE: hyperparameters a node reads from its param group; a snapshot goes into the graph so the
-# cost profiler can run the node without the optimizer object.
-_HYPER = {
-    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "fused"),
-    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
-             "decoupled_weight_decay", "fused"),
-}
-OPTIMIZER_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
-# per-element FLOPs of one update, for the roofline model
-_FLOPS_PER_ELEMENT = {"sgd": 4, "adam": 12}
+# NOTE: the optimizer classes captured, by kind (``optimizer_kinds``: settings, state, update)
+OPTIMIZER_KINDS = {cls: k.name for k in KINDS.values() for cls in k.classes}
 
 
 @dataclass(frozen=True)
@@ -47,20 +40,21 @@ class OptimizerSpec:
 
 def state_keys(kind: str, group: dict) -> tuple[str, ...]:
     """The state keys torch's ``kind`` optimizer keeps per parameter of ``group``."""
-    if kind == "sgd":
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-    keys = ("step", "exp_avg", "exp_avg_sq")
-    return keys + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    return KINDS[kind].keys(group)
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
-    """The kind ("sgd" or "adam") of a supported optimizer, else a CaptureError."""
-    kind = OPTIMIZER_KINDS.get(type(optimizer))
+    """The kind ("sgd", "adam", "rmsprop", ...: ``optimizer_kinds.KINDS``) of a supported
+    optimizer, else a CaptureError."""
+    kind = kind_of(optimizer)
     if kind is None:
+        name = type(optimizer).__name__
+        why = UNSUPPORTED.get(name) if type(optimizer).__module__.startswith("torch.") else None
         raise CaptureError(
-            f"optimizer {type(optimizer).__name__} is not supported yet (supported: SGD, Adam, "
-            "AdamW); capture without optimizer= and call optimizer.step() yourself",
-            op=f"{type(optimizer).__name__}.step")
+            f"optimizer {name} is not supported" + (f" ({why})" if why else "") +
+            f"; supported: {supported_names()} (their exact classes: a subclass's step may do "
+            "anything); capture without optimizer= and call optimizer.step() yourself",
+            op=f"{name}.step")
     for gi, group in enumerate(optimizer.param_groups):
         # NOTE: fused=True is run as torch runs it, one parameter a call (its kernels are
         # elementwise: the bits are eager's); these two change what a step is
@@ -71,7 +65,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
                     f"foreach or fused update per parameter: construct the optimizer with "
                     f"{flag}=False (or None)",
                     op=f"{type(optimizer).__name__}.step")
-    return kind
+    return kind.name
 
 
 def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
@@ -84,10 +78,11 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
     it yet or not (the graph of every step after the first); ``init_missing_state`` creates what
     is missing before such a graph runs, as torch's lazy initialisation would."""
     kind = describe_optimizer(optimizer)
+    spec = KINDS[kind]
     created: dict[str, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
-        keys = state_keys(kind, group)
-        hyper = {k: group[k] for k in _HYPER[kind] if k in group}
+        keys = spec.keys(group)
+        hyper = {k: group[k] for k in spec.hyper if k in group}
         for p in group["params"]:
             pname = param_names.get(id(p))
             if pname is None:
@@ -116,7 +111,7 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
             pv, gv = param_values[pname], grad_values[pname]
             state_refs = []
             for k in have:
-                shape, dtype, stride, dev = _state_layout(k, state.get(k), p)
+                shape, dtype, stride, dev = _state_layout(spec, k, state.get(k), p, group)
                 state_refs.append(b.add_input(f"state:{pname}:{k}", shape, dtype,
                                               Role.OPTIMIZER_STATE, stride=stride, device=dev))
             pval = b.values[pv]
@@ -124,36 +119,45 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
             nid = len(b.nodes)
             outs = b.add_node(
                 f"fitgraph.optimizer.{kind}", [pv, gv, *state_refs],
-                [_created_shape(k, pval) for k in keys if k not in have],
+                [_created_shape(spec, k, pval) for k in keys if k not in have],
                 phase=Phase.OPTIMIZER, module=pname.rpartition(".")[0],
-                mutates=(pv, *state_refs), flops=float(_FLOPS_PER_ELEMENT[kind] * numel),
+                mutates=(pv, *state_refs), flops=float(spec.flops * numel),
                 name=f"{kind}_{pname}",
                 args=(ValueRef(pv), ValueRef(gv), [ValueRef(s) for s in state_refs]),
                 kwargs={"group": gi, "param": pname, "state_keys": keys, "have": have,
                         "hyper": hyper})
             node = b.nodes[nid]
             node.out_is_tuple = True
-            node.bytes_moved = (2 + 2 * len(keys)) * numel * pval.itemsize
+            shaped = [k for k in keys if k not in spec.scalars]
+            node.bytes_moved = (2 + 2 * len(shaped)) * numel * pval.itemsize
             for k, vid in zip([k for k in keys if k not in have], outs):
                 b.values[vid].role = Role.OPTIMIZER_STATE
                 b.storages[b.values[vid].storage].role = Role.OPTIMIZER_STATE
-                b.storages[b.values[vid].storage].device = device if k != "step" else "cpu"
+                b.storages[b.values[vid].storage].device = (
+                    _scalar_device(spec, k, p, group) if k in spec.scalars else device)
                 created[f"state:{pname}:{k}"] = vid
     return created
 
 
-def _state_layout(key: str, t: torch.Tensor | None, p: torch.Tensor) -> tuple:
+def _scalar_device(spec: OptimizerKind, key: str, p: torch.Tensor, group: dict) -> str:
+    """Where torch's lazy initialisation puts scalar state ``key`` (the host for most: step)."""
+    return str(spec.make(key, p.detach(), group).device)
+
+
+def _state_layout(spec: OptimizerKind, key: str, t: torch.Tensor | None, p: torch.Tensor,
+                  group: dict) -> tuple:
     """(shape, dtype, stride, device) of state ``key``: the tensor's own, or for state not made
-    yet what torch's lazy initialisation makes (a float32 CPU scalar step; buffers like ``p``)."""
+    yet what torch's lazy initialisation makes (0-d counters; buffers like ``p``)."""
     if t is not None:
         return tuple(t.shape), dtype_name(t.dtype), t.stride(), str(t.device)
-    if key == "step":
-        return (), dtype_name(_get_scalar_dtype()), (), "cpu"
+    if key in spec.scalars:
+        made = spec.make(key, p.detach(), group)
+        return (), dtype_name(made.dtype), (), str(made.device)
     like = torch.empty_like(p, memory_format=torch.preserve_format, device="meta")
     return tuple(p.shape), dtype_name(p.dtype), like.stride(), str(p.device)
 
 
-def _created_shape(key: str, pval) -> tuple:
-    if key == "step":
-        return ((), "float32")
+def _created_shape(spec: OptimizerKind, key: str, pval) -> tuple:
+    if key in spec.scalars:
+        return ((), dtype_name(_get_scalar_dtype()))
     return (pval.shape, pval.dtype)

@@ -18,15 +18,19 @@ from itertools import chain
 import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.adam import adam
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.sgd import sgd
 
+from ..capture.optimizer_kinds import KINDS
 from ..graph.ir import Graph, Node
 from .input_specs import input_specs
 
 __all__ = ["OptimizerStateMismatch", "apply_in_chunks", "has_step_pre_hooks",
            "init_missing_state", "run_optimizer_node",
            "run_step_post_hooks", "run_step_pre_hooks"]
+
+
+_PREFIX = "fitgraph.optimizer."
 
 
 class OptimizerStateMismatch(RuntimeError):
@@ -45,7 +49,8 @@ def init_missing_state(graph: Graph, model: torch.nn.Module,
                        specs: list | None = None) -> frozenset[str]:
     """Create the optimizer state a steady-state graph reads (``capture(..., steady_state=True)``)
     where the optimizer has none yet, as torch's lazy initialisation creates it at the first
-    ``step()``: Adam's step 0 and zero moments (what the first update then reads: bitwise
+    ``step()`` (``capture.optimizer_kinds``: Adam's step 0 and zero moments, NAdam's product
+    1, Rprop's step sizes the learning rate...: what the first update then reads, bitwise
     eager's first step); SGD's momentum buffer as zeros, to be filled with the gradient by the
     first update (``run_optimizer_node(..., fresh=True)``, torch's first-step rule). Returns
     the names of the parameters whose state was created here. ``params`` (the model's by
@@ -53,6 +58,7 @@ def init_missing_state(graph: Graph, model: torch.nn.Module,
     if params is None:
         params = dict(model.named_parameters())
     created = set()
+    updates: dict[str, Node] | None = None
     for spec in input_specs(graph) if specs is None else specs:
         if spec.kind != "state":
             continue
@@ -60,9 +66,12 @@ def init_missing_state(graph: Graph, model: torch.nn.Module,
         state = optimizer.state[params[pname]]
         if skey in state:
             continue
-        p = params[pname]
-        state[skey] = (torch.tensor(0.0, dtype=_get_scalar_dtype()) if skey == "step"
-                       else torch.zeros_like(p, memory_format=torch.preserve_format))
+        if updates is None:  # NOTE: the first step only: every later one finds its state
+            updates = {n.kwargs["param"]: n for n in graph.nodes if n.target.startswith(_PREFIX)}
+        node = updates[pname]
+        with torch.no_grad():
+            state[skey] = KINDS[node.target[len(_PREFIX):]].make(
+                skey, params[pname], optimizer.param_groups[node.kwargs["group"]])
         created.add(pname)
     return frozenset(created)
 
@@ -144,7 +153,7 @@ class _Update:
 def _prepare(node: Node, param: torch.Tensor, grad: torch.Tensor, state_tensors: list,
              fresh: bool, optimizer: torch.optim.Optimizer | None) -> _Update:
     kind = node.target.rsplit(".", 1)[1]
-    if kind not in ("adam", "sgd"):
+    if kind not in KINDS:
         raise RuntimeError(f"node {node.name}: unknown optimizer kind {kind!r}")
     keys: tuple[str, ...] = node.kwargs["state_keys"]
     have: tuple[str, ...] = node.kwargs["have"]
@@ -166,10 +175,10 @@ def _prepare(node: Node, param: torch.Tensor, grad: torch.Tensor, state_tensors:
         # NOTE: eager's default: on CUDA the foreach kernels, whose rounding differs from the
         # single-tensor ones (law 1 is bitwise)
         foreach = _default_foreach(type(param), param.device.type, param.dtype, param)
-    if kind == "adam" and "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-        for k in keys[1:]:
-            state[k] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if kind != "sgd" and len(state) < len(keys):
+        # NOTE: the first step: torch's lazy initialisation, every key at once
+        with torch.no_grad():
+            state.update({k: KINDS[kind].make(k, param, group) for k in keys})
     made = state.get("momentum_buffer") if kind == "sgd" and keys and fresh else None
     return _Update(node, kind, param, grad, state, group, bool(foreach), made, fused)
 
@@ -182,6 +191,11 @@ def _apply(run: list[_Update]) -> None:
     first = run[0]
     group, foreach, fused = first.group, first.foreach, first.fused or None
     params, grads = [u.param for u in run], [u.grad for u in run]
+    update = KINDS[first.kind].update
+    if update is not None:
+        (u,) = run
+        update(u.param, u.grad, u.state, group, foreach)
+        return
     if first.kind == "adam":
         beta1, beta2 = group["betas"]
         adam(params, grads, [u.state["exp_avg"] for u in run],

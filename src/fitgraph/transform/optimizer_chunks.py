@@ -79,6 +79,8 @@ def temporaries(kind: str, hyper: dict) -> int:
         grad_made = hyper.get("maximize") or (hyper.get("weight_decay")
                                               and not hyper.get("decoupled_weight_decay"))
         return 2 + bool(grad_made)
+    if kind != "sgd":
+        return 0   # NOTE: only Adam's and SGD's updates are run in row chunks
     made = sum(bool(hyper.get(k)) for k in ("weight_decay", "nesterov", "maximize"))
     return min(made, 2)
 

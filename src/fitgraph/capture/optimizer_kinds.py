@@ -1,0 +1,251 @@
+"""The torch optimizers a step captures, each as fitgraph knows it: which param-group settings
+its update reads, which state it keeps per parameter, the state torch's lazy initialisation
+makes, and its update for one parameter through torch's own functional implementation.
+
+Every optimizer here updates each parameter from that parameter's gradient, state and group
+alone (no norm or statistic across parameters), so one graph node per parameter is exactly
+``optimizer.step()``; the node runs torch's functional update (``torch.optim.rmsprop.rmsprop``
+...) on a one-parameter list, so the arithmetic, and the bits, are torch's. Not here, with the
+reason in the capture error: ``LBFGS`` (a closure re-evaluating the loss), ``SparseAdam``
+(sparse gradients), ``Adafactor`` (its row and column statistics are not shaped like the
+parameter), and subclasses (their ``step`` may be anything).
+
+SGD and Adam/AdamW keep their own route in ``execute/optimizer_ops`` (SGD's first step makes
+its momentum buffer from the gradient; both run in row chunks); their entries here give the
+settings, state and FLOPs the capture records.
+
+Example:
+    >>> import torch
+    >>> kind = kind_of(torch.optim.RMSprop([torch.nn.Parameter(torch.ones(2))], centered=True))
+    >>> kind.name, kind.keys({"momentum": 0.0, "centered": True})
+    ('rmsprop', ('step', 'square_avg', 'grad_avg'))
+    >>> kind_of(torch.optim.LBFGS([torch.nn.Parameter(torch.ones(2))])) is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim import adadelta, adamax, asgd, nadam, radam, rmsprop, rprop
+from torch.optim import adagrad as adagrad_mod
+from torch.optim.optimizer import _get_scalar_dtype
+
+__all__ = ["KINDS", "OptimizerKind", "UNSUPPORTED", "kind_of", "supported_names"]
+
+
+def _step(p: torch.Tensor, group: dict) -> torch.Tensor:
+    # NOTE: torch keeps the step counter on the host (capturable=False, which capture requires)
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+def _zeros(p: torch.Tensor, group: dict) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _lr_of(group: dict):
+    lr = group["lr"]
+    return lr.item() if isinstance(lr, torch.Tensor) else lr
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """One torch optimizer as the capture and the executor see it.
+
+    ``hyper``: the param-group settings the update reads (snapshotted into the graph, so that
+    the profiler runs an update without the optimizer). ``keys(group)``: the per-parameter
+    state keys torch keeps with that group's settings, in the order its lazy initialisation
+    makes them. ``fresh``: key -> (parameter, group) -> the tensor that initialisation makes
+    (keys not named: zeros like the parameter). ``scalars``: the 0-d keys (step counters and
+    the like), the rest are shaped like the parameter. ``update(param, grad, state, group,
+    foreach)``: torch's functional update of one parameter (None: ``optimizer_ops``' own
+    route). ``flops``: per element of the parameter, for the roofline model."""
+
+    name: str
+    classes: tuple[type, ...]
+    hyper: tuple[str, ...]
+    keys: Callable[[dict], tuple[str, ...]]
+    flops: int
+    scalars: frozenset[str] = frozenset({"step"})
+    fresh: dict = None  # type: ignore[assignment]
+    update: Callable | None = None
+
+    def make(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """The state ``key`` of parameter ``p`` as torch's lazy initialisation makes it."""
+        return ((self.fresh or {}).get(key, _step if key == "step" else _zeros))(p, group)
+
+
+def _complex(p: torch.Tensor) -> bool:
+    return torch.is_complex(p)
+
+
+def _rmsprop(p, g, s, group, foreach):
+    rmsprop.rmsprop([p], [g], [s["square_avg"]], [s["grad_avg"]] if group["centered"] else [],
+                    [s["momentum_buffer"]] if group["momentum"] > 0 else [], [s["step"]],
+                    foreach=foreach, maximize=group["maximize"], differentiable=False,
+                    capturable=False, has_complex=_complex(p), lr=group["lr"],
+                    alpha=group["alpha"], eps=group["eps"],
+                    weight_decay=group["weight_decay"], momentum=group["momentum"],
+                    centered=group["centered"])
+
+
+def _adagrad(p, g, s, group, foreach):
+    adagrad_mod.adagrad([p], [g], [s["sum"]], [s["step"]], fused=group.get("fused") or None,
+                        grad_scale=None, found_inf=None, has_sparse_grad=False,
+                        foreach=foreach, differentiable=False, has_complex=_complex(p),
+                        lr=group["lr"], weight_decay=group["weight_decay"],
+                        lr_decay=group["lr_decay"], eps=group["eps"],
+                        maximize=group["maximize"])
+
+
+def _adamax(p, g, s, group, foreach):
+    beta1, beta2 = group["betas"]
+    adamax.adamax([p], [g], [s["exp_avg"]], [s["exp_inf"]], [s["step"]], foreach=foreach,
+                  maximize=group["maximize"], differentiable=False, capturable=False,
+                  has_complex=_complex(p), eps=group["eps"], beta1=beta1, beta2=beta2,
+                  lr=group["lr"], weight_decay=group["weight_decay"])
+
+
+def _nadam(p, g, s, group, foreach):
+    beta1, beta2 = group["betas"]
+    nadam.nadam([p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [s["mu_product"]], [s["step"]],
+                decoupled_weight_decay=group["decoupled_weight_decay"], foreach=foreach,
+                capturable=False, differentiable=False, has_complex=_complex(p),
+                maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], momentum_decay=group["momentum_decay"],
+                eps=group["eps"])
+
+
+def _radam(p, g, s, group, foreach):
+    beta1, beta2 = group["betas"]
+    radam.radam([p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [s["step"]],
+                decoupled_weight_decay=group["decoupled_weight_decay"], foreach=foreach,
+                differentiable=False, capturable=False, has_complex=_complex(p),
+                maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"])
+
+
+def _adadelta(p, g, s, group, foreach):
+    adadelta.adadelta([p], [g], [s["square_avg"]], [s["acc_delta"]], [s["step"]],
+                      capturable=False, foreach=foreach, differentiable=False,
+                      has_complex=_complex(p), lr=group["lr"], rho=group["rho"],
+                      eps=group["eps"], weight_decay=group["weight_decay"],
+                      maximize=group["maximize"])
+
+
+def _asgd(p, g, s, group, foreach):
+    asgd.asgd([p], [g], [s["ax"]], [s["mu"]], [s["eta"]], [s["step"]], foreach=foreach,
+              maximize=group["maximize"], differentiable=False, capturable=False,
+              has_complex=_complex(p), lambd=group["lambd"], lr=group["lr"], t0=group["t0"],
+              alpha=group["alpha"], weight_decay=group["weight_decay"])
+
+
+def _rprop(p, g, s, group, foreach):
+    etaminus, etaplus = group["etas"]
+    step_size_min, step_size_max = group["step_sizes"]
+    rprop.rprop([p], [g], [s["prev"]], [s["step_size"]], [s["step"]], foreach=foreach,
+                capturable=False, maximize=group["maximize"], differentiable=False,
+                has_complex=_complex(p), step_size_min=step_size_min,
+                step_size_max=step_size_max, etaminus=etaminus, etaplus=etaplus)
+
+
+def _on_device_scalar(value: Callable[[dict], float]):
+    # NOTE: ASGD keeps its counters on the parameter's device, not the host
+    return lambda p, group: torch.full((), value(group), dtype=_get_scalar_dtype(),
+                                       device=p.device)
+
+
+def _rprop_step_size(p: torch.Tensor, group: dict) -> torch.Tensor:
+    lr = _lr_of(group)
+    # NOTE: a complex parameter's two halves step as two reals (torch's rule)
+    return torch.full_like(p, complex(lr, lr) if p.is_complex() else lr,
+                           memory_format=torch.preserve_format)
+
+
+def _adagrad_step(p: torch.Tensor, group: dict) -> torch.Tensor:
+    # NOTE: Adagrad makes its state when constructed; the fused kernel's counter on the device
+    if group.get("fused"):
+        return torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=p.device)
+    return _step(p, group)
+
+
+def _adagrad_sum(p: torch.Tensor, group: dict) -> torch.Tensor:
+    v = group["initial_accumulator_value"]
+    return torch.full_like(p, complex(v, v) if p.is_complex() else v,
+                           memory_format=torch.preserve_format)
+
+
+# NOTE: FLOPs counted from torch's single-tensor loops (a multiply-add as two); only the
+# roofline model reads them, the measured model times the update
+KINDS: dict[str, OptimizerKind] = {k.name: k for k in (
+    OptimizerKind("sgd", (torch.optim.SGD,),
+                  ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
+                   "fused"),
+                  lambda g: ("momentum_buffer",) if g["momentum"] != 0 else (), 4,
+                  scalars=frozenset()),
+    OptimizerKind("adam", (torch.optim.Adam, torch.optim.AdamW),
+                  ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+                   "decoupled_weight_decay", "fused"),
+                  lambda g: ("step", "exp_avg", "exp_avg_sq")
+                  + (("max_exp_avg_sq",) if g["amsgrad"] else ()), 12),
+    OptimizerKind("rmsprop", (torch.optim.RMSprop,),
+                  ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+                  lambda g: ("step", "square_avg") + (("momentum_buffer",) if g["momentum"] > 0
+                                                      else ())
+                  + (("grad_avg",) if g["centered"] else ()), 8, update=_rmsprop),
+    OptimizerKind("adagrad", (torch.optim.Adagrad,),
+                  ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                   "maximize", "fused"),
+                  lambda g: ("step", "sum"), 6, fresh={"step": _adagrad_step, "sum": _adagrad_sum}, update=_adagrad),
+    OptimizerKind("adamax", (torch.optim.Adamax,),
+                  ("lr", "betas", "eps", "weight_decay", "maximize"),
+                  lambda g: ("step", "exp_avg", "exp_inf"), 9, update=_adamax),
+    OptimizerKind("nadam", (torch.optim.NAdam,),
+                  ("lr", "betas", "eps", "weight_decay", "momentum_decay",
+                   "decoupled_weight_decay", "maximize"),
+                  lambda g: ("step", "mu_product", "exp_avg", "exp_avg_sq"), 14,
+                  scalars=frozenset({"step", "mu_product"}),
+                  fresh={"mu_product": lambda p, g: torch.tensor(1.0,
+                                                                 dtype=_get_scalar_dtype())},
+                  update=_nadam),
+    OptimizerKind("radam", (torch.optim.RAdam,),
+                  ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "maximize"),
+                  lambda g: ("step", "exp_avg", "exp_avg_sq"), 14, update=_radam),
+    OptimizerKind("adadelta", (torch.optim.Adadelta,),
+                  ("lr", "rho", "eps", "weight_decay", "maximize"),
+                  lambda g: ("step", "square_avg", "acc_delta"), 10, update=_adadelta),
+    OptimizerKind("asgd", (torch.optim.ASGD,),
+                  ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"),
+                  lambda g: ("step", "eta", "mu", "ax"), 6,
+                  scalars=frozenset({"step", "eta", "mu"}),
+                  fresh={"step": _on_device_scalar(lambda g: 0.0),
+                         "eta": _on_device_scalar(_lr_of),
+                         "mu": _on_device_scalar(lambda g: 1.0)},
+                  update=_asgd),
+    OptimizerKind("rprop", (torch.optim.Rprop,),
+                  ("lr", "etas", "step_sizes", "maximize"),
+                  lambda g: ("step", "prev", "step_size"), 8,
+                  fresh={"step_size": _rprop_step_size}, update=_rprop),
+)}
+
+_BY_CLASS = {cls: k for k in KINDS.values() for cls in k.classes}
+
+# NOTE: why the others are refused (the capture error says it)
+UNSUPPORTED = {
+    "LBFGS": "its step re-evaluates the loss through a closure, many times a step",
+    "SparseAdam": "it updates sparse gradients only",
+    "Adafactor": "its row and column statistics are not shaped like the parameter",
+}
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind | None:
+    """The kind of ``optimizer`` (its exact class: a subclass's ``step`` may do anything), or
+    None where fitgraph cannot capture its update."""
+    return _BY_CLASS.get(type(optimizer))
+
+
+def supported_names() -> str:
+    """The supported optimizers' class names, for error messages."""
+    return ", ".join(cls.__name__ for k in KINDS.values() for cls in k.classes)

@@ -1,0 +1,123 @@
+"""Every torch optimizer whose update is per parameter trains through fitgraph bit for bit as
+eager: RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD and Rprop beside SGD and Adam
+(``capture/optimizer_kinds.py``); the others are refused by name, saying why."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal_models, check_same_as_eager, eager_step
+from torch import nn
+
+import fitgraph
+from fitgraph.capture.errors import CaptureError
+from fitgraph.capture.optimizer_kinds import KINDS
+
+# NOTE: settings that take each update's branches (weight decay, momentum, centred, maximise,
+# decoupled decay, ASGD's averaging from its first step on)
+OPTIMIZERS = {
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
+    "rmsprop-centered-momentum": lambda p: torch.optim.RMSprop(
+        p, lr=1e-2, momentum=0.9, centered=True, weight_decay=0.1, maximize=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, lr_decay=0.01, weight_decay=0.1,
+                                             initial_accumulator_value=0.1),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.1),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "nadam-decoupled": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1,
+                                                   decoupled_weight_decay=True),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=0.1),
+    "adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.1, maximize=True),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=1, weight_decay=0.1),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _loss(m, b):
+    return nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+BATCH = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_runs_bitwise_as_eager_from_its_first_step(name):
+    # NOTE: captured before each step: the first graph makes the state (torch's lazy init)
+    check_same_as_eager(_model(), BATCH, _loss, OPTIMIZERS[name], steps=3)
+
+
+@pytest.mark.parametrize("name", ["rmsprop-centered-momentum", "nadam", "asgd", "rprop",
+                                  "adagrad"])
+def test_one_plan_trains_bitwise_from_a_fresh_optimizer_with_a_scheduler(name):
+    """``optimize``'s steady-state plan: the state it reads made before the first step as torch
+    makes it, and the learning rate read where each update runs."""
+    a = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)])
+    b = copy.deepcopy(a)
+    oa, ob = OPTIMIZERS[name](a.parameters()), OPTIMIZERS[name](b.parameters())
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
+    batch = (torch.randn(128, 64), torch.randint(0, 64, (128,)))
+    step = fitgraph.optimize(b, batch, _loss, ob, budget=0.8, time_budget=5, exact=True)
+    assert not ob.state or name == "adagrad", "planning must not create optimizer state"
+    for i in range(3):
+        la = eager_step(a, batch, _loss, oa, seed=i)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(batch))
+        assert_bitwise_equal_models(a, b, oa, ob)
+        for o, s in ((oa, sa), (ob, sb)):
+            o.zero_grad(set_to_none=True)
+            s.step()
+    assert len(step._plans) == 1
+
+
+def test_every_kind_names_the_state_torch_keeps():
+    """The state keys and settings each kind records are those torch's optimizer keeps."""
+    for name, make in OPTIMIZERS.items():
+        p = nn.Parameter(torch.randn(3, 2))
+        opt = make([p])
+        p.grad = torch.randn(3, 2)
+        opt.step()
+        group = opt.param_groups[0]
+        kind = next(k for k in KINDS.values() if type(opt) in k.classes)
+        assert kind.keys(group) == tuple(opt.state[p]), name
+        assert all(h in group for h in kind.hyper), name
+        for key, value in opt.state[p].items():
+            assert (key in kind.scalars) == (value.dim() == 0), (name, key)
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: torch.optim.Adafactor(p), "row and column statistics"),
+    (lambda p: torch.optim.LBFGS(p), "closure"),
+    (lambda p: type("MyAdam", (torch.optim.AdamW,), {})(p), "subclass"),
+])
+def test_other_optimizers_are_refused_by_name(make, says):
+    model = _model()
+    opt = make(model.parameters())
+    with pytest.raises(CaptureError, match=says) as e:
+        fitgraph.capture(model, BATCH, _loss, opt)
+    assert type(opt).__name__ in str(e.value) and "RMSprop" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["rmsprop-centered-momentum", "radam"])
+def test_updates_run_in_the_backward_bitwise_as_eager(name):
+    """``optimizer_in_backward``: each update as soon as its gradient is complete, whatever
+    the kind (each reads its own parameter's gradient and state alone)."""
+    a = _model()
+    b = copy.deepcopy(a)
+    oa, ob = OPTIMIZERS[name](a.parameters()), OPTIMIZERS[name](b.parameters())
+    step = fitgraph.optimize(b, BATCH, _loss, ob, latency_limit=1.5, time_budget=3,
+                             optimizer_in_backward=True, exact=True, measure_latency=False)
+    for i in range(3):
+        la = eager_step(a, BATCH, _loss, oa, seed=i)
+        oa.zero_grad(set_to_none=True)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(BATCH))
+        for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(pa, pb), n
+            assert all(torch.equal(oa.state[pa][k], ob.state[pb][k]) for k in oa.state[pa])
