@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from . import dim_rules_index as ix
 from . import dim_rules_linalg as la
+from . import dim_rules_loss as ls
 from . import dim_rules_norm as nm
 from . import dim_rules_pointwise as pw
 from . import dim_rules_views as vw
@@ -52,6 +53,8 @@ for _name in _ELEMENTWISE:
         RULES[f"aten.{_name}.{_ov}"] = pw.elementwise
         RULES[f"aten.{_name}_.{_ov}"] = pw.elementwise  # NOTE: in place: output = operand 0
 
+RULES.update({**{f: ls.pointwise_loss for f in ls.LOSSES},
+              **{b: ls.pointwise_loss_backward for b in ls.LOSSES.values()}})
 RULES.update({
     "aten.sum.dim_IntList": pw.sum_dim,
     "aten.sum.default": pw.sum_dim,

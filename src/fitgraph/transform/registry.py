@@ -22,6 +22,7 @@ from .fission_halo_grads import separate_input_grads
 from .fission_loss import count_targets_apart
 from .fission_shift import unshift_losses
 from .group_norm_stats import group_norms_from_stats
+from .loss_sums import losses_as_sums
 from .optimizer_in_backward import optimizer_in_backward, why_not
 from .products_into_sums import products_into_sums
 from .rewrite import Transform
@@ -43,6 +44,7 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("count_targets_apart", count_targets_apart, exact=True),
     Transform("optimizer_in_backward", optimizer_in_backward, exact=True, why_not=why_not),
     Transform("unshift_losses", unshift_losses, exact=False),
+    Transform("loss_sums", losses_as_sums, exact=False),
     Transform("group_norm_stats", group_norms_from_stats, exact=False),
     Transform("scatter_sums", stack_scatter_sums, exact=False),
     Transform("products_into_sums", products_into_sums, exact=False),
@@ -58,13 +60,13 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
 # region runs along the time through them), mask predicates folded and elementwise ops run
 # before their expands (a mask made once per batch row), saved views copied out (a packed
 # projection dies in the forward), masks as bits, a shifted loss read whole and its targets
-# counted apart (a chunked loss is a region), reshape round trips read through, scattered sums
-# stacked
+# counted apart and mean-reduced pointwise losses as sums (a loss is then in a region),
+# reshape round trips read through, scattered sums stacked
 FISSION_READS = ("per_operand_convolution", "group_norm_stats", "constant_predicates",
                  "elementwise_before_expands", "saved_views", "compact_masks", "unshift_losses",
-                 "count_targets_apart", "view_chains", "scatter_sums")
-# NOTE: the region search from the eager peak (solvers.fission.search) reads the last four
-FISSION_SEARCH_READS = FISSION_READS[-4:]
+                 "count_targets_apart", "loss_sums", "view_chains", "scatter_sums")
+# NOTE: the region search from the eager peak (solvers.fission.search) reads the last five
+FISSION_SEARCH_READS = FISSION_READS[-5:]
 
 
 def fission_reads(graph, names: tuple[str, ...] = FISSION_READS):
