@@ -127,8 +127,11 @@ def test_loss_under_no_grad():
 
 def test_unsupported_optimizer_and_flags():
     m = nn.Linear(4, 1)
-    with pytest.raises(CaptureError, match="RMSprop is not supported"):
-        fitgraph.capture(m, X, lambda m, b: m(b).sum(), torch.optim.RMSprop(m.parameters()))
+    with pytest.raises(CaptureError, match="LBFGS is not supported"):
+        fitgraph.capture(m, X, lambda m, b: m(b).sum(), torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(CaptureError, match="differentiable=False"):
+        fitgraph.capture(m, X, lambda m, b: m(b).sum(),
+                         torch.optim.RMSprop(m.parameters(), differentiable=True))
     with pytest.raises(CaptureError, match="differentiable=False"):
         fitgraph.capture(m, X, lambda m, b: m(b).sum(),
                          torch.optim.Adam(m.parameters(), differentiable=True))

@@ -145,6 +145,16 @@ def _fake_twin(traced: TracedStep, t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _escaped(name: str, module: str) -> CaptureError:
+    """The step reads a tensor an earlier trace made: state an object made on first use while a
+    step was captured before, which holds that trace's placeholder (no data) ever since."""
+    return CaptureError(
+        f"the step reads a tensor ({name}) that an earlier capture made, a placeholder without "
+        "data: state an object made on first use while a step was traced, kept beyond it. "
+        "Make that object again and use it once before planning (fitgraph makes a "
+        "torch.amp.GradScaler's first scale itself)", module=module, op=f"get_attr {name}")
+
+
 def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tuple[ConvertState, dict[str, int], list[str]]:
     """Convert ``traced.gm``; return the state, the outputs map and names of params with no grad."""
     cs = ConvertState()
@@ -165,6 +175,8 @@ def fx_to_builder(traced: TracedStep, input_names: list[tuple[str, Role]]) -> tu
             continue
         if node.op == "get_attr":
             t = getattr(gm, node.target)
+            if isinstance(t, FakeTensor):
+                raise _escaped(node.target, module)
             constants[node.target] = t
             cs.fx_value[node] = cs.value_for(t, f"const:{node.target}", Role.CONSTANT,
                                              Phase.INPUT, "", None, True,
