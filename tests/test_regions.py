@@ -96,7 +96,7 @@ def test_an_unsupported_optimizer_is_not_sent_to_regions():
     m = nn.Linear(4, 1)
     with pytest.raises(fitgraph.CaptureError, match="not supported"):
         fitgraph.optimize(m, torch.randn(8, 4), lambda m, b: m(b).sum(),
-                          torch.optim.Adagrad(m.parameters()), latency_limit=1.2)
+                          torch.optim.LBFGS(m.parameters()), latency_limit=1.2)
 
 
 def test_the_report_says_what_the_eager_code_between_regions_saves():
