@@ -133,3 +133,22 @@ def test_latency_mode_with_little_time_still_peaks_no_higher_than_hotspot(gpt2, 
     e = simulate(g, eager_plan(g), cm)
     assert j.sim.latency_s <= 1.05 * e.latency_s * (1 + 1e-9)
     assert j.sim.peak_bytes <= h.sim.peak_bytes
+
+
+def test_offloading_where_host_and_device_are_one_memory_is_said():
+    """On the CPU an offloaded tensor stays in the same RAM: ``optimize`` says so (a note and a
+    warning), where ``auto`` would not offload at all."""
+    import warnings
+
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256),
+                                                      torch.nn.GELU()) for _ in range(8)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = fitgraph.optimize(model, torch.randn(1024, 256), lambda m, b: m(b).square().mean(),
+                                 budget=0.5, solver="joint", time_budget=5)
+    note = step.report().notes.get("host_memory", "")
+    assert "one memory" in note
+    assert any("one memory" in str(w.message) for w in caught)

@@ -248,6 +248,14 @@ class TrainStep:
                 f"{graph.meta['user_checkpoints']} torch.utils.checkpoint call(s) of the model "
                 "were traced as plain calls: the plan chooses what to recompute, and a budget "
                 "fraction refers to the step without them")
+        if sol.sim.host_peak_bytes and not cm.host_memory_apart:
+            # NOTE: law 5: said, not silent; auto never offloads where host and device are one
+            sol.notes["host_memory"] = (
+                f"the plan offloads up to {format_bytes(sol.sim.host_peak_bytes)} into host "
+                "buffers, but host and device are one memory here: those bytes stay in this "
+                "RAM, off the device peak only as a GPU's host memory would be")
+            warnings.warn(f"fitgraph: {sol.notes['host_memory']}; solver='auto' does not "
+                          "offload here", stacklevel=4)
         # NOTE: operator fission plans a rewritten graph: the plan runs on Solution.graph
         planned = _Planned(sol.graph_for(graph), sol, eager.sim, graph_fingerprint(graph))
         checked = sol.notes.get("latency_check") or {}
