@@ -134,20 +134,16 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                 b.values[vid].role = Role.OPTIMIZER_STATE
                 b.storages[b.values[vid].storage].role = Role.OPTIMIZER_STATE
                 b.storages[b.values[vid].storage].device = (
-                    _scalar_device(spec, k, p, group) if k in spec.scalars else device)
+                    _state_layout(spec, k, None, p, group)[3] if k in spec.scalars else device)
                 created[f"state:{pname}:{k}"] = vid
     return created
-
-
-def _scalar_device(spec: OptimizerKind, key: str, p: torch.Tensor, group: dict) -> str:
-    """Where torch's lazy initialisation puts scalar state ``key`` (the host for most: step)."""
-    return str(spec.make(key, p.detach(), group).device)
 
 
 def _state_layout(spec: OptimizerKind, key: str, t: torch.Tensor | None, p: torch.Tensor,
                   group: dict) -> tuple:
     """(shape, dtype, stride, device) of state ``key``: the tensor's own, or for state not made
-    yet what torch's lazy initialisation makes (0-d counters; buffers like ``p``)."""
+    yet what torch's lazy initialisation makes (0-d counters, on the host for most; buffers
+    like ``p``)."""
     if t is not None:
         return tuple(t.shape), dtype_name(t.dtype), t.stride(), str(t.device)
     if key in spec.scalars:
