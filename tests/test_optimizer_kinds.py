@@ -121,3 +121,15 @@ def test_updates_run_in_the_backward_bitwise_as_eager(name):
         for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(pa, pb), n
             assert all(torch.equal(oa.state[pa][k], ob.state[pb][k]) for k in oa.state[pa])
+
+
+def test_every_cli_optimizer_is_one_fitgraph_captures():
+    from fitgraph.capture.optimizer import describe_optimizer
+    from fitgraph.cli_case import OPTIMIZERS, make_optimizer
+
+    for name in OPTIMIZERS:
+        opt = make_optimizer(name, _model())
+        assert (opt is None) == (name == "none")
+        if opt is not None:
+            assert type(opt).__name__.lower() == name
+            describe_optimizer(opt)

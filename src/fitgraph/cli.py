@@ -1,7 +1,7 @@
 """The ``fitgraph`` command.
 
     fitgraph inspect MODEL [--config small|paper] [--batch N] [--json] [--plot FILE]
-                           [--simulate-only] [--device-model NAME] [--optimizer adamw|adam|sgd|none]
+                           [--simulate-only] [--device-model NAME] [--optimizer adamw|adam|sgd|rmsprop|...|none]
     fitgraph optimize MODEL --budget 50% | --latency-limit 1.1 [--config small|paper] [--json]
                             [--optimizer-in-backward off|on|auto] [--plot FILE] [--csv FILE]
     fitgraph bench [--models gpt2,unet] [--budgets 0.9,0.7,0.5] [--out DIR]
@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from .cli_case import build_case
+from .cli_case import OPTIMIZERS, build_case
 
 __all__ = ["build_parser", "main"]
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("model", help="a name from `fitgraph models`")
     ins.add_argument("--config", default="small", choices=["small", "paper"])
     ins.add_argument("--batch", type=int, default=None, help="batch size (default: config's)")
-    ins.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    ins.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--plot", metavar="FILE", help="write a PNG of memory over the step")
     ins.add_argument("--simulate-only", action="store_true", default=None,

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 
-from .cli_case import build_case
+from .cli_case import OPTIMIZERS, build_case
 
 __all__ = ["add_parser", "cmd_optimize"]
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     target.add_argument("--latency-limit", type=float, help="factor of eager step time (1.1)")
     p.add_argument("--config", default="small", choices=["small", "paper"])
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--solver", default="auto",
                    help="auto (hotspot; joint where offloading frees device memory; "
                    "fission where it wins), hotspot, joint, fission, ...")
@@ -62,7 +62,7 @@ def cmd_optimize(args) -> int:
     if args.optimizer_in_backward == "on" and args.optimizer == "none":
         raise OptimizerInBackwardError(
             "--optimizer-in-backward on needs an optimizer update in the step: pass --optimizer "
-            "adamw|adam|sgd, or --optimizer-in-backward auto to plan without it")
+            "adamw, sgd, rmsprop..., or --optimizer-in-backward auto to plan without it")
     case, opt = build_case(args)
     paper = args.config == "paper"
     measured = not paper
