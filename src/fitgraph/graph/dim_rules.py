@@ -97,6 +97,8 @@ RULES.update({
     "aten.avg_pool2d_backward.default": wn.avg_pool2d_backward,
     "aten.max_pool2d_with_indices.default": wn.max_pool2d,
     "aten.max_pool2d_with_indices_backward.default": wn.max_pool2d_backward,
+    "aten.grid_sampler_2d.default": ix.grid_sample,
+    "aten.grid_sampler_2d_backward.default": ix.grid_sample_backward,
     "aten.upsample_bilinear2d.default": wn.spatial_resample,
     "aten.upsample_nearest2d.default": wn.spatial_resample,
     "aten.upsample_bilinear2d_backward.default": wn.upsample_backward,

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from .dim_types import Along, Reduced, SizeArg, Split, arg_of
 
-__all__ = ["MADE_ALIKE", "index_gather", "index_scatter", "new_zeros"]
+__all__ = ["MADE_ALIKE", "grid_sample", "grid_sample_backward", "index_gather", "index_scatter",
+           "new_zeros"]
 
 
 def _leading(indices) -> int | None:
@@ -103,3 +104,26 @@ def new_zeros(node, ins, outs) -> list[Split]:
 # NOTE: ops whose output does not depend on their tensor operand's values or on which rows of
 # it a part has: every part that runs one makes the same tensor
 MADE_ALIKE = frozenset({"aten.new_zeros.default"})
+
+
+def grid_sample(node, ins, outs) -> list[Split]:
+    """grid_sampler_2d(input [N, C, H, W], grid [N, Ho, Wo, 2], ...) -> [N, C, Ho, Wo]: a
+    gather at points the grid gives: each sample reads its own grid (N), each channel the same
+    points (C; the grid whole)."""
+    splits = []
+    if ins[0][0] >= 2:
+        splits.append(Split((Along(0), Along(0)), (Along(0),)))
+    if ins[0][1] >= 2:
+        splits.append(Split((Along(1), None), (Along(1),)))
+    return splits
+
+
+def grid_sample_backward(node, ins, outs) -> list[Split]:
+    """grid_sampler_2d_backward(grad, input, grid, ..., output_mask) -> (grad_input,
+    grad_grid): each sample's gradients from its own rows (N); along C the grid's gradient
+    would be a sum over channels, not offered."""
+    if ins[1][0] < 2:
+        return []
+    mask = arg_of(node, 6, "output_mask", (True, True))
+    return [Split((Along(0), Along(0), Along(0)),
+                  tuple(Along(0) if want else None for want in mask))]
