@@ -103,6 +103,8 @@ RULES.update({
     "aten.upsample_nearest2d.default": wn.spatial_resample,
     "aten.upsample_bilinear2d_backward.default": wn.upsample_backward,
     "aten.upsample_nearest2d_backward.default": wn.upsample_backward,
+    **{t: wn.upsample_backward if "backward" in t else wn.spatial_resample
+       for t in wn.BATCH_AND_CHANNELS},
     "aten.view.default": vw.view,
     "aten._unsafe_view.default": vw.view,
     "aten.reshape.default": vw.view,

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from .dim_types import Along, Reduced, Resample, SizeArg, Split, Window, arg_of, per_arg
 
-__all__ = ["avg_pool2d", "avg_pool2d_backward", "convolution", "convolution_backward", "max_pool2d",
-           "max_pool2d_backward", "per_dim", "spatial_resample", "upsample_backward"]
+__all__ = ["BATCH_AND_CHANNELS", "avg_pool2d", "avg_pool2d_backward", "convolution",
+           "convolution_backward", "max_pool2d", "max_pool2d_backward", "per_dim",
+           "spatial_resample", "upsample_backward"]
 
 
 def per_dim(value, n: int, name: str) -> list[int]:
@@ -277,6 +278,11 @@ def max_pool2d_backward(node, ins, outs) -> list[Split]:
 
 
 _BILINEAR = ("aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default")
+# NOTE: resampling whose rows are not offered (bicubic reads four source rows; the 3-D ones'
+# scales are three): batch and channels only, each sample and channel resampled alone
+BATCH_AND_CHANNELS = tuple(f"aten.upsample_{m}.default" for m in (
+    "bicubic2d", "bicubic2d_backward", "trilinear3d", "trilinear3d_backward", "nearest3d",
+    "nearest3d_backward"))
 
 
 def _scales(node, low, high, first_scale: int) -> list[int]:
@@ -302,6 +308,9 @@ def spatial_resample(node, ins, outs) -> list[Split]:
     of a row then depends on the whole tensor's size, not on the factor alone."""
     x, out = ins[0], outs[0]
     splits = [Split((Along(i),), (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
+    if node.target in BATCH_AND_CHANNELS:
+        # NOTE: N and C only (a 3-D op's depth is spatial too)
+        return [sp for sp in splits if sp.operands[0].dim < 2]
     bilinear = node.target in _BILINEAR
     if bilinear and arg_of(node, 2, "align_corners"):
         return splits
@@ -323,6 +332,8 @@ def upsample_backward(node, ins, outs) -> list[Split]:
     g, gi = ins[0], outs[0]
     splits = [Split((Along(i),), (Along(i),), sizes=(SizeArg((2, i), ("out", 0), i),))
               for i in range(len(g) - 2) if g[i] >= 2]
+    if node.target in BATCH_AND_CHANNELS:
+        return [sp for sp in splits if sp.operands[0].dim < 2]
     bilinear = node.target in _BILINEAR
     if bilinear and arg_of(node, 3, "align_corners"):
         return splits

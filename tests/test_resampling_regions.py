@@ -1,5 +1,6 @@
-"""``F.grid_sample`` (spatial transformers, flow warping) runs in parts: along the batch (each
-sample reads its own grid) forward and backward, and along the channels forward."""
+"""Resampling runs in parts: ``F.grid_sample`` (spatial transformers, flow warping) along the
+batch (each sample reads its own grid) forward and backward, and along the channels forward;
+bicubic, trilinear and 3-D nearest upsampling along batch and channels."""
 
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ def test_rules_hold_on_real_tensors(mode, padding, corners):
     g, node, env = _one_node("aten.grid_sampler_2d_backward.default",
                              (_r(3, 4, 7, 8), x, grid, mode, padding, corners, [True, True]))
     assert check_node(g, node, env) == 1
+
+
+@pytest.mark.parametrize("op, x, size, extra", [
+    ("upsample_bicubic2d", (3, 4, 5, 6), [10, 12], (False,)),
+    ("upsample_trilinear3d", (3, 4, 3, 5, 6), [6, 10, 12], (False,)),
+    ("upsample_nearest3d", (3, 4, 3, 5, 6), [6, 10, 12], ()),
+    ("upsample_nearest3d", (1, 4, 3, 5, 6), [6, 10, 12], ()),   # NOTE: the depth not offered
+])
+def test_upsampling_rules_hold_on_real_tensors(op, x, size, extra):
+    x = _r(*x)
+    g, node, env = _one_node(f"aten.{op}.default", (x, size, *extra))
+    splits = (x.shape[0] >= 2) + (x.shape[1] >= 2)     # NOTE: batch and channels
+    assert check_node(g, node, env) == splits
+    grad = _r(*x.shape[:2], *size)
+    g, node, env = _one_node(f"aten.{op}_backward.default",
+                             (grad, size, list(x.shape), *extra))
+    assert check_node(g, node, env) == splits
 
 
 def test_a_warping_model_runs_its_batch_in_parts_as_eager():
