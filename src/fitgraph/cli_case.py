@@ -35,9 +35,9 @@ def make_optimizer(kind: str, model):
         return cls(model.parameters(), lr=1e-4)
     if kind == "adadelta":
         return torch.optim.Adadelta(model.parameters())
-    classes = {c.__name__.lower(): c for c in (
-        torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam,
-        torch.optim.RAdam, torch.optim.ASGD, torch.optim.Rprop)}
+    from .capture.optimizer_kinds import KINDS
+
+    classes = {c.__name__.lower(): c for k in KINDS.values() for c in k.classes}
     return classes[kind](model.parameters(), lr=1e-4)
 
 

@@ -22,7 +22,7 @@ from ..graph.ir import Graph, Role
 from .calling import LossFn
 from .convert import fx_to_builder
 from .fold_tables import fold_constant_tables
-from .grad_scalers import check_update_unscaled, made_scales_real
+from .grad_scalers import check_update_unscaled, live_scalers, made_scales_real
 from .kernel_strides import strides_as_run
 from .optimizer import add_optimizer_nodes, describe_optimizer
 from .tracer import trace_step
@@ -53,14 +53,15 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     if optimizer is not None:
         describe_optimizer(optimizer)  # NOTE: fail before tracing, not after
     traced = trace_step(model, batch, loss_fn, dev, clip_grad_norm)
-    if made_scales_real():
+    scalers = live_scalers()
+    if made_scales_real(scalers):
         # NOTE: a GradScaler made its scale while traced: traced again, reading the real one
         traced = trace_step(model, batch, loss_fn, dev, clip_grad_norm)
     input_names = [(f"param:{n}", Role.PARAMETER) for n in traced.param_names]
     input_names += [(f"buffer:{n}", Role.BUFFER) for n in traced.buffer_names]
     input_names += [(f"batch:{i}", Role.INPUT) for i in range(traced.n_batch)]
     cs, outputs, no_grad = fx_to_builder(traced, input_names)
-    check_update_unscaled(cs.constants, optimizer)
+    check_update_unscaled(cs.constants, optimizer, scalers)
     b = cs.b
     param_values = {n: b.inputs[i] for i, n in enumerate(traced.param_names)}
     grad_values = {k.removeprefix("grad:"): v for k, v in outputs.items() if k.startswith("grad:")}

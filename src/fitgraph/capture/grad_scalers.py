@@ -35,21 +35,23 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import CaptureError
 
-__all__ = ["check_update_unscaled", "made_scales_real"]
+__all__ = ["check_update_unscaled", "live_scalers", "made_scales_real"]
 
 
-def _scalers() -> list:
-    # NOTE: the scaler is wherever the loss function finds it (a global, a closure, a trainer's
-    # attribute): every live one is looked at (~50 ms in a process of 350k objects)
-    # NOTE: type(), not isinstance: a deprecated module proxy warns when its __class__ is read
+def live_scalers() -> list:
+    """Every live ``torch.amp.GradScaler`` (a capture looks once, for both checks below).
+
+    NOTE: the scaler is wherever the loss function finds it (a global, a closure, a
+    trainer's attribute): every live one is looked at (~50 ms in a process of 350k objects);
+    by type(), not isinstance: a deprecated module proxy warns when its __class__ is read."""
     return [o for o in gc.get_objects() if issubclass(type(o), torch.amp.GradScaler)]
 
 
-def made_scales_real() -> bool:
-    """Give every scaler whose scale a trace made (a placeholder) the real scale and growth
-    tracker its first ``scale()`` makes; whether one was."""
+def made_scales_real(scalers: list) -> bool:
+    """Give every one of ``scalers`` whose scale a trace made (a placeholder) the real scale
+    and growth tracker its first ``scale()`` makes; whether one was."""
     made = False
-    for s in _scalers():
+    for s in scalers:
         if isinstance(getattr(s, "_scale", None), FakeTensor):
             dev = s._scale.device
             s._scale = torch.full((), s._init_scale, dtype=torch.float32, device=dev)
@@ -59,12 +61,13 @@ def made_scales_real() -> bool:
     return made
 
 
-def check_update_unscaled(constants: dict[str, torch.Tensor], optimizer) -> None:
-    """CaptureError where the step reads a scaler's scale and updates the parameters itself."""
+def check_update_unscaled(constants: dict[str, torch.Tensor], optimizer, scalers: list) -> None:
+    """CaptureError where the step reads the scale of one of ``scalers`` and updates the
+    parameters itself."""
     if optimizer is None or not constants:
         return
     read = {id(t) for t in constants.values()}
-    if any(id(getattr(s, "_scale", None)) in read for s in _scalers()):
+    if any(id(getattr(s, "_scale", None)) in read for s in scalers):
         raise CaptureError(
             "the loss is scaled by a torch.amp.GradScaler and the optimizer is in the step: "
             "its update would apply the scaled gradients, which only scaler.step(optimizer) "

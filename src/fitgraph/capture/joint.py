@@ -178,18 +178,15 @@ def joint_to_graph(gm: torch.fx.GraphModule, num_fwd_outputs: int,
     # NOTE: inputs numbered first (a constant read by a later node is an input made after
     # values): every graph rewriter emits them first, and fission's separated graphs must keep
     # each value's id (Longformer's region, a constant after the nodes, failed there)
-    is_input = set(cs.b.inputs)
-    order = [v.id for v in cs.b.values if v.id in is_input]
-    order += [v.id for v in cs.b.values if v.id not in is_input]
-    renumbered = {old: new for new, old in enumerate(order)}
+    renumbered = cs.b.number_inputs_first()
+    outputs = {k: renumbered.get(v, v) for k, v in outputs.items()}
     graph = cs.b.finish(outputs, meta={"constants": cs.constants, "source": "aot_autograd joint",
-                                       "backward_after_forward": True}, inputs_first=True)
-    outputs = {k: renumbered[v] for k, v in outputs.items()}
+                                       "backward_after_forward": True})
     for key, vid in outputs.items():
         if key.startswith("out:") and graph.storages[graph.values[vid].storage].role is Role.GRADIENT:
             # NOTE: forward outputs are not gradients: they are what the model returns
             graph.storages[graph.values[vid].storage].role = Role.OUTPUT
             graph.values[vid].role = Role.OUTPUT
     verify_graph(graph)
-    value_of = {n: renumbered[v] for n, v in cs.fx_value.items()}
+    value_of = {n: renumbered.get(v, v) for n, v in cs.fx_value.items()}
     return JointGraph(graph, fx_nodes, value_of, fwd_set, num_fwd_outputs)

@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import adadelta, adamax, asgd, nadam, radam, rmsprop, rprop
@@ -69,23 +69,19 @@ class OptimizerKind:
     keys: Callable[[dict], tuple[str, ...]]
     flops: int
     scalars: frozenset[str] = frozenset({"step"})
-    fresh: dict = None  # type: ignore[assignment]
+    fresh: dict = field(default_factory=dict)
     update: Callable | None = None
 
     def make(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
         """The state ``key`` of parameter ``p`` as torch's lazy initialisation makes it."""
-        return ((self.fresh or {}).get(key, _step if key == "step" else _zeros))(p, group)
-
-
-def _complex(p: torch.Tensor) -> bool:
-    return torch.is_complex(p)
+        return self.fresh.get(key, _step if key == "step" else _zeros)(p, group)
 
 
 def _rmsprop(p, g, s, group, foreach):
     rmsprop.rmsprop([p], [g], [s["square_avg"]], [s["grad_avg"]] if group["centered"] else [],
                     [s["momentum_buffer"]] if group["momentum"] > 0 else [], [s["step"]],
                     foreach=foreach, maximize=group["maximize"], differentiable=False,
-                    capturable=False, has_complex=_complex(p), lr=group["lr"],
+                    capturable=False, has_complex=torch.is_complex(p), lr=group["lr"],
                     alpha=group["alpha"], eps=group["eps"],
                     weight_decay=group["weight_decay"], momentum=group["momentum"],
                     centered=group["centered"])
@@ -94,7 +90,7 @@ def _rmsprop(p, g, s, group, foreach):
 def _adagrad(p, g, s, group, foreach):
     adagrad_mod.adagrad([p], [g], [s["sum"]], [s["step"]], fused=group.get("fused") or None,
                         grad_scale=None, found_inf=None, has_sparse_grad=False,
-                        foreach=foreach, differentiable=False, has_complex=_complex(p),
+                        foreach=foreach, differentiable=False, has_complex=torch.is_complex(p),
                         lr=group["lr"], weight_decay=group["weight_decay"],
                         lr_decay=group["lr_decay"], eps=group["eps"],
                         maximize=group["maximize"])
@@ -104,7 +100,7 @@ def _adamax(p, g, s, group, foreach):
     beta1, beta2 = group["betas"]
     adamax.adamax([p], [g], [s["exp_avg"]], [s["exp_inf"]], [s["step"]], foreach=foreach,
                   maximize=group["maximize"], differentiable=False, capturable=False,
-                  has_complex=_complex(p), eps=group["eps"], beta1=beta1, beta2=beta2,
+                  has_complex=torch.is_complex(p), eps=group["eps"], beta1=beta1, beta2=beta2,
                   lr=group["lr"], weight_decay=group["weight_decay"])
 
 
@@ -112,7 +108,7 @@ def _nadam(p, g, s, group, foreach):
     beta1, beta2 = group["betas"]
     nadam.nadam([p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [s["mu_product"]], [s["step"]],
                 decoupled_weight_decay=group["decoupled_weight_decay"], foreach=foreach,
-                capturable=False, differentiable=False, has_complex=_complex(p),
+                capturable=False, differentiable=False, has_complex=torch.is_complex(p),
                 maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], momentum_decay=group["momentum_decay"],
                 eps=group["eps"])
@@ -122,7 +118,7 @@ def _radam(p, g, s, group, foreach):
     beta1, beta2 = group["betas"]
     radam.radam([p], [g], [s["exp_avg"]], [s["exp_avg_sq"]], [s["step"]],
                 decoupled_weight_decay=group["decoupled_weight_decay"], foreach=foreach,
-                differentiable=False, capturable=False, has_complex=_complex(p),
+                differentiable=False, capturable=False, has_complex=torch.is_complex(p),
                 maximize=group["maximize"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"])
 
@@ -130,7 +126,7 @@ def _radam(p, g, s, group, foreach):
 def _adadelta(p, g, s, group, foreach):
     adadelta.adadelta([p], [g], [s["square_avg"]], [s["acc_delta"]], [s["step"]],
                       capturable=False, foreach=foreach, differentiable=False,
-                      has_complex=_complex(p), lr=group["lr"], rho=group["rho"],
+                      has_complex=torch.is_complex(p), lr=group["lr"], rho=group["rho"],
                       eps=group["eps"], weight_decay=group["weight_decay"],
                       maximize=group["maximize"])
 
@@ -138,7 +134,7 @@ def _adadelta(p, g, s, group, foreach):
 def _asgd(p, g, s, group, foreach):
     asgd.asgd([p], [g], [s["ax"]], [s["mu"]], [s["eta"]], [s["step"]], foreach=foreach,
               maximize=group["maximize"], differentiable=False, capturable=False,
-              has_complex=_complex(p), lambd=group["lambd"], lr=group["lr"], t0=group["t0"],
+              has_complex=torch.is_complex(p), lambd=group["lambd"], lr=group["lr"], t0=group["t0"],
               alpha=group["alpha"], weight_decay=group["weight_decay"])
 
 
@@ -147,7 +143,7 @@ def _rprop(p, g, s, group, foreach):
     step_size_min, step_size_max = group["step_sizes"]
     rprop.rprop([p], [g], [s["prev"]], [s["step_size"]], [s["step"]], foreach=foreach,
                 capturable=False, maximize=group["maximize"], differentiable=False,
-                has_complex=_complex(p), step_size_min=step_size_min,
+                has_complex=torch.is_complex(p), step_size_min=step_size_min,
                 step_size_max=step_size_max, etaminus=etaminus, etaplus=etaplus)
 
 
@@ -157,11 +153,14 @@ def _on_device_scalar(value: Callable[[dict], float]):
                                        device=p.device)
 
 
-def _rprop_step_size(p: torch.Tensor, group: dict) -> torch.Tensor:
-    lr = _lr_of(group)
-    # NOTE: a complex parameter's two halves step as two reals (torch's rule)
-    return torch.full_like(p, complex(lr, lr) if p.is_complex() else lr,
+def _full_like(p: torch.Tensor, value: float) -> torch.Tensor:
+    # NOTE: a complex parameter's two halves start as two reals (torch's rule)
+    return torch.full_like(p, complex(value, value) if p.is_complex() else value,
                            memory_format=torch.preserve_format)
+
+
+def _rprop_step_size(p: torch.Tensor, group: dict) -> torch.Tensor:
+    return _full_like(p, _lr_of(group))
 
 
 def _adagrad_step(p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -172,9 +171,7 @@ def _adagrad_step(p: torch.Tensor, group: dict) -> torch.Tensor:
 
 
 def _adagrad_sum(p: torch.Tensor, group: dict) -> torch.Tensor:
-    v = group["initial_accumulator_value"]
-    return torch.full_like(p, complex(v, v) if p.is_complex() else v,
-                           memory_format=torch.preserve_format)
+    return _full_like(p, group["initial_accumulator_value"])
 
 
 # NOTE: FLOPs counted from torch's single-tensor loops (a multiply-add as two); only the

@@ -23,14 +23,12 @@ from torch.optim.sgd import sgd
 
 from ..capture.optimizer_kinds import KINDS
 from ..graph.ir import Graph, Node
+from ..transform.optimizer_in_backward import update_nodes
 from .input_specs import input_specs
 
 __all__ = ["OptimizerStateMismatch", "apply_in_chunks", "has_step_pre_hooks",
            "init_missing_state", "run_optimizer_node",
            "run_step_post_hooks", "run_step_pre_hooks"]
-
-
-_PREFIX = "fitgraph.optimizer."
 
 
 class OptimizerStateMismatch(RuntimeError):
@@ -67,10 +65,10 @@ def init_missing_state(graph: Graph, model: torch.nn.Module,
         if skey in state:
             continue
         if updates is None:  # NOTE: the first step only: every later one finds its state
-            updates = {n.kwargs["param"]: n for n in graph.nodes if n.target.startswith(_PREFIX)}
+            updates = {n.kwargs["param"]: n for n in update_nodes(graph)}
         node = updates[pname]
         with torch.no_grad():
-            state[skey] = KINDS[node.target[len(_PREFIX):]].make(
+            state[skey] = KINDS[node.target.rsplit(".", 1)[1]].make(
                 skey, params[pname], optimizer.param_groups[node.kwargs["group"]])
         created.add(pname)
     return frozenset(created)

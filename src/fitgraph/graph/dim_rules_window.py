@@ -285,6 +285,11 @@ BATCH_AND_CHANNELS = tuple(f"aten.upsample_{m}.default" for m in (
     "nearest3d_backward"))
 
 
+def _n_and_c(splits: list[Split]) -> list[Split]:
+    """The splits along N and C alone (a 3-D op's depth, dim 2, is spatial too)."""
+    return [sp for sp in splits if sp.operands[0].dim < 2]
+
+
 def _scales(node, low, high, first_scale: int) -> list[int]:
     """Per spatial dim, the integer factor of an upsampling from ``low`` to ``high`` rows (0
     where it is not an integer, or an explicit scale argument says otherwise)."""
@@ -309,8 +314,7 @@ def spatial_resample(node, ins, outs) -> list[Split]:
     x, out = ins[0], outs[0]
     splits = [Split((Along(i),), (Along(i),)) for i in range(len(x) - 2) if x[i] >= 2]
     if node.target in BATCH_AND_CHANNELS:
-        # NOTE: N and C only (a 3-D op's depth is spatial too)
-        return [sp for sp in splits if sp.operands[0].dim < 2]
+        return _n_and_c(splits)
     bilinear = node.target in _BILINEAR
     if bilinear and arg_of(node, 2, "align_corners"):
         return splits
@@ -333,7 +337,7 @@ def upsample_backward(node, ins, outs) -> list[Split]:
     splits = [Split((Along(i),), (Along(i),), sizes=(SizeArg((2, i), ("out", 0), i),))
               for i in range(len(g) - 2) if g[i] >= 2]
     if node.target in BATCH_AND_CHANNELS:
-        return [sp for sp in splits if sp.operands[0].dim < 2]
+        return _n_and_c(splits)
     bilinear = node.target in _BILINEAR
     if bilinear and arg_of(node, 3, "align_corners"):
         return splits

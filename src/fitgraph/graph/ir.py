@@ -253,7 +253,8 @@ class GraphBuilder:
         emit inputs first, so value ids then carry over unchanged; ``outputs`` holds the
         builder's ids, and ids the caller kept are stale (use the graph's)."""
         if inputs_first:
-            outputs = self._inputs_first(outputs)
+            new = self.number_inputs_first()
+            outputs = {k: new.get(v, v) for k, v in outputs.items()}
         g = Graph(self.nodes, self.values, self.storages, self.inputs, self.input_names,
                   dict(outputs), dict(meta or {}))
         for key, vid in g.outputs.items():
@@ -263,13 +264,14 @@ class GraphBuilder:
                 g.values[vid].role = st.role
         return g
 
-    def _inputs_first(self, outputs: dict[str, int]) -> dict[str, int]:
+    def number_inputs_first(self) -> dict[int, int]:
         """Renumber the values so that the inputs come first (each group in its order); node
-        ids and storages are unchanged. Returns ``outputs`` renumbered."""
+        ids and storages are unchanged. Returns old id -> new id of every value that moved
+        (empty where the inputs came first already), for ids the caller kept."""
         is_input = set(self.inputs)
         first_computed = next((v.id for v in self.values if v.id not in is_input), None)
         if first_computed is None or all(i < first_computed for i in self.inputs):
-            return outputs
+            return {}
         order = [v.id for v in self.values if v.id in is_input]
         order += [v.id for v in self.values if v.id not in is_input]
         new = {old: i for i, old in enumerate(order)}
@@ -283,7 +285,7 @@ class GraphBuilder:
             n.outputs = tuple(None if v is None else new[v] for v in n.outputs)
             n.mutates = tuple(new[v] for v in n.mutates)
         self.inputs = [new[v] for v in self.inputs]
-        return {k: new[v] for k, v in outputs.items()}
+        return new
 
 
 def _renumber(obj: Any, new: dict[int, int]) -> Any:
