@@ -138,3 +138,4 @@ def test_a_conv_net_trained_with_mse_fits_by_running_the_batch_in_parts():
             torch.testing.assert_close(pa, pb)
     r = step.report()
     assert r.measured_peak_bytes <= r.budget_bytes
+    assert r.measured_peak_bytes == r.planned_peak_bytes   # NOTE: law 2, beyond the zoo

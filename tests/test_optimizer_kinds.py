@@ -74,6 +74,8 @@ def test_one_plan_trains_bitwise_from_a_fresh_optimizer_with_a_scheduler(name):
             o.zero_grad(set_to_none=True)
             s.step()
     assert len(step._plans) == 1
+    r = step.report()   # NOTE: law 2 with each kind's state and update: as simulated
+    assert r.measured_peak_bytes == r.planned_peak_bytes <= r.budget_bytes
 
 
 def test_every_kind_names_the_state_torch_keeps():

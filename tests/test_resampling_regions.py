@@ -79,3 +79,4 @@ def test_a_warping_model_runs_its_batch_in_parts_as_eager():
         torch.testing.assert_close(pb.grad, pa.grad)
     r = step.report()
     assert r.measured_peak_bytes <= r.budget_bytes
+    assert r.measured_peak_bytes == r.planned_peak_bytes   # NOTE: law 2, beyond the zoo
