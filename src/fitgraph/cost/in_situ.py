@@ -54,12 +54,17 @@ STALE_CACHE = 1.5
 
 def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
                  densities: dict[int, float] | None = None,
-                 basis: dict[int, float] | None = None) -> list[float]:
+                 basis: dict[int, float] | None = None) -> list[float | None]:
     """Seconds of each node of ``graph`` (by node id) run in its eager plan, median over
-    ``repeats`` runs after ``warmup``; RuntimeError naming the node where one fails on
-    synthetic inputs. ``densities``: storage -> density of the random bits it holds.
-    ``basis``: node id -> seconds already held for it (timed earlier): each run is put on
-    their footing (``on_basis``) before the median."""
+    ``repeats`` runs after ``warmup``; None for a node that fails there (its outputs are then
+    made synthetic, so the step goes on; the profiler costs it by its time alone).
+    ``densities``: storage -> density of the random bits it holds. ``basis``: node id ->
+    seconds already held for it (timed earlier): each run is put on their footing
+    (``on_basis``) before the median.
+
+    NOTE: a whole step carried on synthetic inputs computes values no real batch makes: all-zero
+    token ids are all padding, and mBART's ``shift_tokens_right`` then gathers at index -1.
+    Alone, each op runs on synthetic inputs of its own, which are valid (zero indices)."""
     from ..execute.executor import Executor
 
     plan = eager_plan(graph)
@@ -68,6 +73,7 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
     runs: list[list[float]] = []
     steps = list(zip(ex.steps, plan))
     clock = time.perf_counter
+    failed: dict[int, str] = {}
     # NOTE: synthetic inputs carried through a whole step make subnormal floats (see
     # ``no_subnormals``): the ops' times on a real batch are those with them flushed
     with torch.no_grad(), no_subnormals():
@@ -80,23 +86,33 @@ def time_in_situ(graph: Graph, device: torch.device, repeats: int, warmup: int,
                 try:
                     step(ex, ins)
                 except Exception as e:
-                    if not hasattr(ins, "node"):
+                    if ins.op != "compute":
                         raise
-                    n = graph.nodes[ins.node]
-                    raise RuntimeError(
-                        f"timing node {n.name} ({n.target}) in its step failed on synthetic "
-                        f"inputs: {type(e).__name__}: {e}; profile with in_situ=False to cost "
-                        "ops timed alone") from e
+                    failed.setdefault(ins.node, f"{type(e).__name__}: {e}")
+                    _make_outputs(ex.env, runner, graph.nodes[ins.node])
+                    continue
                 if ins.op == "compute":
                     per[ins.node] = clock() - t0
             if timed:
                 runs.append(per)
             ex.env = []
+    for nid, why in failed.items():
+        log.info("node %s (%s) fails in its step on synthetic inputs (%s): costed by its time "
+                 "alone", graph.nodes[nid].name, graph.nodes[nid].target, why)
     overhead = _timer_seconds()
     runs = [[max(t - overhead, 0.0) for t in run] for run in runs]
     if basis:
-        runs = on_basis(runs, basis)
-    return [statistics.median(ts) for ts in zip(*runs)]
+        runs = on_basis(runs, {nid: t for nid, t in basis.items() if nid not in failed})
+    return [None if nid in failed else statistics.median(ts)
+            for nid, ts in enumerate(zip(*runs))]
+
+
+def _make_outputs(env: list, runner: SyntheticRunner, node) -> None:
+    """``node``'s outputs in ``env`` made synthetic, in place of what it failed to compute."""
+    vids = [v for v in node.outputs if v is not None]
+    fresh = runner.values(vids)
+    for vid in vids:
+        env[vid] = fresh[vid]
 
 
 def on_basis(runs: list[list[float]], basis: dict[int, float]) -> list[list[float]]:
@@ -167,6 +183,10 @@ def cached_over_now(cm, graph: Graph, repeats: int = 3, warmup: int = 2) -> floa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # NOTE: the inputs the cached times were taken on
         now = time_in_situ(graph, cm.device, repeats, warmup, cm._graph_facts(graph)[1])
+    nids = [nid for nid in nids if now[nid] is not None]
+    cached = sum(got[_situ_key(keys[nid])].seconds for nid in nids)
+    if cached < _CHECK_FLOOR_SECONDS:
+        return None
     return cached / max(sum(now[nid] for nid in nids), 1e-9)
 
 
@@ -211,7 +231,10 @@ def profile_in_situ(cm, graph: Graph) -> None:
         seconds = time_in_situ(graph, cm.device, cm.repeats, cm.warmup,
                                cm._graph_facts(graph)[1], basis=basis)
     for k in missing:
+        timed = [seconds[nid] for nid in keys[k] if seconds[nid] is not None]
+        if not timed:
+            continue  # NOTE: failed in its step (``time_in_situ``): costed alone
         # NOTE: one key, many nodes (a deep stack's layers): the median of their times
-        cm._situ[k] = statistics.median(seconds[nid] for nid in keys[k])
+        cm._situ[k] = statistics.median(timed)
         cm.cache.put(situ_key[k], CacheEntry(cm._situ[k], 0, 0), device=cm.hardware,
                      torch_version=torch.__version__, target="in situ")
