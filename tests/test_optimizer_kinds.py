@@ -1,6 +1,7 @@
 """Every torch optimizer whose update is per parameter trains through fitgraph bit for bit as
-eager: RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD and Rprop beside SGD and Adam
-(``capture/optimizer_kinds.py``); the others are refused by name, saying why."""
+eager: RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop and Adafactor (whose
+state is not shaped like its parameter) beside SGD and Adam (``capture/optimizer_kinds.py``);
+the others are refused by name, saying why."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ OPTIMIZERS = {
     "adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.1, maximize=True),
     "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=1, weight_decay=0.1),
     "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    # NOTE: factored statistics for matrices (row_var, col_var), a variance for vectors
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "adafactor-decay-maximize": lambda p: torch.optim.Adafactor(
+        p, lr=1e-2, weight_decay=0.1, maximize=True, eps=(1e-6, 1e-3), d=2.0),
 }
 
 
@@ -53,7 +58,7 @@ def test_each_optimizer_runs_bitwise_as_eager_from_its_first_step(name):
 
 
 @pytest.mark.parametrize("name", ["rmsprop-centered-momentum", "nadam", "asgd", "rprop",
-                                  "adagrad"])
+                                  "adagrad", "adafactor"])
 def test_one_plan_trains_bitwise_from_a_fresh_optimizer_with_a_scheduler(name):
     """``optimize``'s steady-state plan: the state it reads made before the first step as torch
     makes it, and the learning rate read where each update runs."""
@@ -81,20 +86,27 @@ def test_one_plan_trains_bitwise_from_a_fresh_optimizer_with_a_scheduler(name):
 def test_every_kind_names_the_state_torch_keeps():
     """The state keys and settings each kind records are those torch's optimizer keeps."""
     for name, make in OPTIMIZERS.items():
-        p = nn.Parameter(torch.randn(3, 2))
-        opt = make([p])
-        p.grad = torch.randn(3, 2)
-        opt.step()
-        group = opt.param_groups[0]
-        kind = next(k for k in KINDS.values() if type(opt) in k.classes)
-        assert kind.keys(group) == tuple(opt.state[p]), name
-        assert all(h in group for h in kind.hyper), name
-        for key, value in opt.state[p].items():
-            assert (key in kind.scalars) == (value.dim() == 0), (name, key)
+        for shape in ((3, 2), (4, 3, 2), (5,), ()):
+            p = nn.Parameter(torch.randn(shape))
+            opt = make([p])
+            p.grad = torch.randn(shape)
+            opt.step()
+            group = opt.param_groups[0]
+            kind = next(k for k in KINDS.values() if type(opt) in k.classes)
+            assert kind.param_keys(group, shape) == tuple(opt.state[p]), (name, shape)
+            assert set(kind.param_keys(group, shape)) <= set(kind.keys(group))
+            assert all(h in group for h in kind.hyper), name
+            for key, value in opt.state[p].items():
+                if shape:
+                    assert (key in kind.scalars) == (value.dim() == 0), (name, key)
+                assert kind.state_shape(key, shape) == value.shape, (name, shape, key)
+                made = kind.make(key, p.detach(), group)
+                assert (made.shape, made.dtype, made.device) == (
+                    value.shape, value.dtype, value.device), (name, shape, key)
 
 
 @pytest.mark.parametrize("make, says", [
-    (lambda p: torch.optim.Adafactor(p), "row and column statistics"),
+    (lambda p: torch.optim.SparseAdam(p), "sparse gradients"),
     (lambda p: torch.optim.LBFGS(p), "closure"),
     (lambda p: type("MyAdam", (torch.optim.AdamW,), {})(p), "subclass"),
 ])
@@ -106,7 +118,7 @@ def test_other_optimizers_are_refused_by_name(make, says):
     assert type(opt).__name__ in str(e.value) and "RMSprop" in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["rmsprop-centered-momentum", "radam"])
+@pytest.mark.parametrize("name", ["rmsprop-centered-momentum", "radam", "adafactor"])
 def test_updates_run_in_the_backward_bitwise_as_eager(name):
     """``optimizer_in_backward``: each update as soon as its gradient is complete, whatever
     the kind (each reads its own parameter's gradient and state alone)."""
@@ -135,3 +147,29 @@ def test_every_cli_optimizer_is_one_fitgraph_captures():
         if opt is not None:
             assert type(opt).__name__.lower() == name
             describe_optimizer(opt)
+
+
+def test_adafactor_refuses_a_complex_parameter_by_name():
+    model = nn.Linear(4, 2).to(torch.complex64)
+    batch = torch.randn(3, 4, dtype=torch.complex64)
+    opt = torch.optim.Adafactor(model.parameters())
+    with pytest.raises(CaptureError, match="complex, which Adafactor does not update"):
+        fitgraph.capture(model, batch, lambda m, b: m(b).abs().sum(), opt)
+
+
+def test_adafactor_state_is_planned_at_its_own_size():
+    """A matrix's factored statistics are a row and a column, not a matrix: the graph's state
+    inputs and the update's traffic are priced at their own sizes."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    opt = torch.optim.Adafactor(model.parameters())
+    batch = torch.randn(4, 64)
+    g = fitgraph.capture(model, batch, lambda m, b: m(b).square().mean(), opt, steady_state=True)
+    shapes = {name: g.values[v].shape for name, v in zip(g.input_names, g.inputs)
+              if name.startswith("state:")}
+    assert shapes["state:0.weight:row_var"] == (32, 1)
+    assert shapes["state:0.weight:col_var"] == (1, 64)
+    assert shapes["state:0.bias:variance"] == (32,)
+    assert shapes["state:0.weight:step"] == ()
+    assert "state:0.weight:variance" not in shapes and "state:0.bias:row_var" not in shapes
+    (update,) = [n for n in g.nodes if n.name == "adafactor_0.weight"]
+    assert update.bytes_moved == (2 * 32 * 64 + 2 * (32 + 64)) * 4

@@ -13,7 +13,7 @@ __all__ = ["OPTIMIZERS", "build_case", "make_optimizer"]
 # NOTE: ``--optimizer``'s choices: torch's per-parameter optimizers fitgraph captures
 # (``capture.optimizer_kinds``), by class name in lower case
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adamax", "nadam", "radam",
-              "adadelta", "asgd", "rprop", "none")
+              "adadelta", "asgd", "rprop", "adafactor", "none")
 
 
 def make_optimizer(kind: str, model):

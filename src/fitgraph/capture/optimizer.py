@@ -15,6 +15,7 @@ state no longer matches.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,8 @@ class OptimizerSpec:
 
 
 def state_keys(kind: str, group: dict) -> tuple[str, ...]:
-    """The state keys torch's ``kind`` optimizer keeps per parameter of ``group``."""
+    """The state keys torch's ``kind`` optimizer may keep per parameter of ``group`` (which
+    of them a parameter has may depend on its shape: ``OptimizerKind.param_keys``)."""
     return KINDS[kind].keys(group)
 
 
@@ -81,7 +83,6 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
     spec = KINDS[kind]
     created: dict[str, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
-        keys = spec.keys(group)
         hyper = {k: group[k] for k in spec.hyper if k in group}
         for p in group["params"]:
             pname = param_names.get(id(p))
@@ -101,6 +102,12 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                                        "optimizer.zero_grad(set_to_none=True) first",
                                        op=f"{type(optimizer).__name__}.step")
                 continue  # NOTE: torch skips parameters whose .grad is None (frozen ones too)
+            if p.is_complex() and not spec.complex_ok:
+                raise CaptureError(f"parameter {pname} is complex, which "
+                                   f"{type(optimizer).__name__} does not update (torch's own "
+                                   "step refuses it): keep complex parameters in another "
+                                   "optimizer", op=f"{type(optimizer).__name__}.step")
+            keys = spec.param_keys(group, tuple(p.shape))
             state = optimizer.state.get(p, {})
             have = tuple(k for k in keys if k in state)
             if have and have != keys:
@@ -128,8 +135,10 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                         "hyper": hyper})
             node = b.nodes[nid]
             node.out_is_tuple = True
-            shaped = [k for k in keys if k not in spec.scalars]
-            node.bytes_moved = (2 + 2 * len(shaped)) * numel * pval.itemsize
+            # NOTE: the parameter read and written, each state tensor too
+            state_numel = sum(math.prod(spec.state_shape(k, pval.shape)) for k in keys
+                              if k not in spec.scalars)
+            node.bytes_moved = (2 * numel + 2 * state_numel) * pval.itemsize
             for k, vid in zip([k for k in keys if k not in have], outs):
                 b.values[vid].role = Role.OPTIMIZER_STATE
                 b.storages[b.values[vid].storage].role = Role.OPTIMIZER_STATE
@@ -149,11 +158,15 @@ def _state_layout(spec: OptimizerKind, key: str, t: torch.Tensor | None, p: torc
     if key in spec.scalars:
         made = spec.make(key, p.detach(), group)
         return (), dtype_name(made.dtype), (), str(made.device)
-    like = torch.empty_like(p, memory_format=torch.preserve_format, device="meta")
-    return tuple(p.shape), dtype_name(p.dtype), like.stride(), str(p.device)
+    shape = spec.state_shape(key, tuple(p.shape))
+    if shape == tuple(p.shape):
+        like = torch.empty_like(p, memory_format=torch.preserve_format, device="meta")
+    else:
+        like = torch.empty(shape, dtype=p.dtype, device="meta")
+    return shape, dtype_name(p.dtype), like.stride(), str(p.device)
 
 
 def _created_shape(spec: OptimizerKind, key: str, pval) -> tuple:
     if key in spec.scalars:
         return ((), dtype_name(_get_scalar_dtype()))
-    return (pval.shape, pval.dtype)
+    return (spec.state_shape(key, pval.shape), pval.dtype)

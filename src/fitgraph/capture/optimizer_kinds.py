@@ -7,8 +7,9 @@ alone (no norm or statistic across parameters), so one graph node per parameter 
 ``optimizer.step()``; the node runs torch's functional update (``torch.optim.rmsprop.rmsprop``
 ...) on a one-parameter list, so the arithmetic, and the bits, are torch's. Not here, with the
 reason in the capture error: ``LBFGS`` (a closure re-evaluating the loss), ``SparseAdam``
-(sparse gradients), ``Adafactor`` (its row and column statistics are not shaped like the
-parameter), and subclasses (their ``step`` may be anything).
+(sparse gradients), and subclasses (their ``step`` may be anything: Hugging Face's
+``Adafactor`` is one). ``torch.optim.Adafactor`` keeps state not shaped like its parameter (a
+matrix's row and column statistics): ``shapes`` says each such key's shape.
 
 SGD and Adam/AdamW keep their own route in ``execute/optimizer_ops`` (SGD's first step makes
 its momentum buffer from the gradient; both run in row chunks); their entries here give the
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.optim import adadelta, adamax, asgd, nadam, radam, rmsprop, rprop
+from torch.optim import _adafactor, adadelta, adamax, asgd, nadam, radam, rmsprop, rprop
 from torch.optim import adagrad as adagrad_mod
 from torch.optim.optimizer import _get_scalar_dtype
 
@@ -61,7 +62,10 @@ class OptimizerKind:
     (keys not named: zeros like the parameter). ``scalars``: the 0-d keys (step counters and
     the like), the rest are shaped like the parameter. ``update(param, grad, state, group,
     foreach)``: torch's functional update of one parameter (None: ``optimizer_ops``' own
-    route). ``flops``: per element of the parameter, for the roofline model."""
+    route). ``flops``: per element of the parameter, for the roofline model. ``shapes``: key
+    -> the parameter's shape -> that state's shape, or None where torch keeps no such key
+    for a parameter of that shape (keys not named: shaped like the parameter).
+    ``complex_ok``: whether torch's update takes complex parameters."""
 
     name: str
     classes: tuple[type, ...]
@@ -71,10 +75,26 @@ class OptimizerKind:
     scalars: frozenset[str] = frozenset({"step"})
     fresh: dict = field(default_factory=dict)
     update: Callable | None = None
+    shapes: dict = field(default_factory=dict)
+    complex_ok: bool = True
+
+    def param_keys(self, group: dict, shape: tuple) -> tuple[str, ...]:
+        """The state keys torch keeps for a parameter of ``shape`` in ``group``."""
+        return tuple(k for k in self.keys(group)
+                     if k not in self.shapes or self.shapes[k](shape) is not None)
+
+    def state_shape(self, key: str, shape: tuple) -> tuple:
+        """The shape of state ``key`` of a parameter of ``shape``."""
+        if key in self.scalars:
+            return ()
+        return tuple(self.shapes[key](shape)) if key in self.shapes else tuple(shape)
 
     def make(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
         """The state ``key`` of parameter ``p`` as torch's lazy initialisation makes it."""
-        return self.fresh.get(key, _step if key == "step" else _zeros)(p, group)
+        if key in self.fresh or key == "step":
+            return self.fresh.get(key, _step)(p, group)
+        shape = self.state_shape(key, tuple(p.shape))
+        return _zeros(p, group) if shape == tuple(p.shape) else p.new_zeros(shape)
 
 
 def _rmsprop(p, g, s, group, foreach):
@@ -145,6 +165,32 @@ def _rprop(p, g, s, group, foreach):
                 capturable=False, maximize=group["maximize"], differentiable=False,
                 has_complex=torch.is_complex(p), step_size_min=step_size_min,
                 step_size_max=step_size_max, etaminus=etaminus, etaplus=etaplus)
+
+
+def _adafactor_update(p, g, s, group, foreach):
+    eps1, eps2 = group["eps"]
+    if eps1 is None:
+        # NOTE: torch's loop sets eps1 from the first parameter it updates and keeps it for
+        # the group's others: a group of one dtype (the usual) is each parameter's own
+        first = next((q for q in group.get("params", ()) if q.requires_grad), p)
+        eps1 = torch.finfo(first.dtype).eps
+    _adafactor.adafactor([p], [g], [s.get("row_var")], [s.get("col_var")], [s.get("variance")],
+                         [s["step"]], foreach=foreach, grad_scale=None, found_inf=None,
+                         has_complex=False, d=group["d"], lr=group["lr"],
+                         beta2_decay=group["beta2_decay"], weight_decay=group["weight_decay"],
+                         eps1=eps1, eps2=eps2, maximize=group["maximize"])
+
+
+def _factored(drop: int):
+    """A matrix's statistic over dim -1 (``drop`` 1) or -2 (``drop`` 2), kept with that dim
+    1; vectors and scalars keep none (Adafactor's ``row_var`` / ``col_var``)."""
+    def shape(s: tuple) -> tuple | None:
+        if len(s) < 2:
+            return None
+        out = list(s)
+        out[-drop] = 1
+        return tuple(out)
+    return shape
 
 
 def _on_device_scalar(value: Callable[[dict], float]):
@@ -225,6 +271,12 @@ KINDS: dict[str, OptimizerKind] = {k.name: k for k in (
                   ("lr", "etas", "step_sizes", "maximize"),
                   lambda g: ("step", "prev", "step_size"), 8,
                   fresh={"step_size": _rprop_step_size}, update=_rprop),
+    OptimizerKind("adafactor", (torch.optim.Adafactor,),
+                  ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize"),
+                  lambda g: ("step", "row_var", "col_var", "variance"), 14,
+                  shapes={"row_var": _factored(1), "col_var": _factored(2),
+                          "variance": lambda s: s if len(s) < 2 else None},
+                  update=_adafactor_update, complex_ok=False),
 )}
 
 _BY_CLASS = {cls: k for k in KINDS.values() for cls in k.classes}
@@ -233,7 +285,6 @@ _BY_CLASS = {cls: k for k in KINDS.values() for cls in k.classes}
 UNSUPPORTED = {
     "LBFGS": "its step re-evaluates the loss through a closure, many times a step",
     "SparseAdam": "it updates sparse gradients only",
-    "Adafactor": "its row and column statistics are not shaped like the parameter",
 }
 
 
