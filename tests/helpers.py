@@ -159,6 +159,13 @@ def assert_like_reference(got: dict, ref_params: dict, noise: dict, steps: int,
         assert (got[n] - ref).abs().max() <= 2 * steps * lr, n
 
 
+def row_parallel_seq_dims(step) -> list:
+    """The dim each row-parallel linear of a ``fitgraph.dist`` step's chunks reduce-scatters
+    along (None: all-reduced, no sequence parallelism)."""
+    from fitgraph.dist.runtime.tp_layers import RowLinear
+
+    return [m.seq_dim for ch in step.chunks for m in ch.modules() if isinstance(m, RowLinear)]
+
 
 def classifier_mlp(d_in: int, hidden: int, classes: int, rows: int, act=torch.nn.ReLU):
     """A two-layer classifier whose cross-entropy loss over ``classes`` dominates its peak:

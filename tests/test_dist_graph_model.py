@@ -116,7 +116,7 @@ def test_width_that_does_not_divide_the_heads_is_refused(tiny):
     tpm = tensor_parallel_map(graph, 3)
     assert not tpm.groups and tpm.refused
     assert "divide" in gm.why_not(3, 4, False)
-    assert "sequence parallelism" in gm.why_not(2, 4, True)
+    assert "tp > 1" in gm.why_not(1, 4, True)
 
 
 def test_split_blocks_run_half_their_sliced_work_with_their_collectives(tiny):
@@ -132,6 +132,28 @@ def test_split_blocks_run_half_their_sliced_work_with_their_collectives(tiny):
     assert t1 / 2 < t2 < t1                      # the sliced part halves, norms stay whole
     assert layer2.params < layer1.params / 2 + 6 * 64 + 1
     assert half[-1].params == whole[-1].params   # the refused head stays whole
+
+
+def test_sequence_parallel_blocks_run_the_rest_on_their_part_of_the_rows(tiny):
+    """What tensor parallelism leaves whole in a body block (norms, residual adds) runs on
+    1/tp of the rows and saves 1/tp; each all-reduce becomes a reduce-scatter and an
+    all-gather of the same bytes; the embedding and head blocks are unchanged."""
+    _, _, gm = tiny
+    tp, sp = gm.blocks(2, 4, False), gm.blocks(2, 4, True)
+    for a, b in zip(tp[1:-1], sp[1:-1]):
+        assert b.input_bytes == a.input_bytes / 2
+        for x, y in zip(a.ops[:-1], b.ops[:-1]):
+            if x.seconds == y.seconds:           # a sliced op: already 1/tp
+                assert x.saved == y.saved
+            else:
+                assert y.seconds == pytest.approx(x.seconds / 2)
+                assert y.saved == pytest.approx(x.saved / 2)
+        assert sum(o.saved for o in b.ops) < sum(o.saved for o in a.ops)
+        kinds = sorted(c.kind for op in b.ops for c in (*op.fwd_comm, *op.bwd_comm))
+        assert kinds == ["all_gather"] * 6 + ["reduce_scatter"] * 4
+        assert {c.nbytes for op in b.ops for c in (*op.fwd_comm, *op.bwd_comm)} == {
+            c.nbytes for op in a.ops for c in (*op.fwd_comm, *op.bwd_comm)}
+    assert (sp[0].ops, sp[-1].ops) == (tp[0].ops, tp[-1].ops)
 
 
 def test_a_captured_model_plans_with_tensor_parallelism_and_honest_memory(tiny):

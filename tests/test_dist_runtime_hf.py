@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import adamw_reference, assert_like_reference
+from helpers import adamw_reference, assert_like_reference, row_parallel_seq_dims
 
 import fitgraph
 import fitgraph.zoo as zoo
@@ -24,11 +24,15 @@ pytestmark = pytest.mark.hf
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
 # NOTE: ~10 s each; two run in ``make test-slow`` only (the default run keeps under 25 min)
-CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"),
+CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"), ("hf-llama", "tp2-sp"),
          pytest.param("hf-llama", "pp2", marks=pytest.mark.slow),
-         pytest.param("hf-gpt2", "tp2", marks=pytest.mark.slow)]
+         pytest.param("hf-gpt2", "tp2", marks=pytest.mark.slow),
+         pytest.param("hf-bert", "tp2-sp", marks=pytest.mark.slow)]
 FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
-       "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"}}
+       "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+       # sequence parallel: Llama's RMSNorm (its mean over the features, its weight) and
+       # BERT's post-norm residuals on each shard's part of the sequence
+       "tp2-sp": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True}}
 
 
 def build(name: str):
@@ -49,7 +53,7 @@ def _train(rank: int, world: int, name: str, plan_json: dict):
     opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
     step = parallelize(case.model, case.batch, loss_fn, opt, plan=plan_json)
     losses = [float(step(case.batch)) for _ in range(STEPS)]
-    return losses, step.full_parameters()
+    return losses, step.full_parameters(), row_parallel_seq_dims(step)
 
 
 def one_process(name: str):
@@ -71,7 +75,10 @@ def test_hugging_face_model_planned_run_has_one_process_results(name, config):
     results = run_processes(_train, devices, name, p.to_json(), timeout_s=300)
     ref_losses, ref_params, noise = one_process(name)
     got = {}
-    for losses, params in results:
+    for losses, params, seq_dims in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         got.update(params)
+        # sequence parallel where planned: every row-parallel sum reduce-scattered
+        assert bool(seq_dims) == (fix.get("tp", 1) > 1)
+        assert all((d is not None) == bool(fix.get("sp")) for d in seq_dims)
     assert_like_reference(got, ref_params, noise, STEPS, LR)

@@ -35,6 +35,7 @@ CONFIGS = {
                         "chunks": 2},
     "pp2-zbv": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
     "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+    "tp2-sp": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True},
     "dp2-zero1": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 1},
     "dp2-zero3": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
     "pp2xtp2": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},

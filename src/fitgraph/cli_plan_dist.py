@@ -277,11 +277,11 @@ def _plan_dist(args) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.emit_script:
-        if fix.get("sp") or fix.get("per_stage"):
-            raise SystemExit("plan-dist --emit-script: the runtime does not run sequence "
-                             "parallelism or per-stage widths yet: drop sp/per_stage from --fix")
-        # NOTE: a plan for the script is one the runtime runs: one width, no sequence sharding
-        fix = {"sp": False, "per_stage": False, **fix}
+        if fix.get("per_stage"):
+            raise SystemExit("plan-dist --emit-script: the runtime does not run per-stage "
+                             "widths yet: drop per_stage from --fix")
+        # NOTE: a plan for the script is one the runtime runs: one width
+        fix = {"per_stage": False, **fix}
     budget = args.budget_gib * GIB if args.budget_gib else None
     try:
         with progress.stage(f"planning {args.devices} devices" if not fix else

@@ -30,6 +30,8 @@ CONFIGS = {
                         "chunks": 2},
     "pp2 zb-v": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "zb-v", "chunks": 2},
     "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
+    # sequence parallel: norms and residuals on each rank's part of the sequence
+    "tp2 sp": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True},
     "dp2 zero1": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 1},
     "dp2 zero3": {"pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b", "zero": 3},
     "pp2 x tp2": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},

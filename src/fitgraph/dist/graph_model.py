@@ -14,9 +14,14 @@ Scale: the graph is captured at ``batch_size`` samples; a micro-batch of ``b`` s
 activations and FLOPs by ``b / batch_size`` (linear in the batch, as the kernels are at the
 sizes planned), parameters not. Tensor parallelism: the weight matmuls ``dist.graph_tp`` finds
 splittable run on ``1/tp`` of their data with their all-reduces (Megatron's column/row pairs,
-found from the graph's structure), the rest of each block whole on every device; sequence
-parallelism needs the model by its shape (``GptModel``). ``loss_in_parts=False`` leaves out the
-head's option of re-making its loss in parts (what ``dist.runtime`` runs).
+found from the graph's structure), the rest of each block whole on every device. Sequence
+parallelism (``sp``): in each body block, what tensor parallelism does not slice (norms,
+dropout, residual adds: the ops between a row-parallel matmul and the next column-parallel
+one) runs on ``1/tp`` of the rows, saving ``1/tp`` of it, and the block's input is held so;
+each all-reduce becomes a reduce-scatter after the row-parallel matmul and an all-gather
+before the column-parallel one (again in its backward, which holds only the part), as
+``dist.runtime.tp_layers`` runs them. ``loss_in_parts=False`` leaves out the head's option of
+re-making its loss in parts (what ``dist.runtime`` runs).
 
 Example:
     >>> import torch, fitgraph
@@ -78,7 +83,7 @@ class GraphModel:
         if not loss_in_parts:
             # NOTE: what the runtime runs (dist.runtime): it re-makes no loss in parts yet
             self._chain.loss_parts = 1
-        self._at: dict[int, tuple[list[Block], str | None]] = {}
+        self._at: dict[tuple[int, bool], tuple[list[Block], str | None]] = {}
         self._flops = sum(n.flops for n in graph.nodes
                           if n.phase in (Phase.FORWARD, Phase.LOSS, Phase.BACKWARD))
         self.param_signature = param_signature(
@@ -91,29 +96,28 @@ class GraphModel:
         if why:
             raise ValueError(why)
         r = micro_batch / self.batch_size
-        return [_scaled(b, r) for b in self._width(tp)[0]]
+        return [_scaled(b, r) for b in self._width(tp, sp)[0]]
 
     def why_not(self, tp: int, micro_batch: int, sp: bool) -> str | None:
-        if sp:
-            return (f"{self.name}: sequence parallelism is not applied to captured graphs "
-                    f"(it needs the model by its shape: GptModel / plan-dist --model gpt)")
         if micro_batch < 1 or tp < 1:
             return f"micro-batch {micro_batch}, tensor-parallel width {tp}"
-        return self._width(tp)[1]
+        if sp and tp == 1:
+            return "sequence parallelism splits between tensor-parallel devices: tp > 1"
+        return self._width(tp, sp)[1]
 
     def tensor_parallel(self, tp: int) -> TensorParallelMap:
         """Which weight matmuls are split at width ``tp`` (and why others are not)."""
         return self._chain.tp_map(tp)
 
-    def _width(self, tp: int) -> tuple[list[Block], str | None]:
-        if tp not in self._at:
+    def _width(self, tp: int, sp: bool = False) -> tuple[list[Block], str | None]:
+        if (tp, sp) not in self._at:
             tpm = self._chain.tp_map(tp)
             why = None
             if tp > 1 and not tpm.groups:
                 why = (f"{self.name}: no weight matmul splits over {tp} devices"
                        + (f" (first refusal: {tpm.refused[0]})" if tpm.refused else ""))
-            self._at[tp] = (self._chain.blocks(tpm), why)
-        return self._at[tp]
+            self._at[(tp, sp)] = (self._chain.blocks(tpm, sp), why)
+        return self._at[(tp, sp)]
 
     def model_flops(self, samples: int) -> float:
         return self._flops * samples / self.batch_size
@@ -205,8 +209,8 @@ class _Chain:
             self._maps[tp] = tensor_parallel_map(self.graph, tp, self.node_block)
         return self._maps[tp]
 
-    def blocks(self, tpm: TensorParallelMap) -> list[Block]:
-        return _chain_blocks(self, tpm)
+    def blocks(self, tpm: TensorParallelMap, sp: bool = False) -> list[Block]:
+        return _chain_blocks(self, tpm, sp and tpm.tp > 1)
 
 
 LOSS_PARTS = 8
@@ -265,7 +269,28 @@ def _loss_parts(graph: Graph, sg, fstage, node_block, k: int) -> int:
     return 1
 
 
-def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
+def _tp_comm(m: int, tpm: TensorParallelMap, sp: bool) -> tuple[tuple, tuple]:
+    """The forward and backward collectives of node ``m``: a row-parallel matmul's sums, a
+    column-parallel group's input (``_tp_input_comm`` / ``_tp_output_comm`` of a GPT)."""
+    fwd, bwd = [], []
+    if m in tpm.reduce_bytes:
+        b = tpm.reduce_bytes[m]
+        if sp:
+            fwd.append(Collective("reduce_scatter", b))
+            bwd.append(Collective("all_gather", b))
+        else:
+            fwd.append(Collective("all_reduce", b))
+    if m in tpm.input_grad_bytes:
+        b = tpm.input_grad_bytes[m]
+        if sp:
+            fwd.append(Collective("all_gather", b))
+            bwd += [Collective("all_gather", b), Collective("reduce_scatter", b)]
+        else:
+            bwd.append(Collective("all_reduce", b))
+    return tuple(fwd), tuple(bwd)
+
+
+def _chain_blocks(chain: _Chain, tpm: TensorParallelMap, sp: bool = False) -> list[Block]:
     graph, sg, fstage, bstage, names = (chain.graph, chain.sg, chain.fstage, chain.bstage,
                                         chain.names)
     readers = chain.readers
@@ -323,6 +348,11 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
     blocks = []
     for k in range(n):
         mine = sorted(u for u, s in fstage.items() if s == k)
+        # NOTE: sequence parallel: a body block split by tensor parallelism runs the rest of
+        # its ops on its part of the rows (the embedding and head blocks run theirs whole)
+        rows = (1.0 / tp if sp and 0 < k < n - 1
+                and any(m in tpm.sliced_nodes for u in mine for m in units[u].members)
+                else 1.0)
         # NOTE: ops are named by position in their block, so that blocks of one structure
         # (the repeated layers) have equal ops and share one kind: priced once
         local = {u: f"o{i}" for i, u in enumerate(mine)}
@@ -331,7 +361,7 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
         for u in mine:
             unit = units[u]
             # NOTE: a unit runs on 1/tp of its data where the op that makes it is sliced
-            share = 1.0 / tp if unit.members[0] in tpm.sliced_nodes else 1.0
+            share = 1.0 / tp if unit.members[0] in tpm.sliced_nodes else rows
             saved, far = 0.0, False
             for v in unit.values:
                 rd = readers[v]
@@ -346,10 +376,9 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
                         saved += sg.value_bytes[v]
             deps = tuple(local[d] for d in unit.deps if fstage.get(d) == k)
             flops = sum(nodes[m].flops for m in unit.members)
-            fwd_comm = tuple(Collective("all_reduce", tpm.reduce_bytes[m])
-                             for m in unit.members if m in tpm.reduce_bytes)
-            bwd_comm = tuple(Collective("all_reduce", tpm.input_grad_bytes[m])
-                             for m in unit.members if m in tpm.input_grad_bytes)
+            comm = [_tp_comm(m, tpm, sp) for m in unit.members]
+            fwd_comm = tuple(c for f, _ in comm for c in f)
+            bwd_comm = tuple(c for _, b in comm for c in b)
             fwd_all += unit.seconds
             fwd_sliced += unit.seconds * (1 - share)
             ops.append(Op(local[u], flops=flops * share, bytes=0.0, saved=saved * share,
@@ -370,10 +399,10 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap) -> list[Block]:
         # NOTE: what makes a block's costs: a block holding a buffer is its own kind
         kind = "graph:" + hashlib.sha1(repr((ops, own[k], a[k - 1] if k else 0.0,
                                              a[k] if k < n - 1 else 0.0, buffers[k],
-                                             largest)).encode()).hexdigest()[:12]
+                                             largest, rows)).encode()).hexdigest()[:12]
         blocks.append(Block(
             names[k], kind, ops, params=own[k],
-            input_bytes=a[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
+            input_bytes=a[k - 1] * rows if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
             role=role, shared=tuple(shared[k]), tp=tp,
             bwd_temp_bytes=float(max(0, chain.bwd_peak[k] - chain.tied_add[k])),
             largest_param=largest,

@@ -68,10 +68,10 @@ def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
         dtype = next(model.parameters()).dtype
         precision = FP32_ADAM if dtype in (torch.float32, torch.float64) else MIXED_ADAM
         seq = max((t.shape[1] for t in flat.tensors if t.dim() > 1), default=1)
-        # NOTE: plans only what runs here: one width, no sequence sharding, no loss in parts
+        # NOTE: plans only what runs here: one width, no loss in parts
         gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq,
                         loss_in_parts=False)
         box[0] = plan(gm, cluster, global_batch, precision=precision,
-                      fix={"per_stage": False, "sp": False}).to_json()
+                      fix={"per_stage": False}).to_json()
     dist.broadcast_object_list(box, src=0)
     return DistPlan.from_json(box[0])

@@ -78,12 +78,6 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                          _device(model))
     plan = _as_plan(plan)
     par = plan.parallelism
-    if par.sp:
-        # NOTE: run without it, each tensor-parallel rank would keep whole what the plan
-        # shards along the sequence (norms, dropout, residuals): more than planned, unsaid
-        raise PlanMismatch("the plan shards activations along the sequence between tensor-"
-                           "parallel ranks (sp), which the runtime does not run yet: plan "
-                           "with --fix sp=0 (or fix={'sp': False})")
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
     if par.tp > 1 and not plan.tp_styles:
         raise PlanMismatch(f"the plan splits tensors {par.tp} ways but names no split weights "
@@ -110,7 +104,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         if par.tp > 1:
             # NOTE: after the stages' metadata: what crosses a cut is whole on every shard
             tp_params.update(shard_chunk(ch, plan.tp_styles, par.tp, layout.shard,
-                                         mesh["tp"].get_group()))
+                                         mesh["tp"].get_group(), sp=bool(par.sp)))
     options = block_options(plan, layout.stage)
     signatures = block_ops(plan, layout.stage)
     for ch in mine:
@@ -135,7 +129,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                     schedule=schedule, optimizer=opt, shared=shared,
                     local_batches=local_batches, notes=notes, batched=batched,
                     weights=weights, tp_params=tp_params, measure_memory=measure_memory,
-                    state_keys=state_keys)
+                    state_keys=state_keys,
+                    tp_partial=frozenset(n for ch in mine
+                                         for n in getattr(ch, "tp_partial_grads", ())))
 
 
 def chunk_starts(chunks: list[dict]) -> list[str]:

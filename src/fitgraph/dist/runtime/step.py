@@ -51,7 +51,8 @@ class DistStep:
                  stages: list, schedule, optimizer, shared: list[tuple[str, Any]],
                  local_batches: bool, notes: list[str], batched: list[bool],
                  weights=None, tp_params: dict | None = None,
-                 measure_memory: bool = False, state_keys: frozenset = frozenset()) -> None:
+                 measure_memory: bool = False, state_keys: frozenset = frozenset(),
+                 tp_partial: frozenset = frozenset()) -> None:
         self.plan = plan
         self.layout = layout
         self.mesh = mesh
@@ -65,6 +66,9 @@ class DistStep:
         self.notes = notes
         self.weights = weights          # LossWeights: micro-batches' shares of the loss
         self.tp_params = tp_params or {}   # model name -> TpParam: how tensor parallelism split it
+        # NOTE: parameters whose gradients are partial sums over the tensor-parallel shards
+        # (read by parts of the sequence: ``tensor_parallel.partial_names``)
+        self.tp_partial = tp_partial
         self.record = StepRecord()
         for st in stages:
             # NOTE: the time inside this rank's chunks, apart from waiting and communication
@@ -96,6 +100,7 @@ class DistStep:
         self.record._open = 0.0
         self.schedule.step(*tensors, target=target, losses=losses, return_outputs=False)
         self.record.compute.append(self.record._open)
+        self._sum_partial_grads()
         self._sum_shared_grads()
         if self._held is not None:
             self._held.release(wait_s=1.0)
@@ -149,6 +154,25 @@ class DistStep:
         else:
             total = weights_of(self.flat.leaves_of(batch), n * par.dp).sum()
         return mine * (n * par.dp) / total
+
+    def _sum_partial_grads(self) -> None:
+        """Sequence parallelism: the gradients of parameters read by parts of the sequence
+        (norms' weights, row-parallel biases) summed over the tensor-parallel shards, in one
+        collective a step."""
+        if not self.tp_partial:
+            return
+        import torch.distributed as dist
+
+        grads = list({id(p): _local(p.grad) for ch in self.chunks for n, p in _named(ch)
+                      if n in self.tp_partial and p.grad is not None}.values())
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh["tp"].get_group())
+        start = 0
+        for g in grads:
+            g.copy_(flat[start:start + g.numel()].view_as(g))
+            start += g.numel()
 
     def _sum_shared_grads(self) -> None:
         """A parameter held by chunks on several ranks (a tied embedding and head): its

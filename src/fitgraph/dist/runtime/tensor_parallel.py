@@ -11,6 +11,18 @@ slice's; a row-parallel linear multiplies its slice of the weight's columns and 
 the partial sums before adding its bias (``g``). Anything else that would read a slice — a
 norm over the features, an op without a rule here — is refused, naming the op.
 
+With sequence parallelism (``sp``), a row-parallel linear reduce-scatters its sums along a dim
+other than the features (the sequence, or the rows before it where that does not divide), and
+what follows it — dropout, residual adds, norms over the features — runs on this shard's part
+(``SeqSplit``) up to the next column-parallel linear, which gathers its input. A whole tensor
+that meets a part is cut to this shard's part (``SeqScatter``: its gradient gathered), or,
+where it broadcasts along that dim (a norm's weight, a bias), kept whole with its gradient
+summed over the shards (``GradSum``); any op without a rule for parts gets its input gathered
+first (``SeqGather``), and so does what leaves the chunk. A parameter read only by parts (a
+norm's weight, a row-parallel bias) keeps its partial gradient through the backward and the
+step sums it over the shards once (``chunk.tp_partial_grads``: Megatron's all-reduce of the
+sequence-parallel norms' gradients), not one collective per use and micro-batch.
+
 Example (inside a launch; ``parallelize`` calls it):
     >>> shard_chunk(chunk, {"mlp.up.weight": "colwise", ...}, tp_mesh)   # doctest: +SKIP
 """
@@ -22,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .tp_layers import ColumnLinear, RowLinear
+from .tp_layers import ColumnLinear, GradSum, RowLinear, SeqGather, SeqScatter
 
-__all__ = ["Sharded", "TensorParallelError", "TpParam", "shard_chunk", "untake"]
+__all__ = ["SeqSplit", "Sharded", "TensorParallelError", "TpParam", "shard_chunk", "untake"]
 
 aten = torch.ops.aten
 
@@ -42,6 +54,13 @@ class Sharded:
 
 
 @dataclass(frozen=True)
+class SeqSplit:
+    """A tensor of which each shard holds its part along ``dim`` (sequence parallelism)."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class TpParam:
     """How a parameter was split: along ``dim``, each of ``parts`` parts."""
 
@@ -50,16 +69,17 @@ class TpParam:
 
 
 def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: int,
-                group) -> dict[str, TpParam]:
+                group, sp: bool = False) -> dict[str, TpParam]:
     """Rewrite ``chunk`` (a ``stage_split.ChunkModule``) for shard ``shard`` of ``tp``;
-    ``styles``: model parameter name -> "colwise"/"rowwise". Returns how each of its split
-    parameters was split (by model name)."""
+    ``styles``: model parameter name -> "colwise"/"rowwise"; ``sp``: sequence parallel
+    (module doc). Returns how each of its split parameters was split (by model name)."""
     from .stage_split import MODEL
 
-    rw = _Rewrite(styles, tp, shard, group, prefix=f"{MODEL}.")
+    rw = _Rewrite(styles, tp, shard, group, prefix=f"{MODEL}.", sp=sp)
     body = chunk.body
     ins = [n for n in body.graph.nodes if n.op == "placeholder"]
     outs = rw.run(body, "", [None] * len(ins))
+    chunk.tp_partial_grads = rw.partial_names(chunk)
     if any(o is not None for o in outs):
         raise TensorParallelError("a slice of a column-parallel output leaves its pipeline "
                                   "chunk: plan with tp=1 or cut the stages elsewhere")
@@ -71,11 +91,16 @@ def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: 
 
 
 class _Rewrite:
-    def __init__(self, styles, tp, shard, group, prefix) -> None:
+    def __init__(self, styles, tp, shard, group, prefix, sp: bool = False) -> None:
         self.styles, self.tp, self.shard, self.group, self.prefix = (styles, tp, shard, group,
                                                                      prefix)
+        self.sp = sp
         self.split: dict[str, TpParam] = {}
         self.done: dict[int, tuple] = {}
+        self.inserted: dict[int, int] = {}   # NOTE: id(module) -> modules put into its graph
+        # NOTE: parameters read by parts (their gradients partial): id -> (parameter, reads)
+        self.partial: dict[int, list] = {}
+        self.modules: list = []
 
     # ------------------------------------------------------------------ modules
     def run(self, gm: torch.nn.Module, path: str, layouts: list) -> list:
@@ -89,6 +114,7 @@ class _Rewrite:
         lay: dict = {}
         it = iter(layouts)
         changed = False
+        self.modules.append(gm)
         for node in list(gm.graph.nodes):
             if node.op == "placeholder":
                 lay[node] = next(it, None)
@@ -97,12 +123,15 @@ class _Rewrite:
             elif node.op == "call_module":
                 lay[node] = self._module(gm, path, node, lay)
             elif node.op == "call_function":
-                lay[node], edited = self._function(node, lay)
+                lay[node], edited = self._function(gm, node, lay)
                 changed |= edited
             elif node.op == "output":
+                if not path:   # NOTE: what leaves the chunk is whole
+                    self._gather_inputs(gm, node, lay)
                 res = node.args[0]
                 outs = [lay.get(r) if isinstance(r, torch.fx.Node) else None
                         for r in (res if isinstance(res, (tuple, list)) else (res,))]
+        changed |= key in self.inserted
         if changed and hasattr(gm, "finalize"):
             gm.finalize()
         elif changed and isinstance(gm, torch.fx.GraphModule):
@@ -115,9 +144,16 @@ class _Rewrite:
         full = f"{path}.{node.target}" if path else node.target
         ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         linear = _linear_of(sub)
+        if linear is not None and not (self.styles.get(self._model_name(
+                f"{full}.{linear['weight']}")) == "colwise"):
+            # NOTE: only a column-parallel linear gathers a part itself
+            self._gather_inputs(gm, node, lay)
+            ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         if linear is not None:
             return self._linear(gm, node, sub, full, linear, ins)
         if not hasattr(sub, "graph"):
+            self._gather_inputs(gm, node, lay)
+            ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
             if any(i is not None for i in ins):
                 raise TensorParallelError(f"{full} ({type(sub).__name__}) reads a slice and "
                                           f"has no traced graph to follow")
@@ -142,12 +178,13 @@ class _Rewrite:
         # (in, out) for a layer computing x @ weight (Hugging Face's Conv1D)
         out_dim, in_dim = (1, 0) if linear["transposed"] else (0, 1)
         if style == "colwise":
-            if x is not None:
+            if x is not None and not isinstance(x, SeqSplit):
                 raise TensorParallelError(f"{full} is column-parallel but its input is a slice")
             parts = _parts_of(node, weight.shape[out_dim])
             w = _take(weight, out_dim, parts, self.tp, self.shard)
             b = None if bias is None else _take(bias, 0, parts, self.tp, self.shard)
-            new = ColumnLinear(w, b, self.group, linear["transposed"])
+            new = ColumnLinear(w, b, self.group, linear["transposed"],
+                               seq_dim=x.dim if isinstance(x, SeqSplit) else None)
             self.split[wname] = TpParam(out_dim, parts)
             if bname:
                 self.split[bname] = TpParam(0, parts)
@@ -156,24 +193,154 @@ class _Rewrite:
             if x != Sharded(_ndim(node.args[0]) - 1, 1):
                 raise TensorParallelError(f"{full} is row-parallel but its input is not split "
                                           f"along its features ({x})")
+            seq = self._seq_dim(node) if self.sp else None
             new = RowLinear(_take(weight, in_dim, 1, self.tp, self.shard), bias, self.group,
-                            linear["transposed"])
+                            linear["transposed"], seq_dim=seq)
             self.split[wname] = TpParam(in_dim, 1)
-            out = None
+            out = None if seq is None else SeqSplit(seq)
+            if seq is not None and new.bias is not None:
+                self.partial.setdefault(id(new.bias), [new.bias, 0])
         _replace_module(gm, node.target, new)
         return out
 
     def _model_name(self, path: str) -> str:
         return path[len(self.prefix):] if path.startswith(self.prefix) else path
 
+    def _seq_dim(self, node) -> int | None:
+        """The dim a row-parallel output is split along with sequence parallelism: the one
+        before the features (the sequence), else an earlier one, that ``tp`` divides."""
+        shape = _shape(node)
+        return next((d for d in range(len(shape) - 2, -1, -1)
+                     if shape[d] >= self.tp and shape[d] % self.tp == 0), None)
+
+    # ------------------------------------------------------------------ sequence parallel
+    def _put_before(self, gm, node, arg, module) -> torch.fx.Node:
+        """``module(arg)`` put into ``gm``'s graph in place of ``node``'s input ``arg``."""
+        k = self.inserted.get(id(gm), 0)
+        self.inserted[id(gm)] = k + 1
+        name = f"fitgraph_sp_{k}"
+        gm.add_module(name, module)
+        owner = gm.graph.owning_module
+        if owner is not None and owner is not gm:
+            owner.add_module(name, module)   # NOTE: an unflattened module's graph is another's
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(name, (arg,))
+        new.meta["val"] = arg.meta["val"]   # NOTE: shapes in ``meta`` are the whole ones
+        node.replace_input_with(arg, new)
+        return new
+
+    def _whole_read_by_parts(self, gm, node, a) -> None:
+        """``node`` reads whole tensor ``a`` with parts: its gradient is partial. A parameter's
+        is summed once a step (``partial_names``); another tensor's at once (``GradSum``)."""
+        if a.op == "get_attr":
+            t = gm
+            for name in a.target.split("."):
+                t = getattr(t, name)
+            if isinstance(t, torch.nn.Parameter):
+                self.partial.setdefault(id(t), [t, 0])[1] += 1
+                return
+            if isinstance(t, torch.Tensor) and not t.requires_grad:
+                return
+        self._put_before(gm, node, a, GradSum(self.group))
+
+    def partial_names(self, chunk) -> frozenset[str]:
+        """The chunk's parameters whose gradients are partial (read by parts only), by model
+        name; a parameter read both by parts and whole is refused."""
+        reads: dict[int, int] = {}
+        for gm in {id(m): m for m in self.modules}.values():
+            for n in gm.graph.nodes:
+                if n.op == "get_attr":
+                    t = gm
+                    for name in n.target.split("."):
+                        t = getattr(t, name)
+                    reads[id(t)] = reads.get(id(t), 0) + len(n.users)
+        names = {id(p): chunk.model_name(n) for n, p in chunk.named_parameters()}
+        for pid, (p, by_parts) in self.partial.items():
+            if by_parts and reads.get(pid, 0) != by_parts:
+                raise TensorParallelError(
+                    f"parameter {names.get(pid, tuple(p.shape))} is read both by parts of the "
+                    "sequence and whole: plan without sequence parallelism (--fix sp=0)")
+        return frozenset(names[pid] for pid in self.partial if pid in names)
+
+    def _gather_inputs(self, gm, node, lay) -> None:
+        """Every part (``SeqSplit``) ``node`` reads, gathered whole first."""
+        for a in list(node.all_input_nodes):
+            s = lay.get(a)
+            if isinstance(s, SeqSplit):
+                lay[self._put_before(gm, node, a, SeqGather(s.dim, self.group))] = None
+
+    def _seq_op(self, gm, node, lay):
+        """The layout of ``node``'s output where it reads parts (``SeqSplit``), or None
+        where it has no rule for parts (its inputs are then gathered)."""
+        t = node.target
+        x = node.args[0]
+        sx = lay.get(x)
+        if t in _SAME:
+            return self._seq_same(gm, node, lay)
+        if t in (aten.layer_norm.default, aten.native_layer_norm.default,
+                 aten.rms_norm.default) and isinstance(sx, SeqSplit) \
+                and sx.dim < _ndim(x) - len(node.args[1]):
+            for a in node.all_input_nodes:
+                if a is not x:
+                    self._whole_read_by_parts(gm, node, a)
+            if t is aten.native_layer_norm.default:
+                return (sx, sx, sx)
+            return sx
+        if t in (aten.mean.dim, aten.sum.dim_IntList) and isinstance(sx, SeqSplit):
+            nd = _ndim(x)
+            over = node.args[1] if len(node.args) > 1 else None
+            dims = {d % nd for d in (range(nd) if over is None else over)}
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            if sx.dim not in dims:
+                return SeqSplit(sx.dim if keep else sx.dim - sum(d < sx.dim for d in dims))
+            return None
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
+                and isinstance(sx, SeqSplit):
+            src, dst = _shape(x), _shape(node)
+            before = _prod(src[:sx.dim])
+            e = next((e for e in range(len(dst)) if _prod(dst[:e]) == before
+                      and dst[e] == src[sx.dim]), None)
+            if e is None:
+                return None
+            local = list(dst)
+            local[e] //= self.tp
+            node.args = (x, local, *node.args[2:])
+            return SeqSplit(e)
+        return None
+
+    def _seq_same(self, gm, node, lay):
+        """An elementwise op reading parts: its output a part; each whole tensor it reads cut
+        to this shard's part, or where it broadcasts along the split dim kept whole with its
+        gradient summed over the shards."""
+        out_nd = _ndim(node)
+        dims = {lay[a].dim + out_nd - _ndim(a) for a in node.all_input_nodes
+                if isinstance(lay.get(a), SeqSplit)}
+        if len(dims) != 1 or any(isinstance(lay.get(a), Sharded) for a in node.all_input_nodes):
+            return None
+        (d,) = dims
+        for a in list(node.all_input_nodes):
+            if lay.get(a) is not None or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            da = d - (out_nd - _ndim(a))
+            if da < 0 or _shape(a)[da] == 1:
+                self._whole_read_by_parts(gm, node, a)
+            else:
+                lay[self._put_before(gm, node, a, SeqScatter(da, self.group))] = SeqSplit(da)
+        return SeqSplit(d)
+
     # ------------------------------------------------------------------ ops
-    def _function(self, node, lay) -> tuple[object, bool]:
-        args = [lay.get(a) if isinstance(a, torch.fx.Node) else None
-                for a in _flat(node.args) + _flat(list(node.kwargs.values()))]
-        split = [a for a in args if a is not None]
+    def _function(self, gm, node, lay) -> tuple[object, bool]:
         if node.target is operator.getitem:
             src = lay.get(node.args[0])
             return (src[node.args[1]] if isinstance(src, tuple) else src), False
+        if any(isinstance(lay.get(a), SeqSplit) for a in node.all_input_nodes):
+            out = self._seq_op(gm, node, lay)
+            if out is not None:
+                return out, True
+            self._gather_inputs(gm, node, lay)
+        args = [lay.get(a) if isinstance(a, torch.fx.Node) else None
+                for a in _flat(node.args) + _flat(list(node.kwargs.values()))]
+        split = [a for a in args if a is not None]
         if not split:
             return None, False
         t = node.target

@@ -1,6 +1,10 @@
 """The layers a tensor-parallel chunk runs (``tensor_parallel`` puts them in place of its
 linear layers): Megatron's ``f`` and ``g`` as autograd functions, and a linear layer's column-
-and row-parallel shards.
+and row-parallel shards; with sequence parallelism (Korthikanti et al. 2022), the row-parallel
+sums reduce-scattered along a dim other than the features (the sequence) and gathered again
+before the next column-parallel layer, and the modules the rewrite puts where a tensor enters
+or leaves that region (``SeqScatter``, ``SeqGather``) or a whole tensor meets a part of one
+(``GradSum``: its gradient summed over the shards).
 
 Example (inside a launch of ``tp`` processes, ``group`` their process group):
     >>> layer = ColumnLinear(weight_rows, bias_rows, group)        # doctest: +SKIP
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ColumnLinear", "RowLinear"]
+__all__ = ["ColumnLinear", "GradSum", "RowLinear", "SeqGather", "SeqScatter"]
 
 _BUFFERS: dict[tuple, torch.Tensor] = {}
 
@@ -31,6 +35,139 @@ def _summed(x: torch.Tensor, group) -> torch.Tensor:
     buf.copy_(x)
     dist.all_reduce(buf, group=group)
     return buf.clone()
+
+
+def _gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every shard's ``x`` put together along ``dim``, in shard order.
+
+    NOTE: through ``all_gather_into_tensor`` (and ``reduce_scatter_tensor`` below), which
+    ``collective_frees`` keeps the buffers of on this thread while metering"""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    # NOTE: flat, gloo checks the first dims: the output's is the world's times the input's
+    out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=group)
+    shape = list(x.shape)
+    shape[dim] *= n
+    return out.view(n, *x.shape).movedim(0, dim).reshape(shape)
+
+
+def _scatter_summed(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This shard's part along ``dim`` of ``x`` summed over ``group`` (a reduce-scatter)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    shape = list(x.shape)
+    parts = x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]).movedim(dim, 0)
+    shape[dim] //= n
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out.view(-1), parts.contiguous().view(-1), group=group)
+    return out
+
+
+def _own_part(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
+
+
+class _Gather(torch.autograd.Function):
+    """Parts along ``dim`` put together, for ops every shard then runs whole alike. Its
+    gradient: this shard's part of theirs."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gathered(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_part(grad, ctx.dim, ctx.group), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """This shard's part along ``dim`` of a tensor each shard holds whole (``summed``: a
+    partial sum each, reduce-scattered: a row-parallel layer's). Its gradient: every part's,
+    gathered."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, summed):
+        ctx.dim, ctx.group = dim, group
+        return _scatter_summed(x, dim, group) if summed else _own_part(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gathered(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """A column-parallel linear whose input is this shard's part along ``dim``: gathered for
+    the matmul, and only the part saved — gathered again in the backward for the weight's
+    gradient, the input's gradient reduce-scattered (Megatron's sequence-parallel linear: the
+    whole input is never held from the forward to the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, group):
+        ctx.dim, ctx.group, ctx.has_bias = dim, group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(_gathered(x, dim, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _gathered(x, ctx.dim, ctx.group)
+        grad_x = _scatter_summed(grad.matmul(weight), ctx.dim, ctx.group)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w = rows.t().matmul(whole.reshape(-1, whole.shape[-1]))
+        grad_b = rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SumGrads(torch.autograd.Function):
+    """A whole tensor read by every shard's part: its gradient summed over the shards."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group), None
+
+
+class SeqGather(torch.nn.Module):
+    """Where a tensor split along ``dim`` meets an op that needs it whole: gathered."""
+
+    def __init__(self, dim: int, group) -> None:
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, x):
+        return _Gather.apply(x, self.dim, self.group)
+
+
+class SeqScatter(torch.nn.Module):
+    """Where a tensor every shard holds whole meets parts along ``dim``: this shard's part."""
+
+    def __init__(self, dim: int, group) -> None:
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, x):
+        return _Scatter.apply(x, self.dim, self.group, False)
+
+
+class GradSum(torch.nn.Module):
+    """A whole tensor (a norm's weight, a broadcast bias) read by this shard's part."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return _SumGrads.apply(x, self.group)
 
 
 class _CopyToShards(torch.autograd.Function):
@@ -64,26 +201,39 @@ class _ShardLinear(torch.nn.Module):
     features, out features), as Hugging Face's ``Conv1D`` computes ``x @ weight + bias`` —
     kept so (its checkpoint names and shapes)."""
 
-    def __init__(self, weight, bias, group, transposed: bool = False) -> None:
+    def __init__(self, weight, bias, group, transposed: bool = False,
+                 seq_dim: int | None = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
         self.group = group
         self.transposed = transposed
+        self.seq_dim = seq_dim   # NOTE: sequence parallel: the dim its parts are split along
 
     def _weight(self) -> torch.Tensor:
         return self.weight.t() if self.transposed else self.weight
 
 
 class ColumnLinear(_ShardLinear):
+    """With ``seq_dim``, its input is this shard's part along that dim, gathered for the
+    matmul (``_GatheredLinear``)."""
+
     def forward(self, x):
-        return torch.nn.functional.linear(_CopyToShards.apply(x, self.group), self._weight(),
-                                          self.bias)
+        if self.seq_dim is None:
+            return torch.nn.functional.linear(_CopyToShards.apply(x, self.group),
+                                              self._weight(), self.bias)
+        return _GatheredLinear.apply(x, self._weight(), self.bias, self.seq_dim, self.group)
 
 
 class RowLinear(_ShardLinear):
-    """Its bias is whole, added once after the partial sums are."""
+    """Its bias is whole, added once after the partial sums are. With ``seq_dim``, the sums
+    are reduce-scattered along it: the output is this shard's part (and the bias's gradient
+    from it partial: the step sums it over the shards, ``tensor_parallel.partial_names``)."""
 
     def forward(self, x):
-        out = _SumShards.apply(torch.nn.functional.linear(x, self._weight()), self.group)
+        out = torch.nn.functional.linear(x, self._weight())
+        if self.seq_dim is None:
+            out = _SumShards.apply(out, self.group)
+        else:
+            out = _Scatter.apply(out, self.seq_dim, self.group, True)
         return out if self.bias is None else out + self.bias
