@@ -1,4 +1,4 @@
-"""The runtime's one-process parts: a batch split between replicas, micro-batches' loss
+"""The runtime's parts: a batch split between replicas, micro-batches' loss
 weights found in the traced step, the optimizer rebuilt per rank, the launch checked against
 the plan (``fitgraph.dist.runtime``)."""
 
@@ -260,3 +260,63 @@ def test_an_autocast_region_the_splitter_cannot_place_is_refused_clearly():
     with pytest.raises(ValueError, match="pp=1"):
         split_step(StepModule(model, lambda m, b: m(b["x"]).sum(), flat), tuple(flat.tensors),
                    ["inner"])
+
+
+def _sequence_parts(rank: int, world: int):
+    """Each sequence-parallel layer's forward and gradient on 2 gloo ranks, against the
+    whole tensor's in one process (``tp_layers``)."""
+    import torch.distributed as dist
+
+    from fitgraph.dist.runtime.tp_layers import GradSum, SeqGather, SeqScatter, _GatheredLinear
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    mine = whole.chunk(world, 1)[rank]
+    out = {}
+    x = whole.clone().requires_grad_()
+    part = SeqScatter(1, group)(x)
+    (part * (rank + 1)).sum().backward()       # each rank's part weighed by its rank
+    out["scatter"] = (torch.equal(part, mine), x.grad)
+    y = mine.clone().requires_grad_()
+    full = SeqGather(1, group)(y)
+    (full * full).sum().backward()
+    out["gather"] = (torch.equal(full, whole), y.grad)
+    b = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    (GradSum(group)(b) * mine).sum().backward()
+    out["gradsum"] = b.grad
+    z = mine.clone().requires_grad_()
+    wz = w.chunk(world, 0)[rank].clone().requires_grad_()   # this rank's output features
+    lin = _GatheredLinear.apply(z, wz, None, 1, group)
+    (lin * lin).sum().backward()
+    out["linear"] = (lin, z.grad, wz.grad)
+    return out
+
+
+def test_sequence_parallel_layers_give_the_whole_tensors_results():
+    from fitgraph.dist.runtime import run_processes
+
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    ranks = run_processes(_sequence_parts, 2, timeout_s=120)
+    weights = torch.cat([torch.full((2, 3, 4), r + 1.0, dtype=torch.float64) for r in range(2)], 1)
+    for r, out in enumerate(ranks):
+        same, grad = out["scatter"]
+        # the part is this rank's; the whole tensor's gradient gathers every part's
+        assert same and torch.equal(grad, weights)
+        same, grad = out["gather"]
+        assert same and torch.allclose(grad, 2 * whole.chunk(2, 1)[r])
+        # a whole tensor read by each rank's part: the gradient summed over the parts
+        assert torch.allclose(out["gradsum"], whole.sum((0, 1)))
+        lin, gz, gw = out["linear"]
+        x = whole.clone().requires_grad_()
+        wx = w.clone().requires_grad_()
+        ref = x @ wx.t()
+        (ref * ref).sum().backward()
+        # the whole sequence's output, this rank's features; the input's gradient summed
+        # over the ranks' features, this rank's part of the sequence; the weight's, its rows
+        assert torch.allclose(lin, ref.chunk(2, -1)[r])
+        assert torch.allclose(gz, x.grad.chunk(2, 1)[r])
+        assert torch.allclose(gw, wx.grad.chunk(2, 0)[r])

@@ -124,19 +124,6 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class _SumGrads(torch.autograd.Function):
-    """A whole tensor read by every shard's part: its gradient summed over the shards."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _summed(grad, ctx.group), None
-
-
 class SeqGather(torch.nn.Module):
     """Where a tensor split along ``dim`` meets an op that needs it whole: gathered."""
 
@@ -167,7 +154,8 @@ class GradSum(torch.nn.Module):
         self.group = group
 
     def forward(self, x):
-        return _SumGrads.apply(x, self.group)
+        # NOTE: Megatron's ``f`` alike: the tensor as it is, its gradient summed
+        return _CopyToShards.apply(x, self.group)
 
 
 class _CopyToShards(torch.autograd.Function):
