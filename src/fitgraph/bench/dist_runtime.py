@@ -7,7 +7,7 @@ measured once: ``bench.gloo_link``), run twice by ``fitgraph.dist.parallelize`` 
 (the median of the steps after the first, no meter), once with every rank's allocator meter
 (``measure_memory=True``) — and reported per rank.
 
-    python -m fitgraph.bench.dist_runtime [--out docs/dist/runtime.json] [--steps 6]
+    python -m fitgraph.bench.dist_runtime [--out docs/dist/runtime.json] [--steps 6] [--seq 64]
     python -m fitgraph.bench.dist_runtime --table docs/dist/runtime.json   # BENCHMARKS.md's
 """
 
@@ -39,21 +39,21 @@ CONFIGS = {
 }
 
 
-def _case():
+def _case(seq: int = SEQ):
     import fitgraph.zoo as zoo
 
-    case = zoo.build("gpt2", "small", batch_size=BATCH, seq_len=SEQ)
+    case = zoo.build("gpt2", "small", batch_size=BATCH, seq_len=seq)
     case.model.eval()     # NOTE: no dropout: the same step on every run
     return case
 
 
-def _rank(rank: int, world: int, plan_json: dict, steps: int, memory: bool):
+def _rank(rank: int, world: int, plan_json: dict, steps: int, memory: bool, seq: int = SEQ):
     import torch
 
     from ..dist import parallelize
 
     torch.set_num_threads(1)
-    case = _case()
+    case = _case(seq)
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
     step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json,
                        measure_memory=memory)
@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, plan_json: dict, steps: int, memory: bool):
     return step.report().to_json()[rank]
 
 
-def _plan(fix: dict, cost_model):
+def _plan(fix: dict, cost_model, seq: int = SEQ):
     from .. import capture
     from ..cost import get_device
     from ..dist import FP32_ADAM, LINKS, Cluster
@@ -71,7 +71,7 @@ def _plan(fix: dict, cost_model):
 
     fix = {"tp": 1, **fix}
     between = fix.pop("between", None)
-    case = _case()
+    case = _case(seq)
     mb = fix["micro_batch"]
     graph = capture(case.model, {k: v[:mb] for k, v in case.batch.items()}, case.loss_fn)
     world = fix["tp"] * fix["pp"] * fix["dp"]
@@ -79,13 +79,13 @@ def _plan(fix: dict, cost_model):
     cluster = Cluster(get_device("cpu-generic"), world, 1, link, link)
     if hasattr(cost_model, "profile"):
         cost_model.profile(graph)      # NOTE: ops timed here, one thread, as the ranks run
-    gm = GraphModel(graph, cost_model, batch_size=mb, seq=SEQ)
+    gm = GraphModel(graph, cost_model, batch_size=mb, seq=seq)
     budget = (None if between is None else
               budget_between(gm, cluster, BATCH, fix, between, precision=FP32_ADAM))
     return plan(gm, cluster, BATCH, fix=fix, precision=FP32_ADAM, budget=budget)
 
 
-def run(steps: int, names: list[str]) -> dict:
+def run(steps: int, names: list[str], seq: int = SEQ) -> dict:
     import torch
 
     from ..cost import cost_model_for
@@ -95,10 +95,10 @@ def run(steps: int, names: list[str]) -> dict:
     cost_model = cost_model_for("measured:cpu", progress=False)
     rows = []
     for name in names:
-        p = _plan(CONFIGS[name], cost_model)
+        p = _plan(CONFIGS[name], cost_model, seq)
         world = p.parallelism.devices
-        timed = run_processes(_rank, world, p.to_json(), steps, False, timeout_s=600)
-        metered = run_processes(_rank, world, p.to_json(), 3, True, timeout_s=600)
+        timed = run_processes(_rank, world, p.to_json(), steps, False, seq, timeout_s=600)
+        metered = run_processes(_rank, world, p.to_json(), 3, True, seq, timeout_s=600)
         for t, m in zip(timed, metered):
             rows.append({"config": name, "rank": t["rank"], "stage": t["stage"],
                          "step_s": t["step_s"], "predicted_step_s": t["predicted_step_s"],
@@ -110,7 +110,7 @@ def run(steps: int, names: list[str]) -> dict:
                          "notes": m["notes"]})
         print(_format(rows[-world:]), flush=True)
     return {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "torch": torch.__version__, "model": f"gpt2 small fp32, batch {BATCH} x {SEQ}",
+            "torch": torch.__version__, "model": f"gpt2 small fp32, batch {BATCH} x {seq}",
             "steps": steps, "rows": rows}
 
 
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sample")
     ap.add_argument("--table", metavar="JSON", help="print a saved run as a markdown table")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated, of: {', '.join(CONFIGS)}")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'config':<20} {'rank':>4} {'step ms':>9} {'pred ms':>9} {'peak MiB':>9} "
           f"{'pred MiB':>9} {'ratio':>6}")
     start = time.perf_counter()
-    res = run(args.steps, names)
+    res = run(args.steps, names, args.seq)
     res["seconds"] = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:
