@@ -11,17 +11,9 @@ slice's; a row-parallel linear multiplies its slice of the weight's columns and 
 the partial sums before adding its bias (``g``). Anything else that would read a slice — a
 norm over the features, an op without a rule here — is refused, naming the op.
 
-With sequence parallelism (``sp``), a row-parallel linear reduce-scatters its sums along a dim
-other than the features (the sequence, or the rows before it where that does not divide), and
-what follows it — dropout, residual adds, norms over the features — runs on this shard's part
-(``SeqSplit``) up to the next column-parallel linear, which gathers its input. A whole tensor
-that meets a part is cut to this shard's part (``SeqScatter``: its gradient gathered), or,
-where it broadcasts along that dim (a norm's weight, a bias), kept whole with its gradient
-summed over the shards (``GradSum``); any op without a rule for parts gets its input gathered
-first (``SeqGather``), and so does what leaves the chunk. A parameter read only by parts (a
-norm's weight, a row-parallel bias) keeps its partial gradient through the backward and the
-step sums it over the shards once (``chunk.tp_partial_grads``: Megatron's all-reduce of the
-sequence-parallel norms' gradients), not one collective per use and micro-batch.
+With sequence parallelism (``sp``), a row-parallel linear reduce-scatters its sums along the
+sequence and what follows it runs on this shard's part of it up to the next column-parallel
+linear, which gathers its input: the rules for parts are ``sequence_parallel``'s.
 
 Example (inside a launch; ``parallelize`` calls it):
     >>> shard_chunk(chunk, {"mlp.up.weight": "colwise", ...}, tp_mesh)   # doctest: +SKIP
@@ -34,30 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .tp_layers import ColumnLinear, GradSum, RowLinear, SeqGather, SeqScatter
+from .fx_layouts import ELEMENTWISE as _SAME
+from .fx_layouts import SeqSplit, Sharded, TensorParallelError
+from .fx_layouts import flat as _flat
+from .fx_layouts import ndim as _ndim
+from .fx_layouts import prod as _prod
+from .fx_layouts import shape as _shape
+from .sequence_parallel import SequenceParallelRules
+from .tp_layers import ColumnLinear, RowLinear
 
 __all__ = ["SeqSplit", "Sharded", "TensorParallelError", "TpParam", "shard_chunk", "untake"]
 
 aten = torch.ops.aten
-
-
-class TensorParallelError(ValueError):
-    """The chunk cannot run the plan's tensor parallelism."""
-
-
-@dataclass(frozen=True)
-class Sharded:
-    """A tensor split along ``dim``: each of its ``parts`` equal parts split in ``tp``."""
-
-    dim: int
-    parts: int = 1
-
-
-@dataclass(frozen=True)
-class SeqSplit:
-    """A tensor of which each shard holds its part along ``dim`` (sequence parallelism)."""
-
-    dim: int
 
 
 @dataclass(frozen=True)
@@ -90,7 +70,7 @@ def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: 
     return rw.split
 
 
-class _Rewrite:
+class _Rewrite(SequenceParallelRules):
     def __init__(self, styles, tp, shard, group, prefix, sp: bool = False) -> None:
         self.styles, self.tp, self.shard, self.group, self.prefix = (styles, tp, shard, group,
                                                                      prefix)
@@ -205,128 +185,6 @@ class _Rewrite:
 
     def _model_name(self, path: str) -> str:
         return path[len(self.prefix):] if path.startswith(self.prefix) else path
-
-    def _seq_dim(self, node) -> int | None:
-        """The dim a row-parallel output is split along with sequence parallelism: the one
-        before the features (the sequence), else an earlier one, that ``tp`` divides."""
-        shape = _shape(node)
-        return next((d for d in range(len(shape) - 2, -1, -1)
-                     if shape[d] >= self.tp and shape[d] % self.tp == 0), None)
-
-    # ------------------------------------------------------------------ sequence parallel
-    def _put_before(self, gm, node, arg, module) -> torch.fx.Node:
-        """``module(arg)`` put into ``gm``'s graph in place of ``node``'s input ``arg``."""
-        k = self.inserted.get(id(gm), 0)
-        self.inserted[id(gm)] = k + 1
-        name = f"fitgraph_sp_{k}"
-        gm.add_module(name, module)
-        owner = gm.graph.owning_module
-        if owner is not None and owner is not gm:
-            owner.add_module(name, module)   # NOTE: an unflattened module's graph is another's
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(name, (arg,))
-        new.meta["val"] = arg.meta["val"]   # NOTE: shapes in ``meta`` are the whole ones
-        node.replace_input_with(arg, new)
-        return new
-
-    def _whole_read_by_parts(self, gm, node, a) -> None:
-        """``node`` reads whole tensor ``a`` with parts: its gradient is partial. A parameter's
-        is summed once a step (``partial_names``); another tensor's at once (``GradSum``)."""
-        if a.op == "get_attr":
-            t = gm
-            for name in a.target.split("."):
-                t = getattr(t, name)
-            if isinstance(t, torch.nn.Parameter):
-                self.partial.setdefault(id(t), [t, 0])[1] += 1
-                return
-            if isinstance(t, torch.Tensor) and not t.requires_grad:
-                return
-        self._put_before(gm, node, a, GradSum(self.group))
-
-    def partial_names(self, chunk) -> frozenset[str]:
-        """The chunk's parameters whose gradients are partial (read by parts only), by model
-        name; a parameter read both by parts and whole is refused."""
-        reads: dict[int, int] = {}
-        for gm in {id(m): m for m in self.modules}.values():
-            for n in gm.graph.nodes:
-                if n.op == "get_attr":
-                    t = gm
-                    for name in n.target.split("."):
-                        t = getattr(t, name)
-                    reads[id(t)] = reads.get(id(t), 0) + len(n.users)
-        names = {id(p): chunk.model_name(n) for n, p in chunk.named_parameters()}
-        for pid, (p, by_parts) in self.partial.items():
-            if by_parts and reads.get(pid, 0) != by_parts:
-                raise TensorParallelError(
-                    f"parameter {names.get(pid, tuple(p.shape))} is read both by parts of the "
-                    "sequence and whole: plan without sequence parallelism (--fix sp=0)")
-        return frozenset(names[pid] for pid in self.partial if pid in names)
-
-    def _gather_inputs(self, gm, node, lay) -> None:
-        """Every part (``SeqSplit``) ``node`` reads, gathered whole first."""
-        for a in list(node.all_input_nodes):
-            s = lay.get(a)
-            if isinstance(s, SeqSplit):
-                lay[self._put_before(gm, node, a, SeqGather(s.dim, self.group))] = None
-
-    def _seq_op(self, gm, node, lay):
-        """The layout of ``node``'s output where it reads parts (``SeqSplit``), or None
-        where it has no rule for parts (its inputs are then gathered)."""
-        t = node.target
-        x = node.args[0]
-        sx = lay.get(x)
-        if t in _SAME:
-            return self._seq_same(gm, node, lay)
-        if t in (aten.layer_norm.default, aten.native_layer_norm.default,
-                 aten.rms_norm.default) and isinstance(sx, SeqSplit) \
-                and sx.dim < _ndim(x) - len(node.args[1]):
-            for a in node.all_input_nodes:
-                if a is not x:
-                    self._whole_read_by_parts(gm, node, a)
-            if t is aten.native_layer_norm.default:
-                return (sx, sx, sx)
-            return sx
-        if t in (aten.mean.dim, aten.sum.dim_IntList) and isinstance(sx, SeqSplit):
-            nd = _ndim(x)
-            over = node.args[1] if len(node.args) > 1 else None
-            dims = {d % nd for d in (range(nd) if over is None else over)}
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-            if sx.dim not in dims:
-                return SeqSplit(sx.dim if keep else sx.dim - sum(d < sx.dim for d in dims))
-            return None
-        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
-                and isinstance(sx, SeqSplit):
-            src, dst = _shape(x), _shape(node)
-            before = _prod(src[:sx.dim])
-            e = next((e for e in range(len(dst)) if _prod(dst[:e]) == before
-                      and dst[e] == src[sx.dim]), None)
-            if e is None:
-                return None
-            local = list(dst)
-            local[e] //= self.tp
-            node.args = (x, local, *node.args[2:])
-            return SeqSplit(e)
-        return None
-
-    def _seq_same(self, gm, node, lay):
-        """An elementwise op reading parts: its output a part; each whole tensor it reads cut
-        to this shard's part, or where it broadcasts along the split dim kept whole with its
-        gradient summed over the shards."""
-        out_nd = _ndim(node)
-        dims = {lay[a].dim + out_nd - _ndim(a) for a in node.all_input_nodes
-                if isinstance(lay.get(a), SeqSplit)}
-        if len(dims) != 1 or any(isinstance(lay.get(a), Sharded) for a in node.all_input_nodes):
-            return None
-        (d,) = dims
-        for a in list(node.all_input_nodes):
-            if lay.get(a) is not None or not isinstance(a.meta.get("val"), torch.Tensor):
-                continue
-            da = d - (out_nd - _ndim(a))
-            if da < 0 or _shape(a)[da] == 1:
-                self._whole_read_by_parts(gm, node, a)
-            else:
-                lay[self._put_before(gm, node, a, SeqScatter(da, self.group))] = SeqSplit(da)
-        return SeqSplit(d)
 
     # ------------------------------------------------------------------ ops
     def _function(self, gm, node, lay) -> tuple[object, bool]:
@@ -489,15 +347,6 @@ class _Rewrite:
         return s
 
 
-_SAME = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
-         aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default,
-         aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
-         aten.sigmoid.default, aten.exp.default, aten.pow.Tensor_Scalar, aten.rsqrt.default,
-         aten.dropout.default, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
-         aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.clone.default,
-         aten.contiguous.default, aten.alias.default, aten.to.dtype, aten.to.dtype_layout,
-         aten._to_copy.default, aten.type_as.default, aten.erf.default, aten.cos.default,
-         aten.sin.default}
 
 
 def _linear_of(module) -> dict | None:
@@ -580,28 +429,3 @@ def _replace_module(gm, target: str, new: torch.nn.Module) -> None:
     parent, _, name = target.rpartition(".")
     owner = gm.get_submodule(parent) if parent else gm
     setattr(owner, name, new)
-
-
-def _flat(args) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, (tuple, list)):
-            out.extend(_flat(a))
-        else:
-            out.append(a)
-    return out
-
-
-def _shape(node) -> tuple:
-    return tuple(node.meta["val"].shape)
-
-
-def _ndim(node) -> int:
-    return len(node.meta["val"].shape)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
