@@ -27,7 +27,8 @@ BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
 CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"), ("hf-llama", "tp2-sp"),
          pytest.param("hf-llama", "pp2", marks=pytest.mark.slow),
          pytest.param("hf-gpt2", "tp2", marks=pytest.mark.slow),
-         pytest.param("hf-bert", "tp2-sp", marks=pytest.mark.slow)]
+         pytest.param("hf-bert", "tp2-sp", marks=pytest.mark.slow),
+         pytest.param("hf-gpt2", "tp2-sp", marks=pytest.mark.slow)]
 FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
        "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
        # sequence parallel: Llama's RMSNorm (its mean over the features, its weight) and
