@@ -135,25 +135,30 @@ def test_split_blocks_run_half_their_sliced_work_with_their_collectives(tiny):
 
 
 def test_sequence_parallel_blocks_run_the_rest_on_their_part_of_the_rows(tiny):
-    """What tensor parallelism leaves whole in a body block (norms, residual adds) runs on
-    1/tp of the rows and saves 1/tp; each all-reduce becomes a reduce-scatter and an
-    all-gather of the same bytes; the embedding and head blocks are unchanged."""
+    """From a row-parallel matmul to the next matmul (its residual add, the next norm) the
+    ops run on 1/tp of the rows and save 1/tp; the first block's first norm reads the whole
+    input it is handed and runs whole, as at run time; each all-reduce becomes a reduce-
+    scatter and an all-gather of the same bytes; the embedding block is unchanged."""
     _, _, gm = tiny
     tp, sp = gm.blocks(2, 4, False), gm.blocks(2, 4, True)
-    for a, b in zip(tp[1:-1], sp[1:-1]):
-        assert b.input_bytes == a.input_bytes / 2
+    body = list(zip(tp[1:-1], sp[1:-1]))
+    assert body[0][1].input_bytes == body[0][0].input_bytes      # the embedding's output
+    for a, b in body[1:]:
+        assert b.input_bytes == a.input_bytes / 2                  # the last block's parts
+    halved = 0
+    for a, b in body:
         for x, y in zip(a.ops[:-1], b.ops[:-1]):
-            if x.seconds == y.seconds:           # a sliced op: already 1/tp
-                assert x.saved == y.saved
-            else:
-                assert y.seconds == pytest.approx(x.seconds / 2)
+            assert y.seconds in (x.seconds, pytest.approx(x.seconds / 2))
+            if y.seconds != x.seconds:
+                halved += 1
                 assert y.saved == pytest.approx(x.saved / 2)
         assert sum(o.saved for o in b.ops) < sum(o.saved for o in a.ops)
         kinds = sorted(c.kind for op in b.ops for c in (*op.fwd_comm, *op.bwd_comm))
         assert kinds == ["all_gather"] * 6 + ["reduce_scatter"] * 4
         assert {c.nbytes for op in b.ops for c in (*op.fwd_comm, *op.bwd_comm)} == {
             c.nbytes for op in a.ops for c in (*op.fwd_comm, *op.bwd_comm)}
-    assert (sp[0].ops, sp[-1].ops) == (tp[0].ops, tp[-1].ops)
+    assert halved >= 3 * len(body) - 1
+    assert sp[0].ops == tp[0].ops
 
 
 def test_a_captured_model_plans_with_tensor_parallelism_and_honest_memory(tiny):

@@ -102,3 +102,37 @@ def test_each_ranks_measured_peak_is_its_prediction(config, graphs):
         rows = [min(a, b, key=lambda r: r["peak_bytes"]) for a, b in zip(rows, again)]
     for r in rows:
         assert r["peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.05), r
+
+
+def _llama(rank: int, world: int, plan_json: dict):
+    from fitgraph.dist import parallelize
+
+    torch.set_num_threads(1)
+    case = zoo.build("hf-llama", "small", batch_size=BATCH, seq_len=128)
+    case.model.eval()
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
+    step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json,
+                       measure_memory=True)
+    for _ in range(3):
+        step(case.batch)
+    return step.report().to_json()[rank]
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_a_sequence_parallel_llama_ranks_peak_is_its_prediction():
+    """Hugging Face's Llama at tp=2 with sequence parallelism: its attention is kept whole
+    (``graph_tp`` splits its MLP only), so its norms' outputs are gathered once for Q, K and
+    V, and only the MLP's side of each layer runs on parts — as the plan prices it."""
+    pytest.importorskip("transformers")
+    case = zoo.build("hf-llama", "small", batch_size=BATCH, seq_len=128)
+    case.model.eval()
+    graph = fitgraph.capture(case.model, {k: v[:2] for k, v in case.batch.items()},
+                             case.loss_fn)
+    gm = GraphModel(graph, RooflineCostModel(get_device("cpu-generic")), batch_size=2, seq=128)
+    link = LINKS["gloo-loopback"]
+    cluster = Cluster(get_device("cpu-generic"), 2, 1, link, link)
+    p = plan(gm, cluster, BATCH, precision=FP32_ADAM,
+             fix={"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True})
+    for r in run_processes(_llama, 2, p.to_json(), timeout_s=300):
+        assert r["peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.05), r

@@ -15,12 +15,12 @@ activations and FLOPs by ``b / batch_size`` (linear in the batch, as the kernels
 sizes planned), parameters not. Tensor parallelism: the weight matmuls ``dist.graph_tp`` finds
 splittable run on ``1/tp`` of their data with their all-reduces (Megatron's column/row pairs,
 found from the graph's structure), the rest of each block whole on every device. Sequence
-parallelism (``sp``): in each body block, what tensor parallelism does not slice (norms,
-dropout, residual adds: the ops between a row-parallel matmul and the next column-parallel
-one) runs on ``1/tp`` of the rows, saving ``1/tp`` of it, and the block's input is held so;
-each all-reduce becomes a reduce-scatter after the row-parallel matmul and an all-gather
-before the column-parallel one (again in its backward, which holds only the part), as
-``dist.runtime.tp_layers`` runs them. ``loss_in_parts=False`` leaves out the head's option of
+parallelism (``sp``): the ops ``dist.sequence_parts`` finds on parts of the sequence (from a
+row-parallel matmul through dropout, residual adds and norms to the next matmul) run on
+``1/tp`` of the rows, saving ``1/tp`` of what they save, and a block's input held so where it
+is a part; each all-reduce becomes a reduce-scatter after the row-parallel matmul and an
+all-gather before the column-parallel one (again in its backward, which holds only the
+part), as ``dist.runtime.tp_layers`` runs them. ``loss_in_parts=False`` leaves out the head's option of
 re-making its loss in parts (what ``dist.runtime`` runs).
 
 Example:
@@ -47,6 +47,7 @@ from ..solvers.peers.rotor import chain_stages, rotor_chain, value_readers
 from ..solvers.remat.stages import stage_graph
 from .graph_tp import TensorParallelMap, tensor_parallel_map
 from .ops import INPUT, Block, Collective, Op
+from .sequence_parts import sequence_parts
 
 __all__ = ["GraphModel", "GraphModelError"]
 
@@ -340,19 +341,19 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap, sp: bool = False) -> li
         bwd_flops[k] += sum(nodes[m].flops for m in units[u].members)
         if any(side == "O" for v in units[u].values for side, _ in readers[v]):
             bwd_w[k] += units[u].seconds
+    # NOTE: sequence parallel: the forward units on parts of the sequence (1/tp of the rows)
+    parts = sequence_parts(graph, tpm) if sp else set()
+    on_parts = {u for u in fstage if units[u].members[0] in parts}
     a = [0.0] * n            # bytes the next block's forward reads
+    held = [0.0] * n         # ... of which each device holds (parts: 1/tp)
     for u, k in fstage.items():
         for v in units[u].values:
             if any(side == "F" and s == k + 1 for side, s in readers[v]):
                 a[k] += sg.value_bytes[v]
+                held[k] += sg.value_bytes[v] / (tp if u in on_parts else 1)
     blocks = []
     for k in range(n):
         mine = sorted(u for u, s in fstage.items() if s == k)
-        # NOTE: sequence parallel: a body block split by tensor parallelism runs the rest of
-        # its ops on its part of the rows (the embedding and head blocks run theirs whole)
-        rows = (1.0 / tp if sp and 0 < k < n - 1
-                and any(m in tpm.sliced_nodes for u in mine for m in units[u].members)
-                else 1.0)
         # NOTE: ops are named by position in their block, so that blocks of one structure
         # (the repeated layers) have equal ops and share one kind: priced once
         local = {u: f"o{i}" for i, u in enumerate(mine)}
@@ -361,7 +362,7 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap, sp: bool = False) -> li
         for u in mine:
             unit = units[u]
             # NOTE: a unit runs on 1/tp of its data where the op that makes it is sliced
-            share = 1.0 / tp if unit.members[0] in tpm.sliced_nodes else rows
+            share = 1.0 / tp if unit.members[0] in tpm.sliced_nodes or u in on_parts else 1.0
             saved, far = 0.0, False
             for v in unit.values:
                 rd = readers[v]
@@ -399,10 +400,11 @@ def _chain_blocks(chain: _Chain, tpm: TensorParallelMap, sp: bool = False) -> li
         # NOTE: what makes a block's costs: a block holding a buffer is its own kind
         kind = "graph:" + hashlib.sha1(repr((ops, own[k], a[k - 1] if k else 0.0,
                                              a[k] if k < n - 1 else 0.0, buffers[k],
-                                             largest, rows)).encode()).hexdigest()[:12]
+                                             held[k - 1] if k else 0.0,
+                                             largest)).encode()).hexdigest()[:12]
         blocks.append(Block(
             names[k], kind, ops, params=own[k],
-            input_bytes=a[k - 1] * rows if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
+            input_bytes=held[k - 1] if k else 0.0, output_bytes=a[k] if k < n - 1 else 0.0,
             role=role, shared=tuple(shared[k]), tp=tp,
             bwd_temp_bytes=float(max(0, chain.bwd_peak[k] - chain.tied_add[k])),
             largest_param=largest,

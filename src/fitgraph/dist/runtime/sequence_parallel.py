@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 class SequenceParallelRules:
     """The rewrite's rules for parts of the sequence (a mixin of ``tensor_parallel._Rewrite``:
-    ``tp``, ``group``, ``inserted``, ``partial`` and ``modules`` are its)."""
+    ``tp``, ``group``, ``inserted``, ``gathered``, ``partial`` and ``modules`` are its)."""
 
     def _seq_dim(self, node) -> int | None:
         """The dim a row-parallel output is split along with sequence parallelism: the one
@@ -90,11 +90,20 @@ class SequenceParallelRules:
         return frozenset(names[pid] for pid in self.partial if pid in names)
 
     def _gather_inputs(self, gm, node, lay) -> None:
-        """Every part (``SeqSplit``) ``node`` reads, gathered whole first."""
+        """Every part (``SeqSplit``) ``node`` reads, gathered whole first: once for all its
+        readers in ``gm`` (Q, K and V projections kept whole read one norm's output: three
+        gathers would hold three whole copies for their backward)."""
         for a in list(node.all_input_nodes):
             s = lay.get(a)
-            if isinstance(s, SeqSplit):
-                lay[self._put_before(gm, node, a, SeqGather(s.dim, self.group))] = None
+            if not isinstance(s, SeqSplit):
+                continue
+            whole = self.gathered.get((id(gm), a))
+            if whole is None:
+                whole = self._put_before(gm, node, a, SeqGather(s.dim, self.group))
+                self.gathered[(id(gm), a)] = whole
+                lay[whole] = None
+            else:
+                node.replace_input_with(a, whole)
 
     def _seq_op(self, gm, node, lay):
         """The layout of ``node``'s output where it reads parts (``SeqSplit``), or None
@@ -104,6 +113,12 @@ class SequenceParallelRules:
         sx = lay.get(x)
         if t in ELEMENTWISE:
             return self._seq_same(gm, node, lay)
+        if t is aten._assert_tensor_metadata.default and not any(
+                node.kwargs.get(k) is not None for k in ("size", "stride")) and len(node.args) < 2:
+            # NOTE: ``.to(dtype)``'s check of a dtype or device, true of a part as of the whole;
+            # it outputs nothing (an empty layout, not None: no gather)
+            return ()
+
         if t in (aten.layer_norm.default, aten.native_layer_norm.default,
                  aten.rms_norm.default) and isinstance(sx, SeqSplit) \
                 and sx.dim < ndim(x) - len(node.args[1]):

@@ -80,6 +80,7 @@ class _Rewrite(SequenceParallelRules):
         self.inserted: dict[int, int] = {}   # NOTE: id(module) -> modules put into its graph
         # NOTE: parameters read by parts (their gradients partial): id -> (parameter, reads)
         self.partial: dict[int, list] = {}
+        self.gathered: dict[tuple, torch.fx.Node] = {}   # NOTE: (id(module), part) -> whole
         self.modules: list = []
 
     # ------------------------------------------------------------------ modules
