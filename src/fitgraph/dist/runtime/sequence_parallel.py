@@ -40,7 +40,6 @@ class SequenceParallelRules:
         return next((d for d in range(len(size) - 2, -1, -1)
                      if size[d] >= self.tp and size[d] % self.tp == 0), None)
 
-    # ------------------------------------------------------------------ sequence parallel
     def _put_before(self, gm, node, arg, module) -> torch.fx.Node:
         """``module(arg)`` put into ``gm``'s graph in place of ``node``'s input ``arg``."""
         k = self.inserted.get(id(gm), 0)
@@ -118,7 +117,6 @@ class SequenceParallelRules:
             # NOTE: ``.to(dtype)``'s check of a dtype or device, true of a part as of the whole;
             # it outputs nothing (an empty layout, not None: no gather)
             return ()
-
         if t in (aten.layer_norm.default, aten.native_layer_norm.default,
                  aten.rms_norm.default) and isinstance(sx, SeqSplit) \
                 and sx.dim < ndim(x) - len(node.args[1]):
