@@ -43,17 +43,17 @@ CONFIGS = {
 }
 
 
-def _case():
-    case = zoo.build("gpt2", "small", batch_size=BATCH, seq_len=SEQ)
+def _case(name: str = "gpt2", seq: int = SEQ):
+    case = zoo.build(name, "small", batch_size=BATCH, seq_len=seq)
     case.model.eval()
     return case
 
 
-def _metered(rank: int, world: int, plan_json: dict):
+def _metered(rank: int, world: int, plan_json: dict, name: str = "gpt2", seq: int = SEQ):
     from fitgraph.dist import parallelize
 
     torch.set_num_threads(1)
-    case = _case()
+    case = _case(name, seq)
     opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
     step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json,
                        measure_memory=True)
@@ -104,20 +104,6 @@ def test_each_ranks_measured_peak_is_its_prediction(config, graphs):
         assert r["peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.05), r
 
 
-def _llama(rank: int, world: int, plan_json: dict):
-    from fitgraph.dist import parallelize
-
-    torch.set_num_threads(1)
-    case = zoo.build("hf-llama", "small", batch_size=BATCH, seq_len=128)
-    case.model.eval()
-    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
-    step = parallelize(case.model, case.batch, case.loss_fn, opt, plan=plan_json,
-                       measure_memory=True)
-    for _ in range(3):
-        step(case.batch)
-    return step.report().to_json()[rank]
-
-
 @pytest.mark.slow
 @pytest.mark.hf
 def test_a_sequence_parallel_llama_ranks_peak_is_its_prediction():
@@ -125,8 +111,7 @@ def test_a_sequence_parallel_llama_ranks_peak_is_its_prediction():
     (``graph_tp`` splits its MLP only), so its norms' outputs are gathered once for Q, K and
     V, and only the MLP's side of each layer runs on parts — as the plan prices it."""
     pytest.importorskip("transformers")
-    case = zoo.build("hf-llama", "small", batch_size=BATCH, seq_len=128)
-    case.model.eval()
+    case = _case("hf-llama", 128)
     graph = fitgraph.capture(case.model, {k: v[:2] for k, v in case.batch.items()},
                              case.loss_fn)
     gm = GraphModel(graph, RooflineCostModel(get_device("cpu-generic")), batch_size=2, seq=128)
@@ -134,5 +119,5 @@ def test_a_sequence_parallel_llama_ranks_peak_is_its_prediction():
     cluster = Cluster(get_device("cpu-generic"), 2, 1, link, link)
     p = plan(gm, cluster, BATCH, precision=FP32_ADAM,
              fix={"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True})
-    for r in run_processes(_llama, 2, p.to_json(), timeout_s=300):
+    for r in run_processes(_metered, 2, p.to_json(), "hf-llama", 128, timeout_s=300):
         assert r["peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.05), r
