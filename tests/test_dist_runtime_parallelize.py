@@ -51,6 +51,10 @@ CONFIGS = {
                    "sp": True},
     "tp2xdp2-sp-fsdp": {"tp": 2, "pp": 1, "dp": 2, "micro_batch": 2, "schedule": "1f1b",
                         "zero": 3, "sp": True},
+    # op by op under tensor parallelism: each shard's blocks re-make the plan's ops (the
+    # row-parallel matmul is the plan's addmm, the collectives pass the matching)
+    "pp2xtp2-drop": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b",
+                     "between": 0.1},
 }
 
 
@@ -137,7 +141,8 @@ _SLOW = _ENCODER_SLOW | {("gpt2", c) for c in ("pp2xdp2", "tp2", "pp2-1f1b", "dp
     for m in MODELS for c in CONFIGS])
 def test_planned_run_has_one_process_results(name, config, graphs, references, tmp_path):
     if name == "bert-base" and config in ("pp2-zbv", "pp2xdp2-zero1", "pp2-recompute",
-                                               "dp2-zero2", "pp2-drop", "tp2xdp2-sp-fsdp"):
+                                               "dp2-zero2", "pp2-drop", "tp2xdp2-sp-fsdp",
+                                               "pp2xtp2-drop"):
         pytest.skip("the decoder's run covers this schedule / ZeRO stage")
     p = make_plan(graphs[name], CONFIGS[config])
     world = p.parallelism.devices
@@ -151,10 +156,11 @@ def test_planned_run_has_one_process_results(name, config, graphs, references, t
     planned = sorted(f"body.model.{b}" for s in p.stages
                      for b, o in zip(s["blocks"], s["block_options"])
                      if o != "none" and not b.startswith("<"))
-    assert sorted(m for *_, (remade, *_) in results for m in remade) == planned
-    assert bool(planned) == (config in ("pp2-recompute", "pp2-drop"))
+    # (each tensor-parallel shard of a stage runs its blocks: the same names)
+    assert sorted({m for *_, (remade, *_) in results for m in remade}) == planned
+    assert bool(planned) == (config in ("pp2-recompute", "pp2-drop", "pp2xtp2-drop"))
     options = {o for s in p.stages for o in s["block_options"]}
-    assert any(o.startswith("drop:") for o in options) == (config == "pp2-drop")
+    assert any(o.startswith("drop:") for o in options) == config.endswith("-drop")
     for *_, (_, notes, seq_dims) in results:   # op by op as planned: no block re-made whole
         assert not [n for n in notes if "whole block" in n or "plan does not" in n], notes
         # sequence parallel where planned: every row-parallel sum reduce-scattered

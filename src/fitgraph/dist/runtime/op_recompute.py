@@ -44,6 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from .tp_layers import in_glue
+
 __all__ = ["recompute_ops", "plan_units"]
 
 KEEP, DROP, UNSAVED, VIEW, OPAQUE = "keep", "drop", "unsaved", "view", "opaque"
@@ -192,8 +194,14 @@ class _Recorder(TorchDispatchMode):
         name = str(func)
         base = None
         aliases = all(_storage(t) in storages for t in outs)
-        self._skip_constants(name)
-        if self.pos < len(self.ops) and not self.mismatch and name == self.ops[self.pos][0]:
+        glue = in_glue()
+        if not glue:
+            self._skip_constants(name)
+        if glue:
+            # NOTE: a tensor-parallel collective and its copies (tp_layers): not the plan's
+            # units, never re-run; what reads their outputs reads them as made
+            decision = OPAQUE
+        elif self.pos < len(self.ops) and not self.mismatch and name == self.ops[self.pos][0]:
             decision = self.ops[self.pos][1]
             self.pos += 1
         elif aliases:

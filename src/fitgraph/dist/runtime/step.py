@@ -156,15 +156,19 @@ class DistStep:
         return mine * (n * par.dp) / total
 
     def _sum_partial_grads(self) -> None:
-        """Sequence parallelism: the gradients of parameters read by parts of the sequence
-        (norms' weights, row-parallel biases) summed over the tensor-parallel shards, in one
-        collective a step."""
+        """The gradients of parameters each tensor-parallel shard holds a part of (row-
+        parallel biases, added by one shard; with sequence parallelism, norms' weights read
+        by parts of the sequence) summed over the shards, in one collective a step."""
         if not self.tp_partial:
             return
         import torch.distributed as dist
 
-        grads = list({id(p): _local(p.grad) for ch in self.chunks for n, p in _named(ch)
-                      if n in self.tp_partial and p.grad is not None}.values())
+        params = list({id(p): p for ch in self.chunks for n, p in _named(ch)
+                       if n in self.tp_partial and p.requires_grad}.values())
+        for p in params:
+            if p.grad is None:   # NOTE: a row-parallel bias on a shard that adds none of it
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in params]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -179,7 +179,7 @@ class _Rewrite(SequenceParallelRules):
                             linear["transposed"], seq_dim=seq)
             self.split[wname] = TpParam(in_dim, 1)
             out = None if seq is None else SeqSplit(seq)
-            if seq is not None and new.bias is not None:
+            if new.bias is not None:   # NOTE: added by shard 0 alone (RowLinear)
                 self.partial.setdefault(id(new.bias), [new.bias, 0])
         _replace_module(gm, node.target, new)
         return out

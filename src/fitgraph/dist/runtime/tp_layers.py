@@ -13,13 +13,35 @@ Example (inside a launch of ``tp`` processes, ``group`` their process group):
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
-__all__ = ["ColumnLinear", "GradSum", "RowLinear", "SeqGather", "SeqScatter"]
+__all__ = ["ColumnLinear", "GradSum", "RowLinear", "SeqGather", "SeqScatter", "in_glue"]
 
 _BUFFERS: dict[tuple, torch.Tensor] = {}
+_GLUE = [0]
 
 
+def in_glue() -> bool:
+    """Whether a collective and its copies are running (``op_recompute``'s recorder passes
+    their ops: not the plan's units, never re-run)."""
+    return _GLUE[0] > 0
+
+
+def _glue(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _GLUE[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _GLUE[0] -= 1
+    return run
+
+
+@_glue
 def _summed(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` summed over ``group``, in a new tensor.
 
@@ -37,6 +59,7 @@ def _summed(x: torch.Tensor, group) -> torch.Tensor:
     return buf.clone()
 
 
+@_glue
 def _gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every shard's ``x`` put together along ``dim``, in shard order.
 
@@ -53,6 +76,7 @@ def _gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.view(n, *x.shape).movedim(0, dim).reshape(shape)
 
 
+@_glue
 def _scatter_summed(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This shard's part along ``dim`` of ``x`` summed over ``group`` (a reduce-scatter)."""
     import torch.distributed as dist
@@ -66,6 +90,7 @@ def _scatter_summed(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
+@_glue
 def _own_part(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -214,14 +239,24 @@ class ColumnLinear(_ShardLinear):
 
 
 class RowLinear(_ShardLinear):
-    """Its bias is whole, added once after the partial sums are. With ``seq_dim``, the sums
-    are reduce-scattered along it: the output is this shard's part (and the bias's gradient
-    from it partial: the step sums it over the shards, ``tensor_parallel.partial_names``)."""
+    """Its bias is whole and added once: by shard 0's partial sum (the others add zeros), so
+    that each shard runs the one ``addmm`` the plan's op-level memory plan names
+    (``op_recompute`` matches ops); the bias's gradient is then shard 0's alone, and the step
+    sums it over the shards (``tensor_parallel.partial_names``). With ``seq_dim``, the sums
+    are reduce-scattered along it: the output is this shard's part."""
+
+    def __init__(self, weight, bias, group, transposed: bool = False,
+                 seq_dim: int | None = None) -> None:
+        super().__init__(weight, bias, group, transposed, seq_dim)
+        import torch.distributed as dist
+
+        # NOTE: a plain attribute, not a buffer: no checkpoint name, nothing to broadcast
+        self._no_bias = (None if bias is None or dist.get_rank(group) == 0
+                         else torch.zeros_like(bias))
 
     def forward(self, x):
-        out = torch.nn.functional.linear(x, self._weight())
+        bias = self.bias if self._no_bias is None else self._no_bias
+        out = torch.nn.functional.linear(x, self._weight(), bias)
         if self.seq_dim is None:
-            out = _SumShards.apply(out, self.group)
-        else:
-            out = _Scatter.apply(out, self.seq_dim, self.group, True)
-        return out if self.bias is None else out + self.bias
+            return _SumShards.apply(out, self.group)
+        return _Scatter.apply(out, self.seq_dim, self.group, True)
