@@ -13,7 +13,6 @@ Example (inside a launch of ``tp`` processes, ``group`` their process group):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
