@@ -166,7 +166,7 @@ class DistStep:
         params = list({id(p): p for ch in self.chunks for n, p in _named(ch)
                        if n in self.tp_partial and p.requires_grad}.values())
         for p in params:
-            if p.grad is None:   # NOTE: a row-parallel bias on a shard that adds none of it
+            if p.grad is None:   # NOTE: not reached by this rank's chunks this step
                 p.grad = torch.zeros_like(p)
         grads = [_local(p.grad) for p in params]
         if not grads:

@@ -90,6 +90,11 @@ def _scatter_summed(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 @_glue
+def _zeroed(t: torch.Tensor) -> torch.Tensor:
+    return t * 0
+
+
+@_glue
 def _own_part(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -249,12 +254,14 @@ class RowLinear(_ShardLinear):
         super().__init__(weight, bias, group, transposed, seq_dim)
         import torch.distributed as dist
 
-        # NOTE: a plain attribute, not a buffer: no checkpoint name, nothing to broadcast
-        self._no_bias = (None if bias is None or dist.get_rank(group) == 0
-                         else torch.zeros_like(bias))
+        self._adds_bias = dist.get_rank(group) == 0
 
     def forward(self, x):
-        bias = self.bias if self._no_bias is None else self._no_bias
+        bias = self.bias
+        if bias is not None and not self._adds_bias:
+            # NOTE: zeros made from the bias, not apart from it: DDP then sees every
+            # parameter used (a shard that left it out would stall its gradient reduction)
+            bias = _zeroed(bias)
         out = torch.nn.functional.linear(x, self._weight(), bias)
         if self.seq_dim is None:
             return _SumShards.apply(out, self.group)
