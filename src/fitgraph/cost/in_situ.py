@@ -176,18 +176,20 @@ def cached_over_now(cm, graph: Graph, repeats: int = 3, warmup: int = 2) -> floa
     """
     keys = {node.id: cm.key(graph, node) for node in graph.nodes}
     got = cm.cache.get_many({_situ_key(k) for k in keys.values()})
+
+    def cached(nids: list[int]) -> float:
+        return sum(got[_situ_key(keys[nid])].seconds for nid in nids)
+
     nids = [nid for nid, k in keys.items() if _situ_key(k) in got]
-    cached = sum(got[_situ_key(keys[nid])].seconds for nid in nids)
-    if cached < _CHECK_FLOOR_SECONDS:
+    if cached(nids) < _CHECK_FLOOR_SECONDS:
         return None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # NOTE: the inputs the cached times were taken on
         now = time_in_situ(graph, cm.device, repeats, warmup, cm._graph_facts(graph)[1])
-    nids = [nid for nid in nids if now[nid] is not None]
-    cached = sum(got[_situ_key(keys[nid])].seconds for nid in nids)
-    if cached < _CHECK_FLOOR_SECONDS:
+    nids = [nid for nid in nids if now[nid] is not None]   # NOTE: failed in the step
+    if cached(nids) < _CHECK_FLOOR_SECONDS:
         return None
-    return cached / max(sum(now[nid] for nid in nids), 1e-9)
+    return cached(nids) / max(sum(now[nid] for nid in nids), 1e-9)
 
 
 def check_cache(cm, graph: Graph) -> None:

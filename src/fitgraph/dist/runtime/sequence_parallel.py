@@ -59,9 +59,7 @@ class SequenceParallelRules:
         """``node`` reads whole tensor ``a`` with parts: its gradient is partial. A parameter's
         is summed once a step (``partial_names``); another tensor's at once (``GradSum``)."""
         if a.op == "get_attr":
-            t = gm
-            for name in a.target.split("."):
-                t = getattr(t, name)
+            t = _attr(gm, a.target)
             if isinstance(t, torch.nn.Parameter):
                 self.partial.setdefault(id(t), [t, 0])[1] += 1
                 return
@@ -76,9 +74,7 @@ class SequenceParallelRules:
         for gm in {id(m): m for m in self.modules}.values():
             for n in gm.graph.nodes:
                 if n.op == "get_attr":
-                    t = gm
-                    for name in n.target.split("."):
-                        t = getattr(t, name)
+                    t = _attr(gm, n.target)
                     reads[id(t)] = reads.get(id(t), 0) + len(n.users)
         names = {id(p): chunk.model_name(n) for n, p in chunk.named_parameters()}
         for pid, (p, by_parts) in self.partial.items():
@@ -167,3 +163,11 @@ class SequenceParallelRules:
             else:
                 lay[self._put_before(gm, node, a, SeqScatter(da, self.group))] = SeqSplit(da)
         return SeqSplit(d)
+
+
+def _attr(gm, target: str):
+    """What a ``get_attr`` node of ``gm`` reads (a dotted path of attributes)."""
+    t = gm
+    for name in target.split("."):
+        t = getattr(t, name)
+    return t

@@ -125,13 +125,8 @@ class _Rewrite(SequenceParallelRules):
         full = f"{path}.{node.target}" if path else node.target
         ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         linear = _linear_of(sub)
-        if linear is not None and not (self.styles.get(self._model_name(
-                f"{full}.{linear['weight']}")) == "colwise"):
-            # NOTE: only a column-parallel linear gathers a part itself
-            self._gather_inputs(gm, node, lay)
-            ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         if linear is not None:
-            return self._linear(gm, node, sub, full, linear, ins)
+            return self._linear(gm, node, sub, full, linear, lay)
         if not hasattr(sub, "graph"):
             self._gather_inputs(gm, node, lay)
             ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
@@ -143,10 +138,13 @@ class _Rewrite(SequenceParallelRules):
         single = _single_output(sub)
         return outs[0] if single else tuple(outs)
 
-    def _linear(self, gm, node, sub, full, linear, ins):
+    def _linear(self, gm, node, sub, full, linear, lay):
         wname = self._model_name(f"{full}.{linear['weight']}")
         bname = (self._model_name(f"{full}.{linear['bias']}") if linear["bias"] else None)
         style = self.styles.get(wname)
+        if style != "colwise":
+            self._gather_inputs(gm, node, lay)   # NOTE: only a column-parallel one gathers itself
+        ins = [lay.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         (x,) = ins[:1] or (None,)
         if style is None:
             if x is not None:
