@@ -101,7 +101,7 @@ def test_the_eager_baseline_is_torchs_own_step_over_the_same_tensors(make):
     env = runner.values(vids)
     torch.manual_seed(1)
     twin = runner.values(vids)
-    mine = latency_check._torch_optimizer(nodes, env)
+    mine, nodes = latency_check._torch_optimizer(nodes, env)
     assert [len(grp["params"]) for grp in mine.param_groups] == [16]
     for key in ("lr", "weight_decay", "amsgrad", "momentum", "nesterov", "betas"):
         assert mine.param_groups[0].get(key) == opt.param_groups[0].get(key)

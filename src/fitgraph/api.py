@@ -28,8 +28,9 @@ from . import progress as _progress
 from .ambient import autocast_as, autocast_state, no_autocast, step_key
 from .capture.api import capture
 from .capture.calling import LossFn, compute_loss
+from .capture.combined_optimizer import as_optimizer, members
 from .capture.errors import CaptureError
-from .capture.optimizer import OPTIMIZER_KINDS, state_keys
+from .capture.optimizer_kinds import kind_of
 from .capture.wrappers import unwrapped
 from .cost import measures_here
 from .execute.executor import Executor
@@ -150,7 +151,8 @@ class TrainStep:
         if optimizer_in_backward not in (False, True, "auto"):
             raise ValueError("optimizer_in_backward must be False, True or 'auto'")
         self.in_backward, self.clip_grad_norm = optimizer_in_backward, clip_grad_norm
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        # NOTE: a list of optimizers (Muon + AdamW) steps as one (capture.combined_optimizer)
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, as_optimizer(optimizer)
         self.budget, self.latency_limit = budget, latency_limit
         self.time_budget, self.solver, self.on_new_shape = time_budget, solver, on_new_shape
         self.cost_model, self.progress = cost_model, progress
@@ -181,9 +183,9 @@ class TrainStep:
         it from the first step on: ``capture(..., steady_state=True)``)."""
         if self.optimizer is None:
             return ()
-        kind = OPTIMIZER_KINDS.get(type(self.optimizer))
-        return tuple(state_keys(kind, g) if kind is not None else ()
-                     for g in self.optimizer.param_groups)
+        kinds = [kind_of(m) for m in members(self.optimizer) for _ in m.param_groups]
+        return tuple(k.keys(g) if k is not None else ()
+                     for k, g in zip(kinds, self.optimizer.param_groups))
 
     def _key(self, batch: Any) -> tuple:
         """(batch structure and shapes, optimizer state keys, the model's modes, trainable
@@ -364,7 +366,7 @@ class TrainStep:
         planned.executor.fresh_state = fresh
         # NOTE: SGD's first update copies each gradient into a new momentum buffer (a
         # transient the steady-state plan does not hold): measure a later step instead
-        sgd_first = bool(fresh) and planned.graph.meta.get("optimizer") == "sgd"
+        sgd_first = bool(fresh) and "sgd" in str(planned.graph.meta.get("optimizer")).split("+")
         with no_autocast():
             if sgd_first:
                 return planned.executor(batch, tensors)
@@ -537,6 +539,9 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     reached (capture, costing, each solver's best plan, re-planning); a callable gets each
     line instead; None (default) is quiet unless the caller listens (``fitgraph.progress``).
 
+    ``optimizer``: a torch optimizer, or a list of them over disjoint parameters (Muon for the
+    matrices and AdamW for the rest), stepped as one (``capture.combined_optimizer``).
+
     One plan serves the whole training loop: it is made here for the steady-state step (the
     optimizer's state present, as from the second step on; the first step creates that state
     as torch would), and a fraction budget refers to that step's eager peak. Each step counts as
@@ -548,7 +553,7 @@ def optimize(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     check_latency_limit(latency_limit)
     if graph_breaks not in ("regions", "error"):
         raise ValueError("graph_breaks must be 'regions' or 'error'")
-    model = unwrapped(model)
+    model, optimizer = unwrapped(model), as_optimizer(optimizer)
     step = TrainStep(model, loss_fn, optimizer, budget=budget, latency_limit=latency_limit,
                      time_budget=time_budget, solver=solver, cost_model=cost_model,
                      on_new_shape=on_new_shape, optimizer_in_backward=optimizer_in_backward,

@@ -20,6 +20,7 @@ import torch
 
 from .capture.api import capture
 from .capture.calling import LossFn
+from .capture.combined_optimizer import as_optimizer
 from .graph.ir import Graph
 from .plan.eager import eager_plan
 from .sim.simulate import SimResult, simulate
@@ -111,6 +112,7 @@ def inspect_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = No
     )
 
     meta = _is_meta(model)
+    optimizer = as_optimizer(optimizer)   # NOTE: a list (Muon + AdamW) steps as one
     if optimizer is not None and not meta:
         from .measure import measure_eager
         # NOTE: one eager step first, so optimizer state exists and the graph is steady-state

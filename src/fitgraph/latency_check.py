@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import progress
+from .capture.combined_optimizer import as_optimizer
 from .capture.optimizer_kinds import KINDS
 from .cost.plan_timing import MAX_ROUNDS, ROUNDS, WARMUP, paired, plans_ratio
 from .cost.plan_timing import runner as _runner
@@ -101,16 +103,22 @@ def _batch_inputs(graph: Graph, batch) -> dict:
 
 
 def _torch_optimizer(nodes, env: list):
-    """torch's own optimizer over the tensors of ``nodes`` (fitgraph update nodes) in ``env``,
-    their param groups' hyperparameters and state as captured, ``.grad`` set."""
-    kind = nodes[0].target.rsplit(".", 1)[1]
-    groups: dict[int, dict] = {}
+    """torch's own optimizers over the tensors of ``nodes`` (fitgraph update nodes) in ``env``,
+    one per kind (Muon's and AdamW's: a ``CombinedOptimizer``), their param groups'
+    hyperparameters and state as captured, ``.grad`` set; and ``nodes`` with each group index
+    the one it has there."""
+    by_kind: dict[str, dict[int, dict]] = {}
     for n in nodes:
+        groups = by_kind.setdefault(n.target.rsplit(".", 1)[1], {})
         g = groups.setdefault(n.kwargs["group"], {"params": [], **n.kwargs["hyper"]})
         g["params"].append(env[n.args[0].id])
-    spec = KINDS[kind]
-    opt = spec.classes[0](list(groups.values()))
+    opts, index = [], {}
+    for kind, groups in by_kind.items():
+        index.update((gi, len(index)) for gi in groups)
+        opts.append(KINDS[kind].classes[0](list(groups.values())))
+    opt = as_optimizer(opts)
     for n in nodes:
+        spec = KINDS[n.target.rsplit(".", 1)[1]]
         p = env[n.args[0].id]
         p.grad = env[n.args[1].id]
         state = dict(zip(n.kwargs["have"], (env[r.id] for r in n.args[2])))
@@ -118,7 +126,8 @@ def _torch_optimizer(nodes, env: list):
             # NOTE: a synthetic counter could be any float: as torch makes it, one step on
             state[k].copy_(spec.make(k, p, n.kwargs["hyper"]) + (k == "step"))
         opt.state[p].update(state)
-    return opt
+    return opt, [dataclasses.replace(n, kwargs={**n.kwargs, "group": index[n.kwargs["group"]]})
+                 for n in nodes]
 
 
 def update_times(base: Graph, cm, rounds: int = 5) -> tuple[float, float]:
@@ -133,14 +142,13 @@ def update_times(base: Graph, cm, rounds: int = 5) -> tuple[float, float]:
     from .transform.optimizer_in_backward import update_nodes
 
     nodes = [n for n in update_nodes(base) if n.kwargs["have"] == n.kwargs["state_keys"]]
-    kinds = {n.target for n in nodes}
-    if not nodes or len(kinds) != 1:
+    if not nodes:
         return 0.0, 0.0
     vids = [r.id for n in nodes for r in (n.args[0], n.args[1], *n.args[2])]
     env = _runner(base, cm).values(vids)
     with torch.no_grad():
         try:
-            opt = _torch_optimizer(nodes, env)
+            opt, nodes = _torch_optimizer(nodes, env)
         except (TypeError, ValueError):  # NOTE: a torch whose optimizers take other settings
             return 0.0, 0.0
         args = [(n, env[n.args[0].id], env[n.args[1].id], [env[r.id] for r in n.args[2]])

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from .capture.calling import LossFn, compute_loss
+from .capture.combined_optimizer import as_optimizer
 from .capture.errors import CaptureError
 from .compile_backend.backend_report import BackendReport
 from .compile_backend.unread_grads import LeafRuns
@@ -231,7 +232,7 @@ class RegionsStep:
                  time_budget: float, cost_model, clip_grad_norm: float | None,
                  reason: CaptureError, measure_latency: bool = True, exact: bool = False,
                  progress=None) -> None:
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, as_optimizer(optimizer)
         self.exact, self.progress = exact, progress
         self.clip_grad_norm, self.reason = clip_grad_norm, reason
         self.budget, self.latency_limit, self.time_budget = budget, latency_limit, time_budget

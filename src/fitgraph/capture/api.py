@@ -20,6 +20,7 @@ import torch
 from ..graph.analysis import verify_graph
 from ..graph.ir import Graph, Role
 from .calling import LossFn
+from .combined_optimizer import as_optimizer
 from .convert import fx_to_builder
 from .fold_tables import fold_constant_tables
 from .grad_scalers import check_update_unscaled, live_scalers, made_scales_real
@@ -34,7 +35,8 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
             optimizer: torch.optim.Optimizer | None = None, *,
             device: str | torch.device | None = None,
             clip_grad_norm: float | None = None, steady_state: bool = False) -> Graph:
-    """Capture forward, loss, backward and (with ``optimizer``) the update of one step.
+    """Capture forward, loss, backward and (with ``optimizer``: one, or a list stepped as one)
+    the update of one step.
 
     ``clip_grad_norm``: clip the gradients' global L2 norm to this value between the backward
     and the update, as ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)``.
@@ -50,6 +52,7 @@ def capture(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None,
     """
     t0 = time.perf_counter()
     dev = torch.device(device) if device is not None else None
+    optimizer = as_optimizer(optimizer)
     if optimizer is not None:
         describe_optimizer(optimizer)  # NOTE: fail before tracing, not after
     traced = trace_step(model, batch, loss_fn, dev, clip_grad_norm)

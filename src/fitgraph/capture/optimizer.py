@@ -16,38 +16,37 @@ state no longer matches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..graph.ir import GraphBuilder, Phase, Role, ValueRef
+from .combined_optimizer import members
 from .convert import dtype_name
 from .errors import CaptureError
 from .optimizer_kinds import KINDS, UNSUPPORTED, OptimizerKind, kind_of, supported_names
 
-__all__ = ["OPTIMIZER_KINDS", "OptimizerSpec", "add_optimizer_nodes", "describe_optimizer",
-           "state_keys"]
-
-# NOTE: the optimizer classes captured, by kind (``optimizer_kinds``: settings, state, update)
-OPTIMIZER_KINDS = {cls: k.name for k in KINDS.values() for cls in k.classes}
+__all__ = ["add_optimizer_nodes", "describe_optimizer", "group_kinds"]
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    kind: str
-    state_keys: dict[str, tuple[str, ...]]  # param name -> state keys this kind keeps
-
-
-def state_keys(kind: str, group: dict) -> tuple[str, ...]:
-    """The state keys torch's ``kind`` optimizer may keep per parameter of ``group`` (which
-    of them a parameter has may depend on its shape: ``OptimizerKind.param_keys``)."""
-    return KINDS[kind].keys(group)
-
-
-def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+def describe_optimizer(optimizer) -> str:
     """The kind ("sgd", "adam", "rmsprop", ...: ``optimizer_kinds.KINDS``) of a supported
-    optimizer, else a CaptureError."""
+    optimizer, else a CaptureError; a ``CombinedOptimizer``'s members' kinds joined by "+"
+    ("muon+adam")."""
+    kinds = []
+    for member in members(optimizer):
+        kind = _member_kind(member)
+        if kind not in kinds:
+            kinds.append(kind)
+    return "+".join(kinds)
+
+
+def group_kinds(optimizer) -> list[str]:
+    """The kind of each of ``optimizer.param_groups`` (its member's, for a combined one)."""
+    return [describe_optimizer(m) for m in members(optimizer) for _ in m.param_groups]
+
+
+def _member_kind(optimizer: torch.optim.Optimizer) -> str:
     kind = kind_of(optimizer)
     if kind is None:
         name = type(optimizer).__name__
@@ -55,7 +54,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
         raise CaptureError(
             f"optimizer {name} is not supported" + (f" ({why})" if why else "") +
             f"; supported: {supported_names()} (their exact classes: a subclass's step may do "
-            "anything); capture without optimizer= and call optimizer.step() yourself",
+            "anything), or a list of them; capture without optimizer= and call "
+            "optimizer.step() yourself",
             op=f"{name}.step")
     for gi, group in enumerate(optimizer.param_groups):
         # NOTE: fused=True is run as torch runs it, one parameter a call (its kernels are
@@ -79,10 +79,12 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
     ``steady_state``: every updated parameter's state is an input, whether the optimizer holds
     it yet or not (the graph of every step after the first); ``init_missing_state`` creates what
     is missing before such a graph runs, as torch's lazy initialisation would."""
-    kind = describe_optimizer(optimizer)
-    spec = KINDS[kind]
     created: dict[str, int] = {}
-    for gi, group in enumerate(optimizer.param_groups):
+    owned = [(m, g) for m in members(optimizer) for g in m.param_groups]
+    for gi, (member, group) in enumerate(owned):
+        kind = _member_kind(member)
+        spec = KINDS[kind]
+        name = type(member).__name__
         hyper = {k: group[k] for k in spec.hyper if k in group}
         for p in group["params"]:
             pname = param_names.get(id(p))
@@ -93,22 +95,22 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                                    f"parameter of the model (shape {tuple(p.shape)}): the step "
                                    "captures the model's parameters only; pass the model's own "
                                    "parameters to the optimizer, or register the tensor as an "
-                                   "nn.Parameter of the model", op=f"{type(optimizer).__name__}.step")
+                                   "nn.Parameter of the model", op=f"{name}.step")
             if pname not in grad_values:
                 if p.grad is not None:
                     # NOTE: eager would apply this stale .grad at every step; the step cannot
                     raise CaptureError(f"parameter {pname} gets no gradient from the step but has "
                                        "a .grad, which eager's optimizer.step() would apply: call "
                                        "optimizer.zero_grad(set_to_none=True) first",
-                                       op=f"{type(optimizer).__name__}.step")
+                                       op=f"{name}.step")
                 continue  # NOTE: torch skips parameters whose .grad is None (frozen ones too)
             if p.is_complex() and not spec.complex_ok:
                 raise CaptureError(f"parameter {pname} is complex, which "
-                                   f"{type(optimizer).__name__} does not update (torch's own "
+                                   f"{name} does not update (torch's own "
                                    "step refuses it): keep complex parameters in another "
-                                   "optimizer", op=f"{type(optimizer).__name__}.step")
+                                   "optimizer", op=f"{name}.step")
             keys = spec.param_keys(group, tuple(p.shape))
-            state = optimizer.state.get(p, {})
+            state = member.state.get(p, {})
             have = tuple(k for k in keys if k in state)
             if have and have != keys:
                 raise CaptureError(f"optimizer state of {pname} has keys {sorted(state)}, "
@@ -128,7 +130,7 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
                 f"fitgraph.optimizer.{kind}", [pv, gv, *state_refs],
                 [_created_shape(spec, k, pval) for k in keys if k not in have],
                 phase=Phase.OPTIMIZER, module=pname.rpartition(".")[0],
-                mutates=(pv, *state_refs), flops=float(spec.flops * numel),
+                mutates=(pv, *state_refs), flops=spec.update_flops(pval.shape, group),
                 name=f"{kind}_{pname}",
                 args=(ValueRef(pv), ValueRef(gv), [ValueRef(s) for s in state_refs]),
                 kwargs={"group": gi, "param": pname, "state_keys": keys, "have": have,

@@ -9,7 +9,10 @@ alone (no norm or statistic across parameters), so one graph node per parameter 
 reason in the capture error: ``LBFGS`` (a closure re-evaluating the loss), ``SparseAdam``
 (sparse gradients), and subclasses (their ``step`` may be anything: Hugging Face's
 ``Adafactor`` is one). ``torch.optim.Adafactor`` keeps state not shaped like its parameter (a
-matrix's row and column statistics): ``shapes`` says each such key's shape.
+matrix's row and column statistics): ``shapes`` says each such key's shape. ``torch.optim.Muon``
+orthogonalises each matrix's momentum (Newton–Schulz iterations, matmuls whose FLOPs grow with
+the matrix's smaller side cubed): its ``flops`` is a function of the shape. Several optimizers
+stepped together (Muon for the matrices, AdamW for the rest) are ``CombinedOptimizer``.
 
 SGD and Adam/AdamW keep their own route in ``execute/optimizer_ops`` (SGD's first step makes
 its momentum buffer from the gradient; both run in row chunks); their entries here give the
@@ -26,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -62,7 +66,8 @@ class OptimizerKind:
     (keys not named: zeros like the parameter). ``scalars``: the 0-d keys (step counters and
     the like), the rest are shaped like the parameter. ``update(param, grad, state, group,
     foreach)``: torch's functional update of one parameter (None: ``optimizer_ops``' own
-    route). ``flops``: per element of the parameter, for the roofline model. ``shapes``: key
+    route). ``flops``: per element of the parameter, or a function of (shape, group) giving
+    the update's FLOPs (``update_flops``), for the roofline model. ``shapes``: key
     -> the parameter's shape -> that state's shape, or None where torch keeps no such key
     for a parameter of that shape (keys not named: shaped like the parameter).
     ``complex_ok``: whether torch's update takes complex parameters."""
@@ -71,7 +76,7 @@ class OptimizerKind:
     classes: tuple[type, ...]
     hyper: tuple[str, ...]
     keys: Callable[[dict], tuple[str, ...]]
-    flops: int
+    flops: int | Callable[[tuple, dict], float]
     scalars: frozenset[str] = frozenset({"step"})
     fresh: dict = field(default_factory=dict)
     update: Callable | None = None
@@ -82,6 +87,12 @@ class OptimizerKind:
         """The state keys torch keeps for a parameter of ``shape`` in ``group``."""
         return tuple(k for k in self.keys(group)
                      if k not in self.shapes or self.shapes[k](shape) is not None)
+
+    def update_flops(self, shape: tuple, group: dict) -> float:
+        """The FLOPs of one update of a parameter of ``shape`` in ``group``."""
+        if callable(self.flops):
+            return float(self.flops(tuple(shape), group))
+        return float(self.flops * math.prod(shape))
 
     def state_shape(self, key: str, shape: tuple) -> tuple:
         """The shape of state ``key`` of a parameter of ``shape``."""
@@ -181,6 +192,28 @@ def _adafactor_update(p, g, s, group, foreach):
                          eps1=eps1, eps2=eps2, maximize=group["maximize"])
 
 
+def _muon(p, g, s, group, foreach):
+    # NOTE: torch's muon() refuses foreach=True (CUDA's default elsewhere): eager's step
+    # passes none, so neither do we
+    from torch.optim._muon import muon
+
+    muon([p], [g], [s["momentum_buffer"]], lr=group["lr"],
+         weight_decay=group["weight_decay"], momentum=group["momentum"],
+         nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+         eps=group["eps"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
+         has_complex=False)
+
+
+def _muon_flops(shape: tuple, group: dict) -> float:
+    """Muon's update of an m x n matrix (m <= n after its transpose): each Newton–Schulz
+    step is X Xᵀ (2m²n), a cubic of that m x m Gram matrix (2m³) and its product with X
+    (2m²n); the momentum, norm, decay and update are a dozen FLOPs an element."""
+    if len(shape) != 2:
+        return 0.0
+    m, n = sorted(shape)
+    return group["ns_steps"] * (4.0 * m * m * n + 2.0 * m ** 3) + 12.0 * m * n
+
+
 def _factored(drop: int):
     """A matrix's statistic over dim -1 (``drop`` 1) or -2 (``drop`` 2), kept with that dim
     1; vectors and scalars keep none (Adafactor's ``row_var`` / ``col_var``)."""
@@ -278,6 +311,13 @@ KINDS: dict[str, OptimizerKind] = {k.name: k for k in (
                           "variance": lambda s: s if len(s) < 2 else None},
                   update=_adafactor_update, complex_ok=False),
 )}
+if hasattr(torch.optim, "Muon"):  # NOTE: torch >= 2.9
+    KINDS["muon"] = OptimizerKind(
+        "muon", (torch.optim.Muon,),
+        ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+         "adjust_lr_fn"),
+        lambda g: ("momentum_buffer",), _muon_flops, scalars=frozenset(), update=_muon,
+        complex_ok=False)
 
 _BY_CLASS = {cls: k for k in KINDS.values() for cls in k.classes}
 

@@ -21,6 +21,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.sgd import sgd
 
+from ..capture.combined_optimizer import members
 from ..capture.optimizer_kinds import KINDS
 from ..graph.ir import Graph, Node
 from ..transform.optimizer_in_backward import update_nodes
@@ -221,33 +222,34 @@ def _apply(run: list[_Update]) -> None:
         u.state["momentum_buffer"] = bufs[0]
 
 
-def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` would run pre-hooks (its own or global ones)."""
-    return bool(optimizer._optimizer_step_pre_hooks
-                or torch_optimizer._global_optimizer_pre_hooks)
+def has_step_pre_hooks(optimizer) -> bool:
+    """Whether ``optimizer.step()`` would run pre-hooks (its own or global ones; a combined
+    optimizer's members' own)."""
+    return bool(torch_optimizer._global_optimizer_pre_hooks
+                or any(m._optimizer_step_pre_hooks for m in members(optimizer)))
 
 
-def run_step_pre_hooks(optimizer: torch.optim.Optimizer | None) -> None:
+def run_step_pre_hooks(optimizer) -> None:
     """What ``optimizer.step()`` runs before updating: the global and the optimizer's own
-    step pre-hooks (``register_step_pre_hook``), in torch's order."""
-    if optimizer is None:
-        return
-    for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
-                      optimizer._optimizer_step_pre_hooks.values()):
-        result = hook(optimizer, (optimizer,), {})
-        if result is not None and not (isinstance(result, tuple) and len(result) == 2):
-            raise RuntimeError(f"optimizer step pre-hook {hook} must return None or a tuple of "
-                               f"(new_args, new_kwargs), but got {result}")
+    step pre-hooks (``register_step_pre_hook``), in torch's order; for each member of a
+    ``CombinedOptimizer``, as each member's ``step()`` would."""
+    for member in members(optimizer):
+        for hook in chain(torch_optimizer._global_optimizer_pre_hooks.values(),
+                          member._optimizer_step_pre_hooks.values()):
+            result = hook(member, (member,), {})
+            if result is not None and not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"optimizer step pre-hook {hook} must return None or a tuple "
+                                   f"of (new_args, new_kwargs), but got {result}")
 
 
-def run_step_post_hooks(optimizer: torch.optim.Optimizer | None) -> None:
+def run_step_post_hooks(optimizer) -> None:
     """What ``optimizer.step()`` runs after updating: the optimizer's own then the global step
-    post-hooks; and the mark LR schedulers read (``_opt_called``: "optimizer.step() ran")."""
-    if optimizer is None:
-        return
-    for hook in chain(optimizer._optimizer_step_post_hooks.values(),
-                      torch_optimizer._global_optimizer_post_hooks.values()):
-        hook(optimizer, (optimizer,), {})
-    # NOTE: set by the wrapper an LRScheduler puts around optimizer.step(); without it the
-    # scheduler warns "lr_scheduler.step() before optimizer.step()"
-    optimizer._opt_called = True
+    post-hooks; and the mark LR schedulers read (``_opt_called``: "optimizer.step() ran");
+    for each member of a ``CombinedOptimizer``."""
+    for member in members(optimizer):
+        for hook in chain(member._optimizer_step_post_hooks.values(),
+                          torch_optimizer._global_optimizer_post_hooks.values()):
+            hook(member, (member,), {})
+        # NOTE: set by the wrapper an LRScheduler puts around optimizer.step(); without it
+        # the scheduler warns "lr_scheduler.step() before optimizer.step()"
+        member._opt_called = True
