@@ -281,7 +281,8 @@ def _pinned(fix: dict, cluster: Cluster, global_batch: int) -> Parallelism:
     if global_batch % (dp * b):
         raise ValueError(f"global batch {global_batch} is not a multiple of dp {dp} x "
                          f"micro-batch {b}")
-    rest = {k: v for k, v in fix.items() if k not in ("tp", "pp", "dp", "micro_batch")}
+    rest = {k: v for k, v in fix.items()
+            if k not in ("tp", "pp", "dp", "micro_batch", "max_zero")}
     rest.setdefault("n_micro", global_batch // (dp * b))
     if rest["n_micro"] != global_batch // (dp * b):
         raise ValueError(f"n_micro {rest['n_micro']} does not make global batch {global_batch} "

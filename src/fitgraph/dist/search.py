@@ -104,7 +104,8 @@ def candidates(model: ModelSpec, cluster: Cluster, global_batch: int,
                         # distributed optimizer); ZeRO-0 is searched only without replicas
                         zeros = ([fixed["zero"]] if "zero" in fixed
                                  else ([1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0])
-                        for zero in zeros:
+                        # NOTE: "max_zero": an optimizer that needs each matrix whole (Muon)
+                        for zero in (z for z in zeros if z <= fixed.get("max_zero", 3)):
                             par = Parallelism(
                                 tp=tp, pp=pp, dp=dp, micro_batch=b, n_micro=m,
                                 schedule=schedule, chunks=chunks, zero=zero, sp=sp,

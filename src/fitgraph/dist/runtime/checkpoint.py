@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from ...capture.combined_optimizer import as_optimizer, members
+
 __all__ = ["OPTIMIZER", "load_unsplit", "rank_state_dict", "save"]
 
 OPTIMIZER = "optimizer.state."
@@ -46,12 +48,13 @@ def rank_state_dict(step) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(step) -> dict[str, torch.Tensor]:
-    # NOTE: ZeroRedundancyOptimizer steps this replica's share with an inner optimizer
-    inner = getattr(step.optimizer, "optim", step.optimizer)
-    state = getattr(inner, "state", {})
+    # NOTE: ZeroRedundancyOptimizer steps this replica's share with an inner optimizer; each
+    # member of several optimizers (Muon + AdamW) its own parameters
+    states = [getattr(getattr(m, "optim", m), "state", {}) for m in members(step.optimizer)]
     out: dict[str, torch.Tensor] = {}
     for name, p in sorted(step.named_parameters(), key=lambda x: x[0]):
-        for key, value in sorted(state.get(p, {}).items()):
+        held = next((s[p] for s in states if p in s), {})
+        for key, value in sorted(held.items()):
             if not isinstance(value, torch.Tensor):
                 value = torch.tensor(value)
             elif value.dim() and value.shape == p.shape:
@@ -72,7 +75,7 @@ def save(step, path: str) -> None:
 def load_unsplit(model: torch.nn.Module, path: str, optimizer=None) -> None:
     """Load a plan's checkpoint into the whole ``model`` (one process, no process group) and,
     if given, ``optimizer``'s state (an optimizer of ``model``'s parameters, of the class the
-    plan ran)."""
+    plan ran; or a list of them, as the plan ran them)."""
     import torch.distributed.checkpoint as dcp
 
     state = model.state_dict()
@@ -87,22 +90,24 @@ def load_unsplit(model: torch.nn.Module, path: str, optimizer=None) -> None:
         raise ValueError(f"{path}: the checkpoint holds no optimizer state (written before "
                          f"the first step, or by an optimizer that keeps none)")
     _load(saved, path)
-    index, i = {}, 0
     name_of = {id(p): n for n, p in model.named_parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+    opts = members(as_optimizer(optimizer))
+    index: dict[str, tuple[int, int]] = {}   # parameter name -> (member, its index there)
+    for o, member in enumerate(opts):
+        for i, p in enumerate(p for group in member.param_groups for p in group["params"]):
             if id(p) in name_of:
-                index[name_of[id(p)]] = i
-            i += 1
-    per_param: dict[int, dict] = {}
+                index[name_of[id(p)]] = (o, i)
+    per_param: list[dict[int, dict]] = [{} for _ in opts]
     for k, v in saved.items():
         name, key = k[len(OPTIMIZER):].rsplit(".", 1)
         if name not in index:
             raise ValueError(f"{path}: optimizer state of {name!r}, which the optimizer "
                              f"does not step")
-        per_param.setdefault(index[name], {})[key] = v
-    optimizer.load_state_dict({"state": per_param,
-                               "param_groups": optimizer.state_dict()["param_groups"]})
+        o, i = index[name]
+        per_param[o].setdefault(i, {})[key] = v
+    for member, state in zip(opts, per_param):
+        member.load_state_dict({"state": state,
+                                "param_groups": member.state_dict()["param_groups"]})
 
 
 def _load(state: dict, path: str) -> None:

@@ -1,6 +1,7 @@
 """The user's optimizer rebuilt over this rank's parameters: same class, same options per
 parameter group (groups matched by parameter name), and nothing of the parameters this rank
-does not hold.
+does not hold. Several optimizers (a list, or a ``CombinedOptimizer``: Muon for the matrices,
+AdamW for the rest) are each rebuilt so, and step as one.
 
 Example:
     >>> import torch
@@ -19,7 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["local_optimizer"]
+from ...capture.combined_optimizer import CombinedOptimizer, as_optimizer, members
+
+__all__ = ["local_optimizer", "orthogonalises"]
 
 
 def local_optimizer(optimizer, model: torch.nn.Module,
@@ -29,12 +32,19 @@ def local_optimizer(optimizer, model: torch.nn.Module,
     is an optimizer of ``model``'s parameters (not yet stepped) or a function of a parameter
     list. ``shard_group``: ZeRO-1 over that process group — each replica keeps the optimizer
     state of its share of the parameters (``ZeroRedundancyOptimizer``)."""
+    if isinstance(optimizer, (list, tuple, CombinedOptimizer)):
+        made = [local_optimizer(m, model, params, shard_group)
+                for m in members(as_optimizer(optimizer))]
+        made = [m for m in made if not isinstance(m, _NoParams)]
+        return as_optimizer(made) if made else _NoParams()
     if isinstance(optimizer, Callable) and not isinstance(optimizer, torch.optim.Optimizer):
-        made = optimizer([p for _, p in params])
-        return made if shard_group is None else _zero1(made, made.param_groups, shard_group)
+        made = as_optimizer(optimizer([p for _, p in params]))
+        if shard_group is None:
+            return made
+        return as_optimizer([_zero1(m, m.param_groups, shard_group) for m in members(made)])
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: a torch.optim.Optimizer or a function of the parameters, "
-                        f"not {type(optimizer).__name__}")
+        raise TypeError(f"optimizer: a torch.optim.Optimizer, a list of them or a function of "
+                        f"the parameters, not {type(optimizer).__name__}")
     if optimizer.state:
         raise ValueError("the optimizer has state already (it has stepped): parallelize the "
                          "model before the first step, or pass a function that makes the "
@@ -86,3 +96,17 @@ class _NoParams:
 
     def state_dict(self) -> dict:
         return {}
+
+
+def orthogonalises(optimizer) -> bool:
+    """Whether ``optimizer`` (one of its members; under ZeRO-1 the inner class) updates each
+    matrix from the whole of it (Muon's Newton–Schulz orthogonalisation), which a tensor-
+    parallel or FSDP shard is not."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        return False
+    for m in members(as_optimizer(optimizer)):
+        cls = getattr(m, "_optim_constructor", type(m))   # NOTE: ZeroRedundancyOptimizer's
+        if isinstance(cls, type) and issubclass(cls, muon):
+            return True
+    return False

@@ -28,7 +28,7 @@ from ..planner import DistPlan
 from .batches import FlatBatch
 from .data_parallel import replicate_chunk
 from .layout import PlanMismatch, RankLayout
-from .local_optimizer import local_optimizer
+from .local_optimizer import local_optimizer, orthogonalises
 from .memory_plan import apply_memory_plan, block_ops, block_options
 from .stage_split import END, StepModule, chunk_metas, split_step
 from .step import DistStep
@@ -50,7 +50,9 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     data-parallel replica's part). ``loss_fn(model, batch)`` returns the loss (None: the
     model's output's ``.loss``, as Hugging Face models return it). ``optimizer``: an
     optimizer of ``model``'s parameters, not yet stepped (rebuilt over this rank's, with the
-    same options per group), or a function of a parameter list. ``plan``: a ``DistPlan``, its
+    same options per group), a list of them (Muon for the matrices, AdamW for the rest: not
+    under tensor parallelism or FSDP, which shard Muon's matrices), or a function of a
+    parameter list. ``plan``: a ``DistPlan``, its
     saved JSON (a path or the dict), or ``"auto"``: planned on rank 0 for this launch's
     processes (``dist.runtime.auto_plan``).
 
@@ -75,7 +77,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
         flat = FlatBatch.of(example_batch)
         rows = max((t.shape[0] for t in flat.tensors if t.dim()), default=1)
         plan = auto_plan(model, example_batch, loss_fn, dist.get_world_size(), rows,
-                         _device(model))
+                         _device(model), whole_matrices=orthogonalises(optimizer))
     plan = _as_plan(plan)
     par = plan.parallelism
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
@@ -119,6 +121,12 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                    for n, p in ch.named_parameters()}.values())
     zero1 = mesh["dp"].get_group() if par.zero == 1 and par.dp > 1 else None
     opt = local_optimizer(optimizer, model, params, shard_group=zero1)
+    if (par.tp > 1 or par.zero >= 2) and orthogonalises(opt):
+        raise PlanMismatch(
+            f"Muon updates each matrix from the whole of it (Newton–Schulz), and under "
+            f"{'tensor parallelism' if par.tp > 1 else f'ZeRO-{par.zero} (FSDP)'} each rank "
+            "holds a shard of it: plan with --fix tp=1 and zero at most 1 (pipeline, data "
+            "parallel, ZeRO-1 keep matrices whole), or use another optimizer")
     schedule = _schedule(par, stages)
     release_unused(model, [t for ch in mine for t in [*ch.parameters(), *ch.buffers()]])
     del split
