@@ -13,6 +13,7 @@ Example:
 
 from .api import OptimizeReport, TrainStep, load, optimize
 from .capture.api import capture
+from .capture.combined_optimizer import CombinedOptimizer
 from .capture.errors import CaptureError
 from .compile_backend import BackendReport, FitgraphBackend, backend, named_backend
 from .graph.ir import Graph, Phase, Role
@@ -21,7 +22,8 @@ from .plan.instructions import Plan
 from .solvers import BudgetInfeasible
 from .transform.optimizer_in_backward import OptimizerInBackwardError
 
-__all__ = ["BackendReport", "BudgetInfeasible", "CaptureError", "FitgraphBackend", "Graph",
+__all__ = ["BackendReport", "BudgetInfeasible", "CaptureError", "CombinedOptimizer",
+           "FitgraphBackend", "Graph",
            "OptimizeReport", "OptimizerInBackwardError", "Phase", "Plan", "Role", "TrainStep",
            "backend", "capture", "eager_plan", "load", "named_backend", "optimize"]
 __version__ = "0.1.0"
