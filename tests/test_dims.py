@@ -499,6 +499,9 @@ SYNTHETIC = {
     "var_mean keepdim": ("aten.var_mean.correction", (_r(2, 3, 7), [1]),
                          {"correction": 1, "keepdim": True}),
     "std over two dims": ("aten.std.correction", (_r(2, 3, 4, 5), [1, 3]), {}),
+    # NOTE: a key cache's first update, torch.cat([empty, keys], -2): the empty 1-D operand
+    # is skipped by torch and read whole by every part
+    "cat after an empty cache": ("aten.cat.default", ([torch.empty(0), _r(2, 3, 4)], -2), {}),
     "embedding_dense_backward": ("aten.embedding_dense_backward.default",
                                  (_r(2, 3, 4), torch.tensor([[0, 2, 2], [1, 0, 4]]), 5, -1,
                                   False), {}),

@@ -3,10 +3,16 @@ processes (issue 28): each of Llama (grouped-query attention, a rotary embedding
 ``torch.no_grad()``), GPT-2 (``Conv1D`` layers storing their weights (in, out); ``lm_head``
 tied to the embedding by assignment) and BERT (a submodule named ``self``) pipelined and
 tensor parallel, three AdamW steps with one process's losses and updated parameters (1e-5
-relative, float64: see ``test_dist_runtime_parallelize``).
+relative, float64: see ``test_dist_runtime_parallelize``). Beyond the zoo, tiny configs of
+Phi-3 (gate and up projections fused, ``chunk``ed apart), Phi (a partial rotary embedding
+joined back with ``cat``; a key cache's first ``cat`` with an empty tensor), GPT-J (pairs
+rotated with ``stack`` and ``flatten``) and ALBERT (one layer called at every depth: a cut
+between two of its calls, its shards shared by the calls) tensor parallel.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,15 +34,51 @@ CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"), ("hf-llama
          pytest.param("hf-llama", "pp2", marks=pytest.mark.slow),
          pytest.param("hf-gpt2", "tp2", marks=pytest.mark.slow),
          pytest.param("hf-bert", "tp2-sp", marks=pytest.mark.slow),
-         pytest.param("hf-gpt2", "tp2-sp", marks=pytest.mark.slow)]
+         pytest.param("hf-gpt2", "tp2-sp", marks=pytest.mark.slow),
+         ("tiny-phi3", "tp2"), ("tiny-gptj", "tp2"), ("tiny-albert", "pp2xtp2"),
+         pytest.param("tiny-phi", "tp2-sp", marks=pytest.mark.slow),
+         pytest.param("tiny-albert", "pp2", marks=pytest.mark.slow)]
 FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
        "tp2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
        # sequence parallel: Llama's RMSNorm (its mean over the features, its weight) and
        # BERT's post-norm residuals on each shard's part of the sequence
-       "tp2-sp": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True}}
+       "tp2-sp": {"tp": 2, "pp": 1, "dp": 1, "micro_batch": 2, "schedule": "1f1b", "sp": True},
+       "pp2xtp2": {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"}}
+
+
+def _tiny(name: str):
+    """A Hugging Face model of a family the zoo has not, from a tiny config (float64,
+    eval mode), with its causal-LM or masked-LM batch."""
+    import transformers as tf
+
+    vocab = 512
+    common = {"vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "intermediate_size": 128}
+    config = {
+        "tiny-phi3": lambda: tf.Phi3Config(num_key_value_heads=2, pad_token_id=0,
+                                           **common, attn_implementation="sdpa"),
+        "tiny-phi": lambda: tf.PhiConfig(**common, attn_implementation="sdpa"),
+        "tiny-gptj": lambda: tf.GPTJConfig(vocab_size=vocab, n_embd=64, n_layer=4, n_head=4,
+                                           rotary_dim=8, attn_implementation="eager"),
+        "tiny-albert": lambda: tf.AlbertConfig(embedding_size=32, **common,
+                                               attn_implementation="sdpa"),
+    }[name]()
+    torch.manual_seed(0)
+    auto = tf.AutoModelForMaskedLM if name == "tiny-albert" else tf.AutoModelForCausalLM
+    model = auto.from_config(config).to(torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    if name == "tiny-albert":   # NOTE: masked-LM targets on ~30% of the positions
+        labels[torch.rand(BATCH, SEQ, generator=gen) > 0.3] = -100
+    return SimpleNamespace(model=model, batch={"input_ids": ids, "labels": labels})
 
 
 def build(name: str):
+    if name.startswith("tiny-"):
+        case = _tiny(name)
+        case.model.eval()
+        return case
     case = zoo.build(name, "small", batch_size=BATCH, seq_len=SEQ, dtype=torch.float64)
     case.model.eval()      # NOTE: no dropout: the ranks and one process draw no masks
     return case

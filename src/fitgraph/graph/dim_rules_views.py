@@ -238,12 +238,14 @@ def unbind(node, ins, outs) -> list[Split]:
 
 
 def cat(node, ins, outs) -> list[Split]:
-    """cat(tensors, dim): every operand follows the dims other than the joined one."""
+    """cat(tensors, dim): every operand follows the dims other than the joined one; an empty
+    1-D operand, which torch's cat skips (a cache's first ``torch.cat([empty, keys])``), is
+    read whole by every part."""
     out = outs[0]
     d = norm_dim(arg_of(node, 1, "dim", 0), len(out))
-    if any(len(s) != len(out) for s in ins):
-        return []  # NOTE: legacy cat skips empty 1-D operands; not offered
-    return [Split((Along(i),) * len(ins), (Along(i),))
+    if any(len(s) != len(out) and tuple(s) != (0,) for s in ins):
+        return []
+    return [Split(tuple(Along(i) if len(s) == len(out) else None for s in ins), (Along(i),))
             for i in range(len(out)) if i != d and out[i] >= 2]
 
 

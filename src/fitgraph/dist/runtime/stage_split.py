@@ -25,6 +25,8 @@ Example (one process, no pipeline: a split is a local thing):
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +95,27 @@ class ChunkModule(torch.nn.Module):
 
 
 def model_name(chunk_param: str) -> str:
-    """``body.model.h.1.ln_1.weight`` → ``h.1.ln_1.weight``."""
+    """``body.model.h.1.ln_1.weight`` → ``h.1.ln_1.weight``; a module the model calls more
+    than once (ALBERT's one layer at every depth) is ``layer@2`` at its third call in the
+    exported chunks (``torch.export.unflatten``'s names): its parameters are ``layer``'s."""
     prefix = f"body.{MODEL}."
     if not chunk_param.startswith(prefix):
         raise ValueError(f"{chunk_param}: not a parameter of the user's model")
-    return chunk_param[len(prefix):]
+    return call_free(chunk_param[len(prefix):])
+
+
+_CALL = re.compile(r"@\d+(?=\.|$)")
+
+
+def call_free(path: str) -> str:
+    """``path`` without the call numbers ``torch.export.unflatten`` gives a module's later
+    calls.
+
+    Example:
+        >>> call_free("encoder.layer@2.attention@2.query.weight")
+        'encoder.layer.attention.query.weight'
+    """
+    return _CALL.sub("", path)
 
 
 @dataclass
@@ -115,14 +133,16 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
 
     modules = dict(getattr(step, MODEL).named_modules())
     for path in starts:
-        path = path.removesuffix(END)
+        path = call_free(path.removesuffix(END))
         if path not in modules:
             raise ValueError(f"the plan cuts the model before {path!r}, which is not a module "
                              f"of {type(getattr(step, MODEL)).__name__}: a plan made for "
                              f"another model?")
     spec = {f"{MODEL}.{p.removesuffix(END)}":
-            SplitPoint.END if p.endswith(END) else SplitPoint.BEGINNING for p in starts}
-    pipe = _pipeline(step, micro_args, spec)
+            SplitPoint.END if p.endswith(END) else SplitPoint.BEGINNING
+            for p in starts if call_free(p) == p}
+    with _cut_at_calls(modules, [p for p in starts if call_free(p) != p]):
+        pipe = _pipeline(step, micro_args, spec)
     if pipe.num_stages != len(starts) + 1:
         raise ValueError(f"tracing the step cut it into {pipe.num_stages} chunks, not "
                          f"{len(starts) + 1}: a cut point ({starts}) is inside a loop or "
@@ -191,6 +211,49 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
                  if a.name in placeholders}
     weights, note = find_loss_weights(body, root_leaf)
     return SplitStep(chunks, sorted(n for n, k in held.items() if k > 1), weights, note)
+
+
+@contextlib.contextmanager
+def _cut_at_calls(modules: dict, paths: list[str]):
+    """Cuts at a later call of a module the model calls more than once (``layer@2``: before
+    its third call; ``layer@2`` + ``END``: after it), which ``SplitPoint``s, by module,
+    cannot name: ``pipe_split()`` at that call while the step is traced."""
+    from torch.distributed.pipelining import pipe_split
+
+    cuts: dict[str, dict[int, bool]] = {}   # module path -> call number -> after it
+    for p in paths:
+        path = p.removesuffix(END)
+        base, _, number = path.rpartition("@")
+        if "@" in base or not number.isdigit():
+            raise ValueError(f"the plan cuts the model at {path!r}: a call of a module inside "
+                             f"a module called more than once, which the runtime cannot cut "
+                             f"at; plan without a pipeline (pp=1)")
+        cuts.setdefault(base, {})[int(number)] = p.endswith(END)
+    saved = {}
+    for base, at in cuts.items():
+        module = modules[base]
+        forward, calls = module.forward, [0]
+
+        def counted(*args, _forward=forward, _at=at, _calls=calls, **kwargs):
+            n = _calls[0]
+            _calls[0] += 1
+            if _at.get(n) is False:
+                pipe_split()
+            out = _forward(*args, **kwargs)
+            if _at.get(n):
+                pipe_split()
+            return out
+
+        saved[base] = (module, "forward" in vars(module), forward)
+        module.forward = counted
+    try:
+        yield
+    finally:
+        for module, own, forward in saved.values():
+            if own:
+                module.forward = forward
+            else:
+                del module.forward
 
 
 def _pipeline(step: StepModule, micro_args: tuple, spec: dict):

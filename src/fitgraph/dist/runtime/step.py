@@ -85,6 +85,9 @@ class DistStep:
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
+        # NOTE: the model's precision: the dtype of the loss returned
+        self._dtype = next((p.dtype for ch in chunks for p in ch.parameters()
+                            if p.is_floating_point()), torch.float32)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -212,12 +215,14 @@ class DistStep:
 
         lay = self.layout
         mine = lay.stage == self._last_device and lay.shard == 0
-        value = torch.stack([x.detach().float() for x in losses]).mean() if (mine and losses) \
-            else torch.zeros(())
+        # NOTE: summed in float64 on every rank (those without losses too: the all-reduce's
+        # dtypes must agree), returned at the model's precision, at least float32's
+        value = torch.stack([x.detach().double() for x in losses]).mean() if (mine and losses) \
+            else torch.zeros((), dtype=torch.float64)
         value = value.reshape(())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value)
-        return value / lay.dp
+        return (value / lay.dp).to(torch.promote_types(self._dtype, torch.float32))
 
     # ------------------------------------------------------------------ measuring
     def _start_meter(self) -> None:

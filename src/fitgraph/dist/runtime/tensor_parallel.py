@@ -30,9 +30,9 @@ from .fx_layouts import ELEMENTWISE as _SAME
 from .fx_layouts import SeqSplit, Sharded, TensorParallelError
 from .fx_layouts import flat as _flat
 from .fx_layouts import ndim as _ndim
-from .fx_layouts import prod as _prod
-from .fx_layouts import shape as _shape
 from .sequence_parallel import SequenceParallelRules
+from .slice_rules import SliceRules
+from .stage_split import call_free
 from .tp_layers import ColumnLinear, RowLinear
 
 __all__ = ["SeqSplit", "Sharded", "TensorParallelError", "TpParam", "shard_chunk", "untake"]
@@ -60,6 +60,7 @@ def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: 
     ins = [n for n in body.graph.nodes if n.op == "placeholder"]
     outs = rw.run(body, "", [None] * len(ins))
     chunk.tp_partial_grads = rw.partial_names(chunk)
+    _tie_uncalled_copies(chunk, rw.shards)
     if any(o is not None for o in outs):
         raise TensorParallelError("a slice of a column-parallel output leaves its pipeline "
                                   "chunk: plan with tp=1 or cut the stages elsewhere")
@@ -70,7 +71,21 @@ def shard_chunk(chunk: torch.nn.Module, styles: dict[str, str], tp: int, shard: 
     return rw.split
 
 
-class _Rewrite(SequenceParallelRules):
+def _tie_uncalled_copies(chunk: torch.nn.Module, shard: dict[str, torch.nn.Parameter]) -> None:
+    """Where the chunk holds a split layer's weight under another name too, whole (a module
+    called more than once leaves uncalled copies in ``torch.export.unflatten``'s tree), that
+    name holds the shard: one parameter per model name, and no whole copy kept."""
+    for path, module in chunk.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            try:
+                mine = shard.get(chunk.model_name(f"{path}.{name}"))
+            except ValueError:
+                continue      # NOTE: not a parameter of the user's model
+            if mine is not None and mine is not p:
+                setattr(module, name, mine)
+
+
+class _Rewrite(SequenceParallelRules, SliceRules):
     def __init__(self, styles, tp, shard, group, prefix, sp: bool = False) -> None:
         self.styles, self.tp, self.shard, self.group, self.prefix = (styles, tp, shard, group,
                                                                      prefix)
@@ -82,6 +97,11 @@ class _Rewrite(SequenceParallelRules):
         self.partial: dict[int, list] = {}
         self.gathered: dict[tuple, torch.fx.Node] = {}   # NOTE: (id(module), part) -> whole
         self.modules: list = []
+        # NOTE: the split layer of each weight: a module the model calls more than once
+        # (ALBERT's one layer at every depth) shares its shards' parameters at every call,
+        # so that their gradients sum over the calls as the whole weight's do
+        self.made: dict[str, torch.nn.Module] = {}
+        self.shards: dict[str, torch.nn.Parameter] = {}   # NOTE: model name -> its shard
 
     # ------------------------------------------------------------------ modules
     def run(self, gm: torch.nn.Module, path: str, layouts: list) -> list:
@@ -177,13 +197,21 @@ class _Rewrite(SequenceParallelRules):
                             linear["transposed"], seq_dim=seq)
             self.split[wname] = TpParam(in_dim, 1)
             out = None if seq is None else SeqSplit(seq)
-            if new.bias is not None:   # NOTE: added by shard 0 alone (RowLinear)
-                self.partial.setdefault(id(new.bias), [new.bias, 0])
+        made = self.made.setdefault(wname, new)
+        if made is not new:   # NOTE: another call of one layer: its shards' parameters
+            if type(made) is not type(new):
+                raise TensorParallelError(f"{full} is called again, split otherwise")
+            new.weight, new.bias = made.weight, made.bias
+        if isinstance(new, RowLinear) and new.bias is not None:
+            self.partial.setdefault(id(new.bias), [new.bias, 0])   # NOTE: shard 0 adds it
+        self.shards[wname] = new.weight
+        if bname:
+            self.shards[bname] = new.bias
         _replace_module(gm, node.target, new)
         return out
 
     def _model_name(self, path: str) -> str:
-        return path[len(self.prefix):] if path.startswith(self.prefix) else path
+        return call_free(path[len(self.prefix):] if path.startswith(self.prefix) else path)
 
     # ------------------------------------------------------------------ ops
     def _function(self, gm, node, lay) -> tuple[object, bool]:
@@ -203,6 +231,15 @@ class _Rewrite(SequenceParallelRules):
         t = node.target
         if t in _SAME:
             return self._same(node, lay), False
+        if t is aten._assert_tensor_metadata.default:
+            # NOTE: export's check of a ``.to()``'s input: its dtype and device hold for a
+            # slice, its size and stride are the whole's (dropped); it outputs nothing
+            dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+            node.args = node.args[:1]
+            node.kwargs = {**{k: v for k, v in node.kwargs.items()
+                              if k not in ("size", "stride", "dtype")},
+                           **({"dtype": dtype} if dtype is not None else {})}
+            return None, True
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             return self._reshape(node, lay)
         if t in (aten.transpose.int, aten.swapaxes.default):
@@ -226,126 +263,14 @@ class _Rewrite(SequenceParallelRules):
         if t in (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
                  aten.squeeze.dim):
             return self._indexing(node, lay), False
+        if t in (aten.cat.default, aten.stack.default):
+            return self._cat(node, lay), False
+        if t is aten.flatten.using_ints:
+            return self._flatten(node, lay), False
+        if t is aten.expand.default:
+            return self._expand(node, lay), True
         raise TensorParallelError(f"tensor parallelism cannot follow a slice through "
                                   f"{node.name} ({t}): plan with tp=1")
-
-    def _same(self, node, lay):
-        """Elementwise: the slice's layout; other inputs must broadcast along its dim."""
-        out_nd = _ndim(node)
-        layout = None
-        for a in _flat(node.args) + _flat(list(node.kwargs.values())):
-            if not isinstance(a, torch.fx.Node):
-                continue
-            s = lay.get(a)
-            nd = _ndim(a)
-            if s is not None:
-                here = Sharded(s.dim + out_nd - nd, s.parts)
-                if layout is not None and layout != here:
-                    raise TensorParallelError(f"{node.name}: inputs split differently")
-                layout = here
-        for a in _flat(node.args) + _flat(list(node.kwargs.values())):
-            if isinstance(a, torch.fx.Node) and lay.get(a) is None and _ndim(a) > 0:
-                d = layout.dim - (out_nd - _ndim(a))
-                if d >= 0 and _shape(a)[d] != 1:
-                    raise TensorParallelError(f"{node.name} ({node.target}) mixes a slice with "
-                                              f"{a.name}, whole along the split dim")
-        return layout
-
-    def _reshape(self, node, lay):
-        s = lay[node.args[0]]
-        src, dst = _shape(node.args[0]), _shape(node)
-        before = _prod(src[:s.dim])
-        e, acc = 0, 1
-        while e < len(dst) and acc < before:
-            acc *= dst[e]
-            e += 1
-        if acc != before or e >= len(dst):
-            raise TensorParallelError(f"{node.name}: a reshape that cuts across the split dim")
-        if dst[e] == src[s.dim] or (s.parts == 1 and dst[e] > src[s.dim]
-                                     and dst[e] % src[s.dim] == 0):
-            out = Sharded(e, s.parts)
-        elif s.parts == 1 and src[s.dim] % dst[e] == 0 and dst[e] % self.tp == 0:
-            out = Sharded(e, 1)
-        else:
-            raise TensorParallelError(f"{node.name}: reshaping {list(src)} to {list(dst)} "
-                                      f"splits dim {s.dim} so that its slices are not whole")
-        local = list(dst)
-        if local[e] % self.tp:
-            raise TensorParallelError(f"{node.name}: dim {e} of {list(dst)} does not divide "
-                                      f"by {self.tp}")
-        local[e] //= self.tp
-        node.args = (node.args[0], local, *node.args[2:])
-        return out, True
-
-    def _transpose(self, node, lay):
-        s = lay[node.args[0]]
-        nd = _ndim(node)
-        a, b = node.args[1] % nd, node.args[2] % nd
-        d = b if s.dim == a else a if s.dim == b else s.dim
-        return Sharded(d, s.parts)
-
-    def _split(self, node, lay):
-        s = lay[node.args[0]]
-        nd = _ndim(node.args[0])
-        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
-        n_out = len(node.meta["val"])
-        if dim != s.dim:
-            return tuple(s for _ in range(n_out)), False
-        whole = _shape(node.args[0])[dim]
-        sizes = [v.shape[dim] for v in node.meta["val"]]
-        if node.target is aten.chunk.default or len(set(sizes)) != 1 \
-                or len(sizes) != s.parts or sizes[0] * s.parts != whole:
-            raise TensorParallelError(f"{node.name} splits the split dim into {sizes}, not the "
-                                      f"{s.parts} parts the column-parallel layer made")
-        local = sizes[0] // self.tp
-        if node.target is aten.split.Tensor:
-            node.args = (node.args[0], local, *node.args[2:])
-        else:
-            node.args = (node.args[0], [local] * len(sizes), *node.args[2:])
-        return tuple(Sharded(dim, 1) for _ in range(n_out)), True
-
-    def _matmul(self, node, lay):
-        a, b = node.args[0], node.args[1]
-        sa, sb = lay.get(a), lay.get(b)
-        nd = _ndim(node)
-        batch = nd - 2
-        ok = (sa is not None and sb is not None
-              and sa.dim - (_ndim(a) - nd) == sb.dim - (_ndim(b) - nd)
-              and sa.dim - (_ndim(a) - nd) < batch)
-        if not ok:
-            raise TensorParallelError(f"{node.name}: a matmul of slices that is not along a "
-                                      f"batch dim of both (heads)")
-        return Sharded(sa.dim - (_ndim(a) - nd), 1)
-
-    def _attention(self, node, lay):
-        q, k, v = node.args[:3]
-        layouts = {lay.get(q), lay.get(k), lay.get(v)}
-        if len(layouts) != 1 or next(iter(layouts)) is None \
-                or next(iter(layouts)).dim >= _ndim(q) - 2:
-            raise TensorParallelError(f"{node.name}: attention over slices other than heads")
-        for a in list(node.args[3:4]) + [node.kwargs.get("attn_mask")]:
-            if isinstance(a, torch.fx.Node) and lay.get(a) is None:
-                d = next(iter(layouts)).dim - (_ndim(q) - _ndim(a))
-                if d >= 0 and _shape(a)[d] != 1:
-                    raise TensorParallelError(f"{node.name}: a mask per head")
-        return next(iter(layouts))
-
-    def _indexing(self, node, lay):
-        s = lay[node.args[0]]
-        nd_in = _ndim(node.args[0])
-        t = node.target
-        if t is aten.unsqueeze.default:
-            d = node.args[1] % (nd_in + 1)
-            return Sharded(s.dim + (d <= s.dim), s.parts)
-        d = node.args[1] % nd_in
-        if d == s.dim:
-            raise TensorParallelError(f"{node.name}: indexing along the split dim")
-        if t in (aten.select.int, aten.squeeze.dim) and (t is aten.select.int
-                                                        or _shape(node.args[0])[d] == 1):
-            return Sharded(s.dim - (d < s.dim), s.parts)
-        return s
-
-
 
 
 def _linear_of(module) -> dict | None:
@@ -399,11 +324,11 @@ def _single_output(module) -> bool:
 
 def _parts_of(node, out_features: int) -> int:
     """How many projections one column-parallel matmul makes: the parts its output is split
-    into along the features (Q, K, V), else one."""
+    into along the features (Q, K, V; a fused gate and up projection's ``chunk``), else one."""
     for u in node.users:
-        if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             nd = _ndim(node)
-            dim = (u.args[2] if len(u.args) > 2 else 0) % nd
+            dim = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % nd
             sizes = [v.shape[dim] for v in u.meta["val"]]
             if dim == nd - 1 and len(set(sizes)) == 1 and sum(sizes) == out_features:
                 return len(sizes)
