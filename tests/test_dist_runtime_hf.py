@@ -6,8 +6,10 @@ tensor parallel, three AdamW steps with one process's losses and updated paramet
 relative, float64: see ``test_dist_runtime_parallelize``). Beyond the zoo, tiny configs of
 Phi-3 (gate and up projections fused, ``chunk``ed apart), Phi (a partial rotary embedding
 joined back with ``cat``; a key cache's first ``cat`` with an empty tensor), GPT-J (pairs
-rotated with ``stack`` and ``flatten``) and ALBERT (one layer called at every depth: a cut
-between two of its calls, its shards shared by the calls) tensor parallel.
+rotated with ``stack`` and ``flatten``), ALBERT (one layer called at every depth: a cut
+between two of its calls, its shards shared by the calls) and BART, and T5 from the zoo
+(cross-attention's keys and values of the encoder's output kept whole and cut to the shard's
+heads; T5's position bias, one per head, too) tensor parallel.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ CASES = [("hf-llama", "tp2"), ("hf-gpt2", "pp2"), ("hf-bert", "pp2"), ("hf-llama
          pytest.param("hf-bert", "tp2-sp", marks=pytest.mark.slow),
          pytest.param("hf-gpt2", "tp2-sp", marks=pytest.mark.slow),
          ("tiny-phi3", "tp2"), ("tiny-gptj", "tp2"), ("tiny-albert", "pp2xtp2"),
+         ("hf-t5", "tp2"), pytest.param("tiny-bart", "tp2-sp", marks=pytest.mark.slow),
          pytest.param("tiny-phi", "tp2-sp", marks=pytest.mark.slow),
          pytest.param("tiny-albert", "pp2", marks=pytest.mark.slow)]
 FIX = {"pp2": {"pp": 2, "dp": 1, "micro_batch": 2, "schedule": "1f1b"},
@@ -62,9 +65,14 @@ def _tiny(name: str):
                                            rotary_dim=8, attn_implementation="eager"),
         "tiny-albert": lambda: tf.AlbertConfig(embedding_size=32, **common,
                                                attn_implementation="sdpa"),
+        "tiny-bart": lambda: tf.BartConfig(vocab_size=vocab, d_model=64, encoder_layers=2,
+                                           decoder_layers=2, encoder_attention_heads=4,
+                                           decoder_attention_heads=4, encoder_ffn_dim=128,
+                                           decoder_ffn_dim=128, attn_implementation="sdpa"),
     }[name]()
     torch.manual_seed(0)
-    auto = tf.AutoModelForMaskedLM if name == "tiny-albert" else tf.AutoModelForCausalLM
+    auto = {"tiny-albert": tf.AutoModelForMaskedLM,
+            "tiny-bart": tf.AutoModelForSeq2SeqLM}.get(name, tf.AutoModelForCausalLM)
     model = auto.from_config(config).to(torch.float64)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)

@@ -15,6 +15,7 @@ from .fx_layouts import flat as _flat
 from .fx_layouts import ndim as _ndim
 from .fx_layouts import prod as _prod
 from .fx_layouts import shape as _shape
+from .tp_layers import SeqScatter
 
 __all__ = ["SliceRules"]
 
@@ -22,9 +23,11 @@ aten = torch.ops.aten
 
 
 class SliceRules:
-    """The rules, a mixin of ``tensor_parallel._Rewrite`` (its ``tp``)."""
+    """The rules, a mixin of ``tensor_parallel._Rewrite`` (its ``tp``, ``group`` and
+    ``_put_before``)."""
 
     tp: int
+    group: object
 
     def _cat(self, node, lay):
         """Slices joined along another dim (Phi's rotated and passed halves of each head) or
@@ -60,8 +63,18 @@ class SliceRules:
         raise TensorParallelError(f"{node.name}: flattening dims {start}..{end} merges the "
                                   f"split dim {s.dim} after another")
 
-    def _same(self, node, lay):
-        """Elementwise: the slice's layout; other inputs must broadcast along its dim."""
+    def _cut_whole(self, gm, node, a, dim: int, layout: Sharded, what: str) -> None:
+        """``node`` reads ``a`` whole along the split dim ``dim`` of ``a`` (T5's position
+        bias, one per head, beside each shard's heads): this shard's slice of it, its
+        gradient gathered (``SeqScatter``); not beside the parts of a fused projection."""
+        if layout.parts != 1:
+            raise TensorParallelError(f"{node.name} ({node.target}) mixes a slice of a fused "
+                                      f"projection with {a.name}, {what}")
+        self._put_before(gm, node, a, SeqScatter(dim, self.group))
+
+    def _same(self, gm, node, lay):
+        """Elementwise: the slice's layout; another input whole along its dim is cut to the
+        shard's slice (``_cut_whole``), one that broadcasts along it read as it is."""
         out_nd = _ndim(node)
         layout = None
         for a in _flat(node.args) + _flat(list(node.kwargs.values())):
@@ -78,8 +91,7 @@ class SliceRules:
             if isinstance(a, torch.fx.Node) and lay.get(a) is None and _ndim(a) > 0:
                 d = layout.dim - (out_nd - _ndim(a))
                 if d >= 0 and _shape(a)[d] != 1:
-                    raise TensorParallelError(f"{node.name} ({node.target}) mixes a slice with "
-                                              f"{a.name}, whole along the split dim")
+                    self._cut_whole(gm, node, a, d, layout, "whole along the split dim")
         return layout
 
     def _reshape(self, node, lay):
@@ -150,18 +162,24 @@ class SliceRules:
                                       f"batch dim of both (heads)")
         return Sharded(sa.dim - (_ndim(a) - nd), 1)
 
-    def _attention(self, node, lay):
+    def _attention(self, gm, node, lay):
+        """Attention over the shard's heads; a query, key or value computed whole (a
+        cross-attention's keys and values of the encoder's output, which the plan keeps
+        whole: ``dist.graph_tp``) and a mask per head are cut to those heads."""
         q, k, v = node.args[:3]
-        layouts = {lay.get(q), lay.get(k), lay.get(v)}
-        if len(layouts) != 1 or next(iter(layouts)) is None \
-                or next(iter(layouts)).dim >= _ndim(q) - 2:
+        layouts = {lay.get(q), lay.get(k), lay.get(v)} - {None}
+        if len(layouts) != 1 or next(iter(layouts)).dim >= _ndim(q) - 2:
             raise TensorParallelError(f"{node.name}: attention over slices other than heads")
+        layout = next(iter(layouts))
+        for a in (q, k, v):
+            if lay.get(a) is None:
+                self._cut_whole(gm, node, a, layout.dim, layout, "whole over the heads")
         for a in list(node.args[3:4]) + [node.kwargs.get("attn_mask")]:
             if isinstance(a, torch.fx.Node) and lay.get(a) is None:
-                d = next(iter(layouts)).dim - (_ndim(q) - _ndim(a))
+                d = layout.dim - (_ndim(q) - _ndim(a))
                 if d >= 0 and _shape(a)[d] != 1:
-                    raise TensorParallelError(f"{node.name}: a mask per head")
-        return next(iter(layouts))
+                    self._cut_whole(gm, node, a, d, layout, "a mask per head")
+        return layout
 
     def _indexing(self, node, lay):
         s = lay[node.args[0]]

@@ -230,7 +230,7 @@ class _Rewrite(SequenceParallelRules, SliceRules):
             return None, False
         t = node.target
         if t in _SAME:
-            return self._same(node, lay), False
+            return self._same(gm, node, lay), False
         if t is aten._assert_tensor_metadata.default:
             # NOTE: export's check of a ``.to()``'s input: its dtype and device hold for a
             # slice, its size and stride are the whole's (dropped); it outputs nothing
@@ -253,7 +253,7 @@ class _Rewrite(SequenceParallelRules, SliceRules):
         if t in (aten.matmul.default, aten.bmm.default):
             return self._matmul(node, lay), False
         if t in (aten.scaled_dot_product_attention.default,):
-            return self._attention(node, lay), False
+            return self._attention(gm, node, lay), True
         if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                  aten._log_softmax.default):
             s = lay[node.args[0]]
