@@ -65,19 +65,20 @@ def _tiny(name: str):
                                            rotary_dim=8, attn_implementation="eager"),
         "tiny-albert": lambda: tf.AlbertConfig(embedding_size=32, **common,
                                                attn_implementation="sdpa"),
+        "tiny-deberta": lambda: tf.DebertaV2Config(**common),
         "tiny-bart": lambda: tf.BartConfig(vocab_size=vocab, d_model=64, encoder_layers=2,
                                            decoder_layers=2, encoder_attention_heads=4,
                                            decoder_attention_heads=4, encoder_ffn_dim=128,
                                            decoder_ffn_dim=128, attn_implementation="sdpa"),
     }[name]()
     torch.manual_seed(0)
-    auto = {"tiny-albert": tf.AutoModelForMaskedLM,
+    auto = {"tiny-albert": tf.AutoModelForMaskedLM, "tiny-deberta": tf.AutoModelForMaskedLM,
             "tiny-bart": tf.AutoModelForSeq2SeqLM}.get(name, tf.AutoModelForCausalLM)
     model = auto.from_config(config).to(torch.float64)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
     labels = ids.clone()
-    if name == "tiny-albert":   # NOTE: masked-LM targets on ~30% of the positions
+    if name in ("tiny-albert", "tiny-deberta"):   # NOTE: masked-LM targets on ~30%
         labels[torch.rand(BATCH, SEQ, generator=gen) > 0.3] = -100
     return SimpleNamespace(model=model, batch={"input_ids": ids, "labels": labels})
 
@@ -132,4 +133,40 @@ def test_hugging_face_model_planned_run_has_one_process_results(name, config):
         # sequence parallel where planned: every row-parallel sum reduce-scattered
         assert bool(seq_dims) == (fix.get("tp", 1) > 1)
         assert all((d is not None) == bool(fix.get("sp")) for d in seq_dims)
+    assert_like_reference(got, ref_params, noise, STEPS, LR)
+
+
+def _auto_falls_back(rank: int, world: int):
+    """``plan="auto"`` where the plan's tensor parallelism meets an op the runtime cannot
+    split (DeBERTa's heads merged with the batch, ``[B*H, T, D]``): the first plan made is
+    pinned to tp=2 (as a search may choose it), the runtime plans again without."""
+    import fitgraph.dist.runtime.parallelize as par_mod
+    from fitgraph.dist import parallelize
+
+    torch.set_num_threads(1)
+    case = build("tiny-deberta")
+    made = par_mod._auto_plan
+    fixes = []
+
+    def pinned(model, batch, lf, fix):
+        fixes.append(dict(fix))
+        return made(model, batch, lf, {"tp": 2, **fix} if not fixes[1:] else fix)
+
+    par_mod._auto_plan = pinned
+    opt = torch.optim.AdamW(case.model.parameters(), lr=LR)
+    with pytest.warns(UserWarning, match="planning again without tensor parallelism"):
+        step = parallelize(case.model, case.batch, loss_fn, opt, plan="auto")
+    losses = [float(step(case.batch)) for _ in range(STEPS)]
+    return losses, step.full_parameters(), step.plan.parallelism.tp, fixes
+
+
+def test_auto_plans_again_without_tensor_parallelism_the_runtime_cannot_run():
+    pytest.importorskip("transformers")
+    results = run_processes(_auto_falls_back, 2, timeout_s=300)
+    ref_losses, ref_params, noise = one_process("tiny-deberta")
+    got = {}
+    for losses, params, tp, fixes in results:
+        assert tp == 1 and fixes == [{}, {"tp": 1}]
+        assert losses == pytest.approx(ref_losses, rel=1e-9)
+        got.update(params)
     assert_like_reference(got, ref_params, noise, STEPS, LR)

@@ -46,10 +46,10 @@ def _cuda_spec_name(device: torch.device) -> str:
 
 
 def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
-              global_batch: int, device: torch.device, whole_matrices: bool = False) -> DistPlan:
+              global_batch: int, device: torch.device, fix: dict | None = None) -> DistPlan:
     """The fastest plan of ``model`` on this launch (rank 0 plans, every rank gets it).
-    ``whole_matrices``: only plans where each rank updates whole weights (no tensor
-    parallelism, ZeRO at most 1), for an optimizer like Muon."""
+    ``fix``: fields pinned (``{"tp": 1, "max_zero": 1}``: each rank updates whole weights,
+    for an optimizer like Muon)."""
     import torch.distributed as dist
 
     from .batches import FlatBatch
@@ -73,7 +73,7 @@ def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
         # NOTE: plans only what runs here: one width, no loss in parts
         gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq,
                         loss_in_parts=False)
-        fix = {"per_stage": False, **({"tp": 1, "max_zero": 1} if whole_matrices else {})}
-        box[0] = plan(gm, cluster, global_batch, precision=precision, fix=fix).to_json()
+        box[0] = plan(gm, cluster, global_batch, precision=precision,
+                      fix={"per_stage": False, **(fix or {})}).to_json()
     dist.broadcast_object_list(box, src=0)
     return DistPlan.from_json(box[0])

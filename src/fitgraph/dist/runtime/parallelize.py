@@ -27,6 +27,7 @@ from ..graph_model import param_signature
 from ..planner import DistPlan
 from .batches import FlatBatch
 from .data_parallel import replicate_chunk
+from .fx_layouts import TensorParallelError
 from .layout import PlanMismatch, RankLayout
 from .local_optimizer import local_optimizer, orthogonalises
 from .memory_plan import apply_memory_plan, block_ops, block_options
@@ -67,17 +68,15 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
 
     if not dist.is_initialized():
         dist.init_process_group("gloo" if _device(model).type == "cpu" else "nccl")
-    if isinstance(plan, str) and plan == "auto":
-        from .auto_plan import auto_plan
-
+    auto = isinstance(plan, str) and plan == "auto"
+    # NOTE: Muon needs whole matrices: no tensor parallelism, ZeRO at most 1
+    fix = {"tp": 1, "max_zero": 1} if orthogonalises(optimizer) else {}
+    if auto:
         if local_batches:
             raise PlanMismatch("plan='auto' plans for the global batch, and which ranks are "
                                "replicas is the plan's to say: give the global batch "
                                "(local_batches=False) or a saved plan")
-        flat = FlatBatch.of(example_batch)
-        rows = max((t.shape[0] for t in flat.tensors if t.dim()), default=1)
-        plan = auto_plan(model, example_batch, loss_fn, dist.get_world_size(), rows,
-                         _device(model), whole_matrices=orthogonalises(optimizer))
+        plan = _auto_plan(model, example_batch, loss_fn, fix)
     plan = _as_plan(plan)
     par = plan.parallelism
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
@@ -102,11 +101,28 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
     stages = []
     metas = chunk_metas(split.chunks, micro_args)
     tp_params: dict = {}
-    for ch in mine:
-        if par.tp > 1:
+    failed = None
+    for ch in mine if par.tp > 1 else ():
+        try:
             # NOTE: after the stages' metadata: what crosses a cut is whole on every shard
             tp_params.update(shard_chunk(ch, plan.tp_styles, par.tp, layout.shard,
                                          mesh["tp"].get_group(), sp=bool(par.sp)))
+        except TensorParallelError as e:
+            failed = e
+            break
+    if par.tp > 1 and _on_any_rank(failed is not None, _device(model)):
+        # NOTE: every rank learns it (one all-reduce), so none waits on a collective the
+        # failed ones never reach
+        if not auto:
+            raise failed or TensorParallelError(
+                "another rank's chunk cannot be split as the plan says (its error names the "
+                "op): plan with --fix tp=1")
+        warnings.warn(f"fitgraph.dist: the runtime cannot split this model's tensors as "
+                      f"planned ({failed or 'on another rank'}); planning again without "
+                      "tensor parallelism", stacklevel=2)
+        return parallelize(model, example_batch, loss_fn, optimizer,
+                           plan=_auto_plan(model, example_batch, loss_fn, {**fix, "tp": 1}),
+                           measure_memory=measure_memory)
     options = block_options(plan, layout.stage)
     signatures = block_ops(plan, layout.stage)
     for ch in mine:
@@ -140,6 +156,26 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                     state_keys=state_keys,
                     tp_partial=frozenset(n for ch in mine
                                          for n in getattr(ch, "tp_partial_grads", ())))
+
+
+def _auto_plan(model, example_batch, loss_fn, fix: dict) -> DistPlan:
+    import torch.distributed as dist
+
+    from .auto_plan import auto_plan
+
+    flat = FlatBatch.of(example_batch)
+    rows = max((t.shape[0] for t in flat.tensors if t.dim()), default=1)
+    return auto_plan(model, example_batch, loss_fn, dist.get_world_size(), rows,
+                     _device(model), fix=fix)
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of the launch (every rank calls it)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t)
+    return bool(t.item())
 
 
 def chunk_starts(chunks: list[dict]) -> list[str]:

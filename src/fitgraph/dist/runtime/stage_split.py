@@ -256,6 +256,20 @@ def _cut_at_calls(modules: dict, paths: list[str]):
                 del module.forward
 
 
+def _unannotate(step: torch.nn.Module) -> None:
+    """The forwards ``pipeline``'s split points wrapped (``annotate_split_points`` leaves
+    them wrapped) put back: the user's model as it was, to be traced again for another
+    plan."""
+    for m in step.modules():
+        orig = vars(m).pop("_orig_forward", None)
+        if orig is None:
+            continue
+        if getattr(orig, "__func__", None) is type(m).forward:
+            vars(m).pop("forward", None)
+        else:
+            m.forward = orig
+
+
 def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
     """``torch.distributed.pipelining.pipeline`` of ``step``, its trace's no-grad regions
     inlined first (``grad_regions``), each rebuilt module checked to be called with its
@@ -282,6 +296,7 @@ def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
             f"(pp=1), or move that code out of the module") from e
     finally:
         _IR.Pipe._trace_with_export = staticmethod(traced)
+        _unannotate(step)
     for name, module in pipe.split_gm.named_modules():
         for node in module.graph.nodes if hasattr(module, "graph") else ():
             sub = module.get_submodule(node.target) if node.op == "call_module" else None
