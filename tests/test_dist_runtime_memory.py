@@ -109,9 +109,9 @@ def test_each_ranks_measured_peak_is_its_prediction(config, graphs):
 @pytest.mark.slow
 @pytest.mark.hf
 def test_a_sequence_parallel_llama_ranks_peak_is_its_prediction():
-    """Hugging Face's Llama at tp=2 with sequence parallelism: its attention is kept whole
-    (``graph_tp`` splits its MLP only), so its norms' outputs are gathered once for Q, K and
-    V, and only the MLP's side of each layer runs on parts — as the plan prices it."""
+    """Hugging Face's Llama at tp=2 with sequence parallelism: its attention and MLP split,
+    each norm's output gathered for the column-parallel projections after it, and the norms
+    and residuals on parts — as the plan prices it."""
     pytest.importorskip("transformers")
     case = _case("hf-llama", 128)
     graph = fitgraph.capture(case.model, {k: v[:2] for k, v in case.batch.items()},
