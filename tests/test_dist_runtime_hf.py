@@ -148,9 +148,9 @@ def _auto_falls_back(rank: int, world: int):
     made = par_mod._auto_plan
     fixes = []
 
-    def pinned(model, batch, lf, fix):
+    def pinned(model, batch, lf, fix, optimizer):
         fixes.append(dict(fix))
-        return made(model, batch, lf, {"tp": 2, **fix} if not fixes[1:] else fix)
+        return made(model, batch, lf, {"tp": 2, **fix} if not fixes[1:] else fix, optimizer)
 
     par_mod._auto_plan = pinned
     opt = torch.optim.AdamW(case.model.parameters(), lr=LR)

@@ -30,7 +30,7 @@ class Precision:
     weight: int
     grad: int
     master: int
-    state: int
+    state: float
     activation_dtype: str = "bfloat16"
     # the optimizer step's temporaries: "none" (a fused kernel: Megatron's, apex's), "torch"
     # (torch.optim's Adam/AdamW: ``optimizer_temp_bytes``)

@@ -46,10 +46,12 @@ def _cuda_spec_name(device: torch.device) -> str:
 
 
 def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
-              global_batch: int, device: torch.device, fix: dict | None = None) -> DistPlan:
+              global_batch: int, device: torch.device, fix: dict | None = None,
+              optimizer=None) -> DistPlan:
     """The fastest plan of ``model`` on this launch (rank 0 plans, every rank gets it).
     ``fix``: fields pinned (``{"tp": 1, "max_zero": 1}``: each rank updates whole weights,
-    for an optimizer like Muon)."""
+    for an optimizer like Muon); ``optimizer``: priced as it keeps its state
+    (``precision.precision_of``; None: as Adam)."""
     import torch.distributed as dist
 
     from .batches import FlatBatch
@@ -59,16 +61,15 @@ def auto_plan(model: torch.nn.Module, example_batch: Any, loss_fn, world: int,
         from ... import capture
         from ...cost import RooflineCostModel
         from ..graph_model import GraphModel
-        from ..memory import FP32_ADAM, MIXED_ADAM
         from ..planner import plan
+        from .precision import precision_of
 
         flat = FlatBatch.of(example_batch)
         batched = FlatBatch.batched(flat.tensors, global_batch)
         one = flat.rebuild([t[:1] if b else t for t, b in zip(flat.tensors, batched)])
         graph = capture(model, one, loss_fn)
         cluster = launch_cluster(world, device)
-        dtype = next(model.parameters()).dtype
-        precision = FP32_ADAM if dtype in (torch.float32, torch.float64) else MIXED_ADAM
+        precision = precision_of(model, optimizer)
         seq = max((t.shape[1] for t in flat.tensors if t.dim() > 1), default=1)
         # NOTE: plans only what runs here: one width, no loss in parts
         gm = GraphModel(graph, RooflineCostModel(cluster.device), batch_size=1, seq=seq,

@@ -76,7 +76,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
             raise PlanMismatch("plan='auto' plans for the global batch, and which ranks are "
                                "replicas is the plan's to say: give the global batch "
                                "(local_batches=False) or a saved plan")
-        plan = _auto_plan(model, example_batch, loss_fn, fix)
+        plan = _auto_plan(model, example_batch, loss_fn, fix, optimizer)
     plan = _as_plan(plan)
     par = plan.parallelism
     layout = RankLayout.of(par, dist.get_rank(), dist.get_world_size())
@@ -121,7 +121,8 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                       f"planned ({failed or 'on another rank'}); planning again without "
                       "tensor parallelism", stacklevel=2)
         return parallelize(model, example_batch, loss_fn, optimizer,
-                           plan=_auto_plan(model, example_batch, loss_fn, {**fix, "tp": 1}),
+                           plan=_auto_plan(model, example_batch, loss_fn, {**fix, "tp": 1},
+                                           optimizer),
                            measure_memory=measure_memory)
     options = block_options(plan, layout.stage)
     signatures = block_ops(plan, layout.stage)
@@ -158,7 +159,7 @@ def parallelize(model: torch.nn.Module, example_batch: Any, loss_fn=None, optimi
                                          for n in getattr(ch, "tp_partial_grads", ())))
 
 
-def _auto_plan(model, example_batch, loss_fn, fix: dict) -> DistPlan:
+def _auto_plan(model, example_batch, loss_fn, fix: dict, optimizer) -> DistPlan:
     import torch.distributed as dist
 
     from .auto_plan import auto_plan
@@ -166,7 +167,7 @@ def _auto_plan(model, example_batch, loss_fn, fix: dict) -> DistPlan:
     flat = FlatBatch.of(example_batch)
     rows = max((t.shape[0] for t in flat.tensors if t.dim()), default=1)
     return auto_plan(model, example_batch, loss_fn, dist.get_world_size(), rows,
-                     _device(model), fix=fix)
+                     _device(model), fix=fix, optimizer=optimizer)
 
 
 def _on_any_rank(flag: bool, device: torch.device) -> bool:
