@@ -85,9 +85,12 @@ class DistStep:
         par = plan.parallelism
         self._batched = batched         # which batch tensors carry the samples (dim 0)
         self._last_device = (plan.chunks[-1]["device"] if plan.chunks else par.pp - 1)
-        # NOTE: the model's precision: the dtype of the loss returned
-        self._dtype = next((p.dtype for ch in chunks for p in ch.parameters()
-                            if p.is_floating_point()), torch.float32)
+        # NOTE: the model's precision and device: the loss returned, and every rank's
+        # operand of its all-reduce (NCCL reduces device tensors only)
+        first = next((p for ch in chunks for p in ch.parameters() if p.is_floating_point()),
+                     None)
+        self._dtype = first.dtype if first is not None else torch.float32
+        self._device = first.device if first is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ the step
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -218,7 +221,7 @@ class DistStep:
         # NOTE: summed in float64 on every rank (those without losses too: the all-reduce's
         # dtypes must agree), returned at the model's precision, at least float32's
         value = torch.stack([x.detach().double() for x in losses]).mean() if (mine and losses) \
-            else torch.zeros((), dtype=torch.float64)
+            else torch.zeros((), dtype=torch.float64, device=self._device)
         value = value.reshape(())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value)
