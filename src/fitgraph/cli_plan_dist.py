@@ -16,6 +16,7 @@ import argparse
 import json
 
 from . import progress
+from .cli_case import OPTIMIZERS
 
 __all__ = ["add_parser", "build_parser", "captured_model", "cmd_plan_dist", "format_plan",
            "gpt_shape", "model_arguments", "require_model"]
@@ -75,6 +76,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    choices=["mixed-adam", "fp32-adam", "mixed-sgd"],
                    help="bytes per parameter: mixed-adam is 16 (bf16 weights and grads, fp32 "
                         "master and Adam moments; the default), fp32-adam 16 (float32 weights)")
+    p.add_argument("--optimizer", default=None, choices=[o for o in OPTIMIZERS if o != "none"],
+                   help="a zoo model trained by this optimizer: its state priced as it keeps it "
+                        "(muon: Muon for the linear weights, AdamW for the rest; whole "
+                        "matrices, so no tensor parallelism and ZeRO at most 1); the emitted "
+                        "script builds it (default: --precision's Adam)")
     p.add_argument("--budget-gib", type=float, default=None,
                    help="memory per device for the plan (default: the device's less 2 GiB)")
     p.add_argument("--fix", default="", help="pin fields: tp=8,pp=8,dp=16,microbatch=1,"
@@ -109,6 +115,9 @@ def _model(args, cluster):
     from .dist.megatron_table import GPT_PRESETS
 
     if args.model == "gpt" or args.model in GPT_PRESETS:
+        if getattr(args, "optimizer", None):
+            raise SystemExit("plan-dist --optimizer prices a zoo model's parameters; a model "
+                             "by its shape takes --precision")
         return gpt_shape(args)
     cpu = cluster.device.name.startswith("cpu")
     return captured_model(args, RooflineCostModel(cluster.device),
@@ -135,6 +144,12 @@ def captured_model(args, cost_model, default_dtype: str, command: str):
                          f"{', '.join(GPT_PRESETS)}") from None
     graph = capture(case.model, case.batch, case.loss_fn, None)
     batch, seq = _batch_shape(case.batch)
+    if getattr(args, "optimizer", None):
+        from .cli_case import make_optimizer
+        from .dist.runtime.precision import precision_of
+
+        # NOTE: the state the optimizer keeps for this model's parameters, as it runs
+        args.precision = precision_of(case.model, make_optimizer(args.optimizer, case.model))
     if args.precision is None:
         args.precision = "fp32-adam" if dtype == "float32" else "mixed-adam"
     # NOTE: a plan for --emit-script is one the runtime runs: no loss in parts
@@ -266,7 +281,7 @@ def cmd_plan_dist(args) -> int:
 
 def _plan_dist(args) -> int:
     from .dist.config import parse_fix
-    from .dist.memory import PRECISIONS
+    from .dist.memory import PRECISIONS, Precision
     from .dist.planner import Infeasible, plan
 
     cluster, note = _cluster(args)
@@ -282,13 +297,17 @@ def _plan_dist(args) -> int:
                              "widths yet: drop per_stage from --fix")
         # NOTE: a plan for the script is one the runtime runs: one width
         fix = {"per_stage": False, **fix}
+    if args.optimizer == "muon":
+        # NOTE: Muon orthogonalises whole matrices (parallelize refuses a shard of them)
+        fix = {"tp": 1, "max_zero": 1, **fix}
     budget = args.budget_gib * GIB if args.budget_gib else None
     try:
         with progress.stage(f"planning {args.devices} devices" if not fix else
                             f"predicting {args.fix}"):
             p = plan(shape, cluster, args.global_batch, fix=fix,
-                     precision=PRECISIONS[args.precision or "mixed-adam"], budget=budget,
-                     device_note=note)
+                     precision=(args.precision if isinstance(args.precision, Precision)
+                                else PRECISIONS[args.precision or "mixed-adam"]),
+                     budget=budget, device_note=note)
     except Infeasible as e:
         if args.json:
             print(json.dumps({"fits": False, "error": str(e), "binding": e.binding,
@@ -322,7 +341,8 @@ def _emit_script(args, p) -> None:
     p.save(plan_file)
     dtype = args.dtype or ("float32" if p.cluster["device"].startswith("cpu") else "bfloat16")
     script.write_text(script_text(args.model, args.config, dtype, p.global_batch, p.seq,
-                                  plan_file.name, p.parallelism.devices))
+                                  plan_file.name, p.parallelism.devices,
+                                  args.optimizer or "adamw"))
     print(f"wrote {script} and {plan_file}: torchrun --nproc-per-node "
           f"{p.parallelism.devices} {script}")
 

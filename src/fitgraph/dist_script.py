@@ -30,6 +30,7 @@ import os
 import torch
 
 import fitgraph.zoo as zoo
+from fitgraph.cli_case import make_optimizer
 from fitgraph.dist import parallelize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     case = zoo.build({model!r}, {config!r}, batch_size={batch}, seq_len={seq},
                      dtype=torch.{dtype})
-    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
+    optimizer = make_optimizer({optimizer!r}, case.model)
     step = parallelize(case.model, case.batch, case.loss_fn, optimizer,
                        plan=os.path.join(HERE, {plan!r}), measure_memory=True)
     rank = torch.distributed.get_rank()
@@ -65,8 +66,9 @@ if __name__ == "__main__":
 
 
 def script_text(model: str, config: str, dtype: str, batch: int, seq: int, plan_file: str,
-                devices: int) -> str:
+                devices: int, optimizer: str = "adamw") -> str:
     """The script for zoo ``model`` trained on global batches of ``batch`` × ``seq`` with
-    the plan saved at ``plan_file`` (relative to the script)."""
+    the plan saved at ``plan_file`` (relative to the script), by ``optimizer`` (a
+    ``--optimizer`` name: ``cli_case.make_optimizer``)."""
     return TEMPLATE.format(model=model, config=config, dtype=dtype, batch=batch, seq=seq,
-                           plan=plan_file, devices=devices)
+                           plan=plan_file, devices=devices, optimizer=optimizer)
