@@ -66,6 +66,17 @@ def _assert_same(a, b, oa: list, ob: list):
             assert all(torch.equal(ma.state[pa][k], mb.state[pb][k]) for k in ma.state[pa])
 
 
+def _steps_alike(step, a, b, oa: list, ob: list, steps: int = 2) -> None:
+    """``steps`` steps of ``step`` (``b``, its optimizers ``ob``) equal to eager's (``a``)."""
+    for i in range(steps):
+        la = eager_step(a, BATCH, _loss, CombinedOptimizer(oa), seed=i)
+        torch.manual_seed(i)
+        assert torch.equal(la, step(BATCH))
+        _assert_same(a, b, oa, ob)
+        for o in oa + ob:
+            o.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("muon", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw",
                                        "weight_decay": 0.0, "ns_steps": 3}])
 def test_muon_and_adamw_train_bitwise_as_eager_with_their_schedulers(muon):
@@ -103,13 +114,7 @@ def test_each_members_step_hooks_run_once_a_step_with_that_member():
         o.register_step_pre_hook(lambda opt, args, kw, name=name: seen.append(("pre", name, opt)))
         o.register_step_post_hook(lambda opt, args, kw, name=name: seen.append(("post", name, opt)))
     step = fitgraph.optimize(b, BATCH, _loss, ob, budget=1.0, time_budget=3, exact=True)
-    for i in range(2):
-        la = eager_step(a, BATCH, _loss, CombinedOptimizer(oa), seed=i)
-        torch.manual_seed(i)
-        assert torch.equal(la, step(BATCH))
-        _assert_same(a, b, oa, ob)
-        for o in oa + ob:
-            o.zero_grad(set_to_none=True)
+    _steps_alike(step, a, b, oa, ob)
     assert [(k, n) for k, n, _ in seen] == [("pre", "muon"), ("pre", "adamw"),
                                             ("post", "muon"), ("post", "adamw")] * 2
     assert all(opt is ob[n == "adamw"] for _, n, opt in seen)
@@ -159,13 +164,7 @@ def test_a_saved_plan_loads_for_the_same_two_optimizers(tmp_path):
     step = fitgraph.optimize(b, BATCH, _loss, ob, budget=1.0, time_budget=3, exact=True)
     step.save(tmp_path / "plan.pkl")
     loaded = fitgraph.load(tmp_path / "plan.pkl", b, ob, loss_fn=_loss, batch=BATCH)
-    for i in range(2):
-        la = eager_step(a, BATCH, _loss, CombinedOptimizer(oa), seed=i)
-        torch.manual_seed(i)
-        assert torch.equal(la, loaded(BATCH))
-        _assert_same(a, b, oa, ob)
-        for o in oa + ob:
-            o.zero_grad(set_to_none=True)
+    _steps_alike(loaded, a, b, oa, ob)
 
 
 def test_a_parameter_in_two_optimizers_is_refused():
