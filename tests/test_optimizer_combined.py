@@ -187,7 +187,7 @@ def test_combined_state_reads_and_writes_each_members_own():
     net = nn.Linear(4, 3)
     muon, adamw = torch.optim.Muon([net.weight]), torch.optim.SGD([net.bias], momentum=0.9)
     both = CombinedOptimizer([muon, adamw])
-    assert both.kinds() == ["muon", "sgd"] and both.owner_of_group(1) is adamw
+    assert both.kinds() == ["muon", "sgd"] and both.param_groups[1] is adamw.param_groups[0]
     both.state[net.bias]["momentum_buffer"] = torch.ones(3)
     assert torch.equal(adamw.state[net.bias]["momentum_buffer"], torch.ones(3))
     assert net.weight not in both.state and both.state.get(net.weight) is None

@@ -58,14 +58,6 @@ class CombinedOptimizer:
         """The members' param groups (the same dicts), member by member."""
         return [g for o in self.optimizers for g in o.param_groups]
 
-    def owner_of_group(self, index: int) -> torch.optim.Optimizer:
-        """The member whose param group is ``param_groups[index]``."""
-        for o in self.optimizers:
-            if index < len(o.param_groups):
-                return o
-            index -= len(o.param_groups)
-        raise IndexError(index)
-
     def kinds(self) -> list[str]:
         """Each param group's optimizer kind (``optimizer_kinds.KINDS``; "?" where fitgraph
         does not capture the member)."""

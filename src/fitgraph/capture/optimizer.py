@@ -26,7 +26,7 @@ from .convert import dtype_name
 from .errors import CaptureError
 from .optimizer_kinds import KINDS, UNSUPPORTED, OptimizerKind, kind_of, supported_names
 
-__all__ = ["add_optimizer_nodes", "describe_optimizer", "group_kinds"]
+__all__ = ["add_optimizer_nodes", "describe_optimizer"]
 
 
 def describe_optimizer(optimizer) -> str:
@@ -39,11 +39,6 @@ def describe_optimizer(optimizer) -> str:
         if kind not in kinds:
             kinds.append(kind)
     return "+".join(kinds)
-
-
-def group_kinds(optimizer) -> list[str]:
-    """The kind of each of ``optimizer.param_groups`` (its member's, for a combined one)."""
-    return [describe_optimizer(m) for m in members(optimizer) for _ in m.param_groups]
 
 
 def _member_kind(optimizer: torch.optim.Optimizer) -> str:
