@@ -128,9 +128,8 @@ class SplitStep:
 
 def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitStep:
     """``step`` traced on one micro-batch (``micro_args``) and cut before each module path in
-    ``starts`` (paths in the user's model; ``path + END``: after that module)."""
-    from torch.distributed.pipelining import SplitPoint
-
+    ``starts`` (paths in the user's model, at the module's first call or the one its
+    ``@n`` names; ``path + END``: after it)."""
     modules = dict(getattr(step, MODEL).named_modules())
     for path in starts:
         path = call_free(path.removesuffix(END))
@@ -138,15 +137,12 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
             raise ValueError(f"the plan cuts the model before {path!r}, which is not a module "
                              f"of {type(getattr(step, MODEL)).__name__}: a plan made for "
                              f"another model?")
-    spec = {f"{MODEL}.{p.removesuffix(END)}":
-            SplitPoint.END if p.endswith(END) else SplitPoint.BEGINNING
-            for p in starts if call_free(p) == p}
-    with _cut_at_calls(modules, [p for p in starts if call_free(p) != p]):
-        pipe = _pipeline(step, micro_args, spec)
+    with _cut_at_calls(modules, starts):
+        pipe = _pipeline(step, micro_args)
     if pipe.num_stages != len(starts) + 1:
         raise ValueError(f"tracing the step cut it into {pipe.num_stages} chunks, not "
-                         f"{len(starts) + 1}: a cut point ({starts}) is inside a loop or "
-                         f"not on the path from the batch to the loss")
+                         f"{len(starts) + 1}: a cut point ({starts}) is not on the path from "
+                         f"the batch to the loss")
     top = pipe.split_gm.graph
     calls = [n for n in top.nodes if n.op == "call_module"]
     position = {}                # value name -> the chunk that makes it (-1: the batch)
@@ -215,15 +211,17 @@ def split_step(step: StepModule, micro_args: tuple, starts: list[str]) -> SplitS
 
 @contextlib.contextmanager
 def _cut_at_calls(modules: dict, paths: list[str]):
-    """Cuts at a later call of a module the model calls more than once (``layer@2``: before
-    its third call; ``layer@2`` + ``END``: after it), which ``SplitPoint``s, by module,
-    cannot name: ``pipe_split()`` at that call while the step is traced."""
+    """``pipe_split()`` before (after, for ``path + END``) one call of each module in
+    ``paths`` while the step is traced: its first, or the one named as
+    ``torch.export.unflatten`` names a module's later calls (``layer@2``: the third; ALBERT
+    calls one layer at every depth) — where torch's ``SplitPoint``s, by module, would cut at
+    every call."""
     from torch.distributed.pipelining import pipe_split
 
     cuts: dict[str, dict[int, bool]] = {}   # module path -> call number -> after it
     for p in paths:
         path = p.removesuffix(END)
-        base, _, number = path.rpartition("@")
+        base, _, number = path.rpartition("@") if "@" in path else (path, "", "0")
         if "@" in base or not number.isdigit():
             raise ValueError(f"the plan cuts the model at {path!r}: a call of a module inside "
                              f"a module called more than once, which the runtime cannot cut "
@@ -256,21 +254,7 @@ def _cut_at_calls(modules: dict, paths: list[str]):
                 del module.forward
 
 
-def _unannotate(step: torch.nn.Module) -> None:
-    """The forwards ``pipeline``'s split points wrapped (``annotate_split_points`` leaves
-    them wrapped) put back: the user's model as it was, to be traced again for another
-    plan."""
-    for m in step.modules():
-        orig = vars(m).pop("_orig_forward", None)
-        if orig is None:
-            continue
-        if getattr(orig, "__func__", None) is type(m).forward:
-            vars(m).pop("forward", None)
-        else:
-            m.forward = orig
-
-
-def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
+def _pipeline(step: StepModule, micro_args: tuple):
     """``torch.distributed.pipelining.pipeline`` of ``step``, its trace's no-grad regions
     inlined first (``grad_regions``), each rebuilt module checked to be called with its
     inputs."""
@@ -287,7 +271,7 @@ def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
 
     _IR.Pipe._trace_with_export = staticmethod(trace)
     try:
-        pipe = pipeline(step, micro_args, split_spec=spec)
+        pipe = pipeline(step, micro_args)   # NOTE: cut where the trace met pipe_split()
     except Exception as e:
         raise ValueError(
             f"torch.distributed.pipelining could not trace and cut the step ({type(e).__name__}"
@@ -296,7 +280,6 @@ def _pipeline(step: StepModule, micro_args: tuple, spec: dict):
             f"(pp=1), or move that code out of the module") from e
     finally:
         _IR.Pipe._trace_with_export = staticmethod(traced)
-        _unannotate(step)
     for name, module in pipe.split_gm.named_modules():
         for node in module.graph.nodes if hasattr(module, "graph") else ():
             sub = module.get_submodule(node.target) if node.op == "call_module" else None
