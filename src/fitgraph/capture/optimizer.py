@@ -15,8 +15,6 @@ state no longer matches.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
@@ -133,8 +131,7 @@ def add_optimizer_nodes(b: GraphBuilder, optimizer: torch.optim.Optimizer, *,
             node = b.nodes[nid]
             node.out_is_tuple = True
             # NOTE: the parameter read and written, each state tensor too
-            state_numel = sum(math.prod(spec.state_shape(k, pval.shape)) for k in keys
-                              if k not in spec.scalars)
+            state_numel = spec.state_numel(group, tuple(pval.shape))
             node.bytes_moved = (2 * numel + 2 * state_numel) * pval.itemsize
             for k, vid in zip([k for k in keys if k not in have], outs):
                 b.values[vid].role = Role.OPTIMIZER_STATE

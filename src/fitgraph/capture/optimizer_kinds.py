@@ -94,6 +94,12 @@ class OptimizerKind:
             return float(self.flops(tuple(shape), group))
         return float(self.flops * math.prod(shape))
 
+    def state_numel(self, group: dict, shape: tuple) -> int:
+        """The elements of the state a parameter of ``shape`` in ``group`` keeps (0-d counters
+        not counted)."""
+        return sum(math.prod(self.state_shape(k, shape))
+                   for k in self.param_keys(group, shape) if k not in self.scalars)
+
     def state_shape(self, key: str, shape: tuple) -> tuple:
         """The shape of state ``key`` of a parameter of ``shape``."""
         if key in self.scalars:

@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...capture.combined_optimizer import as_optimizer, members
@@ -43,10 +41,7 @@ def precision_of(model: torch.nn.Module, optimizer) -> Precision:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                shape = tuple(p.shape)
-                state += p.element_size() * sum(
-                    math.prod(kind.state_shape(k, shape))
-                    for k in kind.param_keys(group, shape) if k not in kind.scalars)
+                state += p.element_size() * kind.state_numel(group, tuple(p.shape))
     names = "+".join(dict.fromkeys(k.name for k in kinds))
     # NOTE: torch's SGD updates its momentum and the weight in place (no temporaries); the
     # others' temporaries are priced as Adam's, two of its largest tensor's moment

@@ -165,21 +165,28 @@ class SliceRules:
     def _attention(self, gm, node, lay):
         """Attention over the shard's heads; a query, key or value computed whole (a
         cross-attention's keys and values of the encoder's output, which the plan keeps
-        whole: ``dist.graph_tp``) and a mask per head are cut to those heads."""
+        whole: ``dist.graph_tp``) and a mask per head are cut to those heads (one that
+        broadcasts over them is read as it is)."""
         q, k, v = node.args[:3]
         layouts = {lay.get(q), lay.get(k), lay.get(v)} - {None}
         if len(layouts) != 1 or next(iter(layouts)).dim >= _ndim(q) - 2:
             raise TensorParallelError(f"{node.name}: attention over slices other than heads")
         layout = next(iter(layouts))
-        for a in (q, k, v):
-            if lay.get(a) is None:
-                self._cut_whole(gm, node, a, layout.dim, layout, "whole over the heads")
-        for a in list(node.args[3:4]) + [node.kwargs.get("attn_mask")]:
+        for a in (q, k, v, *node.args[3:4], node.kwargs.get("attn_mask")):
             if isinstance(a, torch.fx.Node) and lay.get(a) is None:
                 d = layout.dim - (_ndim(q) - _ndim(a))
                 if d >= 0 and _shape(a)[d] != 1:
-                    self._cut_whole(gm, node, a, d, layout, "a mask per head")
+                    self._cut_whole(gm, node, a, d, layout, "whole over the heads")
         return layout
+
+    def _metadata_check(self, node) -> None:
+        """Export's check of a ``.to()``'s input, on a slice: its dtype and device hold for
+        the slice, its size and stride are the whole's (dropped); it outputs nothing."""
+        dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+        node.args = node.args[:1]
+        node.kwargs = {**{k: v for k, v in node.kwargs.items()
+                          if k not in ("size", "stride", "dtype")},
+                       **({"dtype": dtype} if dtype is not None else {})}
 
     def _indexing(self, node, lay):
         s = lay[node.args[0]]

@@ -97,11 +97,10 @@ class _Rewrite(SequenceParallelRules, SliceRules):
         self.partial: dict[int, list] = {}
         self.gathered: dict[tuple, torch.fx.Node] = {}   # NOTE: (id(module), part) -> whole
         self.modules: list = []
-        # NOTE: the split layer of each weight: a module the model calls more than once
-        # (ALBERT's one layer at every depth) shares its shards' parameters at every call,
-        # so that their gradients sum over the calls as the whole weight's do
-        self.made: dict[str, torch.nn.Module] = {}
-        self.shards: dict[str, torch.nn.Parameter] = {}   # NOTE: model name -> its shard
+        # NOTE: model name -> its shard: a module the model calls more than once (ALBERT's
+        # one layer at every depth) shares its shards' parameters at every call, so that
+        # their gradients sum over the calls as the whole weight's do
+        self.shards: dict[str, torch.nn.Parameter] = {}
 
     # ------------------------------------------------------------------ modules
     def run(self, gm: torch.nn.Module, path: str, layouts: list) -> list:
@@ -197,11 +196,8 @@ class _Rewrite(SequenceParallelRules, SliceRules):
                             linear["transposed"], seq_dim=seq)
             self.split[wname] = TpParam(in_dim, 1)
             out = None if seq is None else SeqSplit(seq)
-        made = self.made.setdefault(wname, new)
-        if made is not new:   # NOTE: another call of one layer: its shards' parameters
-            if type(made) is not type(new):
-                raise TensorParallelError(f"{full} is called again, split otherwise")
-            new.weight, new.bias = made.weight, made.bias
+        if wname in self.shards:   # NOTE: another call of one layer: its shards' parameters
+            new.weight, new.bias = self.shards[wname], self.shards.get(bname)
         if isinstance(new, RowLinear) and new.bias is not None:
             self.partial.setdefault(id(new.bias), [new.bias, 0])   # NOTE: shard 0 adds it
         self.shards[wname] = new.weight
@@ -232,14 +228,7 @@ class _Rewrite(SequenceParallelRules, SliceRules):
         if t in _SAME:
             return self._same(gm, node, lay), False
         if t is aten._assert_tensor_metadata.default:
-            # NOTE: export's check of a ``.to()``'s input: its dtype and device hold for a
-            # slice, its size and stride are the whole's (dropped); it outputs nothing
-            dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
-            node.args = node.args[:1]
-            node.kwargs = {**{k: v for k, v in node.kwargs.items()
-                              if k not in ("size", "stride", "dtype")},
-                           **({"dtype": dtype} if dtype is not None else {})}
-            return None, True
+            return self._metadata_check(node), True
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             return self._reshape(node, lay)
         if t in (aten.transpose.int, aten.swapaxes.default):
